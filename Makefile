@@ -1,0 +1,36 @@
+# The two quickstart commands: `make demo` and `make test`. Each creates .venv
+# with the interpreter named by PYTHON (3.11 or newer) and installs meshd into it.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck unit install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -U pip
+
+$(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard filters/*.pyx)
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/meshd demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) build *.egg-info filters/*.so filters/_*_c.c

@@ -1,0 +1,1 @@
+"""Engine simulator, workloads and benchmarks for meshd."""

@@ -1,0 +1,1 @@
+"""The control channel: xDS transport semantics on grpcio (see DESIGN.md)."""
