@@ -7,6 +7,7 @@ so the choice is made once per process and `meshd version` can report it.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 from filters import blockhash as _blockhash_py
@@ -14,25 +15,24 @@ from filters import routing_headers as _routing_headers_py
 from filters import sse as _sse_py
 from filters.routing_headers import RoutingHeaders, TraceContext
 
-IMPLEMENTATION: str
+# The pure-Python twins define the types; the compiled ones match them exactly.
+block_hashes = _blockhash_py.block_hashes
+parse_routing_headers = _routing_headers_py.parse_routing_headers
+SSEScanner: type[_sse_py.SSEScanner] = _sse_py.SSEScanner
+IMPLEMENTATION = "python (forced by MESHD_PURE_PYTHON)"
 
-if os.environ.get("MESHD_PURE_PYTHON"):
-    block_hashes = _blockhash_py.block_hashes
-    parse_routing_headers = _routing_headers_py.parse_routing_headers
-    SSEScanner = _sse_py.SSEScanner
-    IMPLEMENTATION = "python (forced by MESHD_PURE_PYTHON)"
-else:
+if not os.environ.get("MESHD_PURE_PYTHON"):
     try:
-        from filters import _blockhash_c, _routing_headers_c, _sse_c
+        _compiled = [
+            importlib.import_module(f"filters.{name}")
+            for name in ("_blockhash_c", "_routing_headers_c", "_sse_c")
+        ]
     except ImportError:
-        block_hashes = _blockhash_py.block_hashes
-        parse_routing_headers = _routing_headers_py.parse_routing_headers
-        SSEScanner = _sse_py.SSEScanner
         IMPLEMENTATION = "python (compiled extensions not built)"
     else:
-        block_hashes = _blockhash_c.block_hashes  # type: ignore[assignment]
-        parse_routing_headers = _routing_headers_c.parse_routing_headers  # type: ignore[assignment]
-        SSEScanner = _sse_c.SSEScanner  # type: ignore[assignment,misc]
+        block_hashes = _compiled[0].block_hashes
+        parse_routing_headers = _compiled[1].parse_routing_headers
+        SSEScanner = _compiled[2].SSEScanner
         IMPLEMENTATION = "cython"
 
 __all__ = [

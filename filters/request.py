@@ -1,0 +1,186 @@
+"""Parse an OpenAI-compatible request body into an `InferenceRequest` descriptor.
+
+Sans-I/O: bytes in, a frozen value or a `RequestError` naming the bad field out.
+The descriptor carries the text that prefix hashing runs over: the completion
+prompt, or the chat messages rendered so that a new turn extends the rendering
+of its history (message k's rendering never depends on message k+1).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+RequestKind = Literal["completion", "chat", "embedding"]
+
+PATH_KINDS: dict[str, RequestKind] = {
+    "/v1/completions": "completion",
+    "/v1/chat/completions": "chat",
+    "/v1/embeddings": "embedding",
+}
+
+# Rough characters per token for English text, for estimates made before any
+# tokenizer is known (token-aware limits refine this from observed usage).
+CHARS_PER_TOKEN = 4
+
+
+class RequestError(ValueError):
+    """A client error in the request body; maps onto an OpenAI-style 400."""
+
+    def __init__(
+        self, message: str, param: str | None = None, code: str = "invalid_request"
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    kind: RequestKind
+    model: str
+    prompt_text: str
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    n: int
+
+    @property
+    def estimated_prompt_tokens(self) -> int:
+        return max(1, len(self.prompt_text) // CHARS_PER_TOKEN)
+
+
+def parse_inference_request(kind: RequestKind, body: bytes) -> InferenceRequest:
+    if not body:
+        raise RequestError("the request body is empty; expected a JSON object")
+    try:
+        doc = json.loads(body)
+    except UnicodeDecodeError:
+        raise RequestError("the request body is not valid UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise RequestError(
+            f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    if not isinstance(doc, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(doc).__name__}")
+    model = doc.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("'model' is required and must be a non-empty string", param="model")
+    stream = doc.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("'stream' must be a boolean", param="stream")
+    n = doc.get("n", 1)
+    if not _is_int(n) or n < 1:
+        raise RequestError("'n' must be a positive integer", param="n")
+    include_usage = False
+    opts = doc.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise RequestError("'stream_options' must be an object", param="stream_options")
+        include_usage = bool(opts.get("include_usage", False))
+
+    if kind == "chat":
+        prompt = render_messages(doc.get("messages"))
+        max_tokens = _max_tokens(doc, ("max_completion_tokens", "max_tokens"))
+    elif kind == "completion":
+        if "prompt" not in doc:
+            raise RequestError("'prompt' is required", param="prompt")
+        prompt = _prompt_text(doc["prompt"], "prompt")
+        max_tokens = _max_tokens(doc, ("max_tokens",))
+    else:
+        if "input" not in doc:
+            raise RequestError("'input' is required", param="input")
+        prompt = _prompt_text(doc["input"], "input")
+        max_tokens = None
+    return InferenceRequest(
+        kind=kind,
+        model=model,
+        prompt_text=prompt,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        n=n,
+    )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _max_tokens(doc: dict[str, Any], names: tuple[str, ...]) -> int | None:
+    for name in names:
+        v = doc.get(name)
+        if v is None:
+            continue
+        if not _is_int(v) or v < 0:
+            raise RequestError(f"'{name}' must be a non-negative integer", param=name)
+        return int(v)
+    return None
+
+
+def _prompt_text(prompt: Any, param: str) -> str:
+    """A completion prompt: a string, token ids, or a batch of either. For a batch
+    the first element is what prefix hashing sees (batches share their route)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            raise RequestError(f"'{param}' must not be empty", param=param)
+        first = prompt[0]
+        if _is_int(first):
+            if not all(_is_int(t) for t in prompt):
+                raise RequestError(f"'{param}' mixes token ids and other values", param=param)
+            return " ".join(map(str, prompt))
+        if isinstance(first, str | list):
+            if not all(isinstance(p, type(first)) for p in prompt):
+                raise RequestError(f"'{param}' batch elements must share one type", param=param)
+            return _prompt_text(first, param)
+    raise RequestError(
+        f"'{param}' must be a string, a list of strings, or a list of token ids", param=param
+    )
+
+
+def render_messages(messages: Any) -> str:
+    """Render chat messages for prefix hashing: `<|role|>` + content + newline,
+    message by message, so a conversation's rendering is a prefix of the
+    rendering of its continuation."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' is required and must be a non-empty list", param="messages")
+    parts: list[str] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise RequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
+        role = msg.get("role")
+        if not isinstance(role, str) or not role:
+            raise RequestError(
+                f"messages[{i}].role is required and must be a string", param=f"messages[{i}].role"
+            )
+        parts.append(f"<|{role}|>")
+        parts.append(_content_text(msg.get("content"), i))
+        if msg.get("tool_calls") is not None:
+            parts.append(json.dumps(msg["tool_calls"], sort_keys=True, separators=(",", ":")))
+        parts.append("\n")
+    return "".join(parts)
+
+
+def _content_text(content: Any, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if not isinstance(part, dict):
+                raise RequestError(
+                    f"messages[{i}].content parts must be objects", param=f"messages[{i}].content"
+                )
+            if part.get("type") == "text":
+                out.append(str(part.get("text", "")))
+            else:
+                out.append(json.dumps(part, sort_keys=True, separators=(",", ":")))
+        return "".join(out)
+    raise RequestError(
+        f"messages[{i}].content must be a string or a list of parts",
+        param=f"messages[{i}].content",
+    )

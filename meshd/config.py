@@ -1,0 +1,367 @@
+"""meshd's one config loader: typed settings from a YAML file, then environment
+variables, then command-line overrides, validated once at start.
+
+Every limit is a named setting with a default. A bad value fails start-up with
+a message that names the key (`pools[0].endpoints[1].url: ...`) and the reason.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENV_PREFIX = "MESHD_"
+ENV_NESTING = "__"
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; `problems` holds one line per bad key."""
+
+    def __init__(self, problems: list[str], source: str = "config") -> None:
+        self.problems = problems
+        self.source = source
+        super().__init__(f"{source}: " + "; ".join(problems))
+
+    def render(self) -> str:
+        lines = [f"invalid configuration ({self.source}):"]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listener(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class TransparentListener(Listener):
+    enabled: bool = False
+    host: str = "0.0.0.0"
+    port: int = Field(default=15006, ge=0, le=65535)
+
+
+class Listeners(_Strict):
+    """Where meshd listens. Admin (health, metrics, config) stays on loopback
+    unless configured otherwise: it exposes the effective configuration."""
+
+    outbound: Listener = Listener(host="127.0.0.1", port=15001)
+    transparent: TransparentListener = TransparentListener()
+    admin: Listener = Listener(host="127.0.0.1", port=15000)
+
+
+class Endpoint(_Strict):
+    url: str
+    gpu: str | None = None
+    weight: float = Field(default=1.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"expected an http:// or https:// URL, got {v!r}")
+        if not parts.hostname or parts.port is None:
+            raise ValueError(f"expected scheme://host:port, got {v!r}")
+        if parts.path not in ("", "/"):
+            raise ValueError(f"endpoint URL must not carry a path, got {v!r}")
+        return v.rstrip("/")
+
+
+class Pool(_Strict):
+    """A set of interchangeable engines serving the same models."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    models: tuple[str, ...] = ("*",)
+    endpoints: tuple[Endpoint, ...] = Field(min_length=1)
+
+    @field_validator("endpoints", mode="before")
+    @classmethod
+    def _endpoints_from_strings(cls, v: Any) -> Any:
+        if isinstance(v, list | tuple):
+            return [{"url": e} if isinstance(e, str) else e for e in v]
+        return v
+
+    def serves(self, model: str) -> bool:
+        from fnmatch import fnmatchcase
+
+        return any(fnmatchcase(model, pattern) for pattern in self.models)
+
+
+class Upstream(_Strict):
+    """The client side: one aiohttp pool shared by every endpoint."""
+
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    first_byte_timeout_s: float = Field(default=120.0, gt=0)
+    idle_timeout_s: float = Field(default=60.0, gt=0)
+    request_timeout_s: float = Field(default=900.0, gt=0)
+    max_connections_per_endpoint: int = Field(default=512, ge=1)
+    keepalive_timeout_s: float = Field(default=30.0, gt=0)
+    max_attempts: int = Field(default=2, ge=1, le=10)
+
+
+class Limits(_Strict):
+    """Hard bounds on what a client may send; each has an error status and a test."""
+
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_header_count: int = Field(default=100, ge=8, le=1000)
+    max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024)
+    max_concurrent_streams: int = Field(default=1024, ge=1)
+    client_body_timeout_s: float = Field(default=30.0, gt=0)
+    keepalive_timeout_s: float = Field(default=75.0, gt=0)
+
+
+class Trust(_Strict):
+    """The trust boundary: x-meshd-* routing headers are honoured only from these
+    source networks and stripped from everyone else."""
+
+    routing_header_sources: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
+
+    @field_validator("routing_header_sources")
+    @classmethod
+    def _check_networks(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for net in v:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"{net!r} is not an IP network ({exc})") from None
+        return v
+
+    def networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        return tuple(ipaddress.ip_network(n, strict=False) for n in self.routing_header_sources)
+
+
+class Routing(_Strict):
+    block_size_bytes: int = Field(default=64, ge=8, le=65536)
+    cache_salt: str = ""
+    policy: Literal["least-request", "round-robin"] = "least-request"
+    unhealthy_after_failures: int = Field(default=3, ge=1)
+    unhealthy_cooldown_s: float = Field(default=10.0, gt=0)
+
+
+class Service(_Strict):
+    """An inference service address that transparent mode intercepts."""
+
+    address: str
+    pool: str
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, v: str) -> str:
+        host, sep, port = v.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"expected IP:PORT, got {v!r}")
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            raise ValueError(f"expected an IP address before the port, got {host!r}") from None
+        return v
+
+    def key(self) -> tuple[str, int]:
+        host, _, port = self.address.rpartition(":")
+        return (str(ipaddress.ip_address(host.strip("[]"))), int(port))
+
+
+class Transparent(_Strict):
+    services: tuple[Service, ...] = ()
+    passthrough_connect_timeout_s: float = Field(default=5.0, gt=0)
+
+
+class Drain(_Strict):
+    grace_period_s: float = Field(default=30.0, ge=0)
+
+
+class Config(_Strict):
+    listeners: Listeners = Listeners()
+    pools: tuple[Pool, ...] = Field(min_length=1)
+    upstream: Upstream = Upstream()
+    limits: Limits = Limits()
+    trust: Trust = Trust()
+    routing: Routing = Routing()
+    transparent: Transparent = Transparent()
+    drain: Drain = Drain()
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        names = [p.name for p in self.pools]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"pools: duplicate pool name(s) {', '.join(dupes)}")
+        for i, svc in enumerate(self.transparent.services):
+            if svc.pool not in names:
+                raise ValueError(
+                    f"transparent.services[{i}].pool: unknown pool {svc.pool!r} "
+                    f"(pools are: {', '.join(names)})"
+                )
+        return self
+
+    def pool(self, name: str) -> Pool:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+def _loc(loc: Iterable[int | str]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function-after", "function-before") or part.startswith("function-"):
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _problems(exc: ValidationError) -> list[str]:
+    problems = []
+    for err in exc.errors():
+        where = _loc(err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; `meshd config example` lists every key)"
+        problems.append(f"{where}: {msg}" if where else msg)
+    return problems
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any, source: str) -> None:
+    node = tree
+    for i, key in enumerate(path[:-1]):
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            where = ".".join(path[: i + 1])
+            raise ConfigError([f"{where}: cannot set a sub-key of a non-mapping"], source)
+        node = child
+    node[path[-1]] = value
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def env_overrides(env: Mapping[str, str]) -> list[tuple[list[str], Any, str]]:
+    """MESHD_LISTENERS__OUTBOUND__PORT=15001 -> (["listeners","outbound","port"], 15001)."""
+    out = []
+    for name, raw in sorted(env.items()):
+        if not name.startswith(ENV_PREFIX) or name == "MESHD_CONFIG":
+            continue
+        rest = name[len(ENV_PREFIX) :]
+        if ENV_NESTING not in rest and rest.upper() != "LOG_LEVEL":
+            continue  # MESHD_PURE_PYTHON and other switches are not config keys
+        path = [p.lower() for p in rest.split(ENV_NESTING)]
+        out.append((path, _parse_scalar(raw), f"environment variable {name}"))
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Iterable[str] = (),
+    base: Mapping[str, Any] | None = None,
+) -> Config:
+    """Defaults < `base` < YAML file < MESHD_* environment < `key.path=value` overrides."""
+    env = os.environ if env is None else env
+    tree: dict[str, Any] = dict(base or {})
+    source = "defaults"
+    path = path or env.get("MESHD_CONFIG")
+    if path:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError([f"cannot read config file: {exc.strerror}"], source) from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError([f"not valid YAML: {exc}"], source) from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(["the top level must be a mapping of keys"], source)
+        tree = _deep_merge(tree, loaded)
+    for keys, value, origin in env_overrides(env):
+        _set_path(tree, keys, value, origin)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError([f"override {item!r}: expected KEY.PATH=VALUE"], "--set")
+        _set_path(tree, key.split("."), _parse_scalar(raw), f"--set {key}")
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_problems(exc), source) from None
+
+
+def _deep_merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+EXAMPLE = """\
+# meshd sidecar configuration. Every key is optional except pools.
+listeners:
+  outbound: {host: 127.0.0.1, port: 15001}     # explicit proxy port for apps
+  transparent: {enabled: false, host: 0.0.0.0, port: 15006}  # iptables REDIRECT target
+  admin: {host: 127.0.0.1, port: 15000}        # /healthz /readyz /metrics /config /endpoints
+pools:
+  - name: default
+    models: ["*"]                              # glob patterns of model names served
+    endpoints:
+      - http://127.0.0.1:8000
+      - {url: "http://127.0.0.1:8001", gpu: H100, weight: 1.0}
+upstream:
+  connect_timeout_s: 5
+  first_byte_timeout_s: 120    # per try: time to the response headers (504 after)
+  idle_timeout_s: 60           # longest silence between bytes of a response
+  request_timeout_s: 900       # whole request, all tries
+  max_connections_per_endpoint: 512
+  keepalive_timeout_s: 30
+  max_attempts: 2              # tries on connect failure, each on another endpoint
+limits:
+  max_body_bytes: 8388608      # 413 above
+  max_header_count: 100        # 431 above
+  max_header_bytes: 16384      # 431 above (all header names and values)
+  max_concurrent_streams: 1024 # 503 above
+  client_body_timeout_s: 30    # 408 when a client sends its body slower
+  keepalive_timeout_s: 75
+trust:
+  routing_header_sources: ["127.0.0.0/8", "::1/128"]  # x-meshd-* stripped from others
+routing:
+  block_size_bytes: 64         # prefix block for hashing (about 16 tokens)
+  cache_salt: ""
+  policy: least-request        # or round-robin
+  unhealthy_after_failures: 3  # consecutive connect failures before an endpoint rests
+  unhealthy_cooldown_s: 10
+transparent:
+  services: []                 # e.g. [{address: "10.0.0.5:8000", pool: default}]
+  passthrough_connect_timeout_s: 5
+drain:
+  grace_period_s: 30           # SIGTERM: streams get this long to finish
+log_level: info
+"""

@@ -1,0 +1,301 @@
+"""The sidecar against real aiohttp backends: relaying, limits, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from backends import sse_events
+from conftest import sidecar_config, url
+from prometheus_client.parser import text_string_to_metric_families
+
+
+async def post(
+    session: aiohttp.ClientSession,
+    target: str,
+    body: object,
+    headers: dict[str, str] | None = None,
+) -> aiohttp.ClientResponse:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return await session.post(
+        target, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+
+
+async def test_streamed_completion_is_relayed_chunk_for_chunk(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url]))
+    async with aiohttp.ClientSession() as http:
+        req = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": True}
+        resp = await post(http, url(s, "/v1/completions"), req)
+        assert resp.status == 200
+        assert resp.content_type == "text/event-stream"
+        events = sse_events(await resp.read())
+    assert "".join(e["choices"][0]["text"] for e in events[:4]) == "w0 w1 w2 w3"
+    assert events[4]["usage"]["completion_tokens"] == 4
+    assert events[-1] == "[DONE]"
+    seen = b.requests[-1]
+    assert seen.headers["via"] == "1.1 meshd"
+    assert seen.body == req
+    assert "x-request-id" in {k.lower() for k in seen.headers}
+    families = {
+        f.name: f for f in text_string_to_metric_families((await _admin(s, "/metrics")).decode())
+    }
+    tokens = [x for x in families["meshd_stream_tokens"].samples if x.name.endswith("_total")]
+    assert tokens[0].value == 4
+    ttft = families["meshd_time_to_first_token_seconds"]
+    assert [x.value for x in ttft.samples if x.name.endswith("_count")] == [1]
+
+
+async def test_non_streamed_chat_is_relayed_whole(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url]))
+    async with aiohttp.ClientSession() as http:
+        req = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        resp = await post(http, url(s, "/v1/chat/completions"), req)
+        doc = await resp.json()
+    assert resp.status == 200
+    assert doc["choices"][0]["message"]["content"] == "w0 w1 w2"
+    assert resp.headers["x-meshd-endpoint"] == b.url
+
+
+async def test_client_disconnect_cancels_the_upstream_request(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url]))
+    async with aiohttp.ClientSession() as http:
+        req = {"model": "tiny", "prompt": "hang", "max_tokens": 10, "stream": True}
+        resp = await post(http, url(s, "/v1/completions"), req)
+        first = await resp.content.readany()
+        assert first.startswith(b"data: ")
+        resp.close()  # the client goes away mid-stream
+    await asyncio.wait_for(b.cancelled.wait(), 5)
+    metrics = (await _admin(s, "/metrics")).decode()
+    assert 'meshd_client_disconnects_total{pool="default"} 1.0' in metrics
+
+
+async def test_backend_crash_mid_stream_ends_with_an_sse_error_event(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url]))
+    async with aiohttp.ClientSession() as http:
+        req = {"model": "tiny", "prompt": "crash", "max_tokens": 10, "stream": True}
+        resp = await post(http, url(s, "/v1/completions"), req)
+        events = sse_events(await asyncio.wait_for(resp.read(), 5))
+    assert [e["choices"][0]["text"] for e in events[:2]] == ["w0", " w1"]
+    assert events[-1]["error"]["code"] == "upstream_stream_broken"
+    assert events[-1]["error"]["type"] == "upstream_error"
+
+
+async def test_stream_closed_without_done_is_reported(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url]))
+    async with aiohttp.ClientSession() as http:
+        req = {"model": "tiny", "prompt": "no-done", "max_tokens": 2, "stream": True}
+        events = sse_events(await (await post(http, url(s, "/v1/completions"), req)).read())
+    assert events[-1]["error"]["code"] == "upstream_stream_truncated"
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_oversized_body_is_refused_with_413(backends, sidecar, chunked):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url], limits={"max_body_bytes": 2048}))
+    body = json.dumps({"model": "tiny", "prompt": "x" * 5000}).encode()
+
+    async def gen():
+        yield body
+
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(url(s, "/v1/completions"), data=gen() if chunked else body)
+        doc = await resp.json()
+    assert resp.status == 413
+    assert doc["error"]["code"] == "body_too_large"
+    assert "limits.max_body_bytes" in doc["error"]["message"]
+    assert b.requests == []
+
+
+async def test_malformed_json_gets_a_clear_400(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url]))
+    async with aiohttp.ClientSession() as http:
+        resp = await post(http, url(s, "/v1/completions"), b'{"model": "tiny", "prompt": ')
+        doc = await resp.json()
+        assert resp.status == 400
+        assert "not valid JSON" in doc["error"]["message"]
+        assert doc["error"]["type"] == "invalid_request_error"
+        resp = await post(http, url(s, "/v1/chat/completions"), {"model": "tiny"})
+        doc = await resp.json()
+        assert resp.status == 400 and doc["error"]["param"] == "messages"
+        # ...and the next, valid request on the same sidecar is served.
+        resp = await post(http, url(s, "/v1/completions"), {"model": "tiny", "prompt": "ok"})
+        assert resp.status == 200
+    assert len(b.requests) == 1
+
+
+async def test_too_many_or_too_large_headers_get_431(backends, sidecar):
+    b = await backends()
+    s = await sidecar(
+        sidecar_config([b.url], limits={"max_header_count": 10, "max_header_bytes": 2048})
+    )
+    async with aiohttp.ClientSession() as http:
+        many = {f"x-extra-{i}": "v" for i in range(12)}
+        resp = await post(
+            http, url(s, "/v1/completions"), {"model": "tiny", "prompt": "a"}, headers=many
+        )
+        assert resp.status == 431
+        assert (await resp.json())["error"]["code"] == "header_count_exceeded"
+        big = {"x-big": "v" * 1900, "x-big2": "v" * 500}
+        resp = await post(
+            http, url(s, "/v1/completions"), {"model": "tiny", "prompt": "a"}, headers=big
+        )
+        assert resp.status == 431
+        assert (await resp.json())["error"]["code"] == "header_size_exceeded"
+    assert b.requests == []
+
+
+async def test_slow_client_body_times_out_and_others_are_served(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url], limits={"client_body_timeout_s": 0.3}))
+    host, port = s.addresses["outbound"].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"model":'
+    )
+    await writer.drain()
+    async with aiohttp.ClientSession() as http:
+        resp = await post(http, url(s, "/v1/completions"), {"model": "tiny", "prompt": "a"})
+        assert resp.status == 200
+    head = await asyncio.wait_for(reader.read(4096), 5)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 408")
+    assert b"body_timeout" in head
+
+
+async def test_dead_engine_is_skipped_and_all_dead_gives_502(backends, sidecar):
+    b = await backends()
+    dead = "http://127.0.0.1:9"  # discard port: nothing listens
+    s = await sidecar(sidecar_config([dead, b.url], routing={"policy": "round-robin"}))
+    async with aiohttp.ClientSession() as http:
+        for _ in range(4):
+            resp = await post(http, url(s, "/v1/completions"), {"model": "tiny", "prompt": "a"})
+            assert resp.status == 200
+    s2 = await sidecar(sidecar_config([dead]))
+    async with aiohttp.ClientSession() as http:
+        resp = await post(http, url(s2, "/v1/completions"), {"model": "tiny", "prompt": "a"})
+        doc = await resp.json()
+    assert resp.status == 502
+    assert doc["error"]["code"] == "upstream_unavailable"
+    assert "127.0.0.1:9" in doc["error"]["message"]
+
+
+async def test_routing_headers_stripped_from_untrusted_clients(backends, sidecar):
+    b = await backends()
+    hdrs = {"x-meshd-tenant": "acme", "x-meshd-priority": "high"}
+    untrusted = await sidecar(
+        sidecar_config([b.url], trust={"routing_header_sources": ["192.0.2.0/24"]})
+    )
+    trusted = await sidecar(sidecar_config([b.url]))
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "tiny", "prompt": "a"}
+        resp = await post(http, url(untrusted, "/v1/completions"), body, headers=hdrs)
+        assert resp.status == 200
+        assert "x-meshd-endpoint" not in resp.headers
+        assert not {k.lower() for k in b.requests[-1].headers} & set(hdrs)
+        resp = await post(http, url(trusted, "/v1/completions"), body, headers=hdrs)
+        assert resp.status == 200
+        assert b.requests[-1].headers["x-meshd-tenant"] == "acme"
+        bad = {"x-meshd-priority": "urgent!"}
+        resp = await post(http, url(trusted, "/v1/completions"), body, headers=bad)
+        doc = await resp.json()
+    assert resp.status == 400
+    assert "x-meshd-priority" in doc["error"]["message"]
+
+
+async def test_models_are_merged_across_the_pool(backends, sidecar):
+    b1 = await backends("one", ("tiny", "small"))
+    b2 = await backends("two", ("small", "large"))
+    s = await sidecar(sidecar_config([b1.url, b2.url, "http://127.0.0.1:9"]))
+    async with aiohttp.ClientSession() as http:
+        doc = await (await http.get(url(s, "/v1/models"))).json()
+    assert sorted(m["id"] for m in doc["data"]) == ["large", "small", "tiny"]
+
+
+async def test_other_paths_pass_through_to_the_pool(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url]))
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(url(s, "/tokenize?x=1"), json={"prompt": "a"})
+        doc = await resp.json()
+    assert doc == {"path": "/tokenize", "backend": "b"}
+
+
+async def test_unknown_model_gets_404(backends, sidecar):
+    b = await backends()
+    cfg = sidecar_config([b.url])
+    cfg = cfg.model_copy(update={"pools": (cfg.pools[0].model_copy(update={"models": ("tiny",)}),)})
+    s = await sidecar(cfg)
+    async with aiohttp.ClientSession() as http:
+        resp = await post(http, url(s, "/v1/completions"), {"model": "gpt-9", "prompt": "a"})
+        doc = await resp.json()
+    assert resp.status == 404 and doc["error"]["code"] == "model_not_found"
+
+
+async def test_first_byte_timeout_gives_504(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url], upstream={"first_byte_timeout_s": 0.2}))
+    async with aiohttp.ClientSession() as http:
+        resp = await post(
+            http, url(s, "/v1/completions"), {"model": "tiny", "prompt": "slow-headers"}
+        )
+        doc = await resp.json()
+    b.release.set()
+    assert resp.status == 504
+    assert "first_byte_timeout_s" in doc["error"]["message"]
+
+
+async def test_idle_upstream_mid_stream_ends_with_timeout_event(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url], upstream={"idle_timeout_s": 0.3}))
+    async with aiohttp.ClientSession() as http:
+        req = {"model": "tiny", "prompt": "stall", "max_tokens": 5, "stream": True}
+        events = sse_events(
+            await asyncio.wait_for((await post(http, url(s, "/v1/completions"), req)).read(), 5)
+        )
+    b.release.set()
+    assert events[0]["choices"][0]["text"] == "w0"
+    assert events[-1]["error"]["code"] == "upstream_timeout"
+    assert "idle_timeout_s" in events[-1]["error"]["message"]
+
+
+async def test_concurrency_limit_gives_503_with_retry_after(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url], limits={"max_concurrent_streams": 1}))
+    async with aiohttp.ClientSession() as http:
+        req = {"model": "tiny", "prompt": "stall", "max_tokens": 3, "stream": True}
+        first = await post(http, url(s, "/v1/completions"), req)
+        await first.content.readany()
+        resp = await post(http, url(s, "/v1/completions"), {"model": "tiny", "prompt": "a"})
+        assert resp.status == 503
+        assert resp.headers["Retry-After"] == "1"
+        assert (await resp.json())["error"]["code"] == "overloaded"
+        b.release.set()
+        assert sse_events(await first.read())[-1] == "[DONE]"
+
+
+async def test_admin_endpoints(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url]))
+    assert s.addresses["admin"].startswith("127.0.0.1:")
+    assert json.loads(await _admin(s, "/healthz")) == {"status": "ok"}
+    ready = json.loads(await _admin(s, "/readyz"))
+    assert ready["ready"] is True
+    cfg = json.loads(await _admin(s, "/config"))
+    assert cfg["pools"][0]["endpoints"][0]["url"] == b.url
+    eps = json.loads(await _admin(s, "/endpoints"))
+    assert eps["pools"]["default"][0]["healthy"] is True
+
+
+async def _admin(s, path: str) -> bytes:
+    async with aiohttp.ClientSession() as http, http.get(url(s, path, "admin")) as resp:
+        return await resp.read()
