@@ -2,6 +2,7 @@
 filters/, so a build without a C compiler still installs (MESHD_NO_CYTHON=1
 forces that), and `meshd version` says which implementation is active."""
 
+import glob
 import os
 
 from setuptools import setup
@@ -12,9 +13,10 @@ if not os.environ.get("MESHD_NO_CYTHON"):
         from Cython.Build import cythonize
     except ImportError:  # pragma: no cover - Cython is a build requirement
         cythonize = None
-    if cythonize is not None:
+    sources = sorted(glob.glob("filters/_*_c.pyx"))
+    if cythonize is not None and sources:
         ext_modules = cythonize(
-            ["filters/_*_c.pyx"],
+            sources,
             compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False},
             quiet=True,
         )

@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "meshd.config_cmd",
     "meshd.iptables",
     "meshd.demo",
+    "loadtest.bench.cli",
     "loadtest.engine.cli",
     "meshd.version_cmd",
 )
