@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -13,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from backends import TestBackend
 
-from meshd.config import Config, load_config
+from meshd.config import Config
 from meshd.sidecar import Sidecar
 
 
@@ -32,17 +31,6 @@ async def backends() -> AsyncIterator[Callable[..., Awaitable[TestBackend]]]:
         await b.stop()
 
 
-def sidecar_config(endpoints: list[str], **sections: Any) -> Config:
-    base: dict[str, Any] = {
-        "listeners": {"outbound": {"port": 0}, "admin": {"port": 0}},
-        "pools": [{"name": "default", "endpoints": endpoints}],
-        "drain": {"grace_period_s": 2},
-    }
-    for key, value in sections.items():
-        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
-    return load_config(None, base=base, env={})
-
-
 @pytest.fixture
 async def sidecar() -> AsyncIterator[Callable[..., Awaitable[Sidecar]]]:
     started: list[Sidecar] = []
@@ -56,7 +44,3 @@ async def sidecar() -> AsyncIterator[Callable[..., Awaitable[Sidecar]]]:
     yield make
     for s in started:
         await s.drain_and_stop()
-
-
-def url(s: Sidecar, path: str, listener: str = "outbound") -> str:
-    return f"http://{s.addresses[listener]}{path}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import openai
-from conftest import sidecar_config, url
+from harness import sidecar_config, url
 
 
 async def test_openai_client_streaming_and_not(backends, sidecar):

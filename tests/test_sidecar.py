@@ -8,7 +8,7 @@ import json
 import aiohttp
 import pytest
 from backends import sse_events
-from conftest import sidecar_config, url
+from harness import sidecar_config, url
 from prometheus_client.parser import text_string_to_metric_families
 
 
