@@ -544,7 +544,10 @@ class Sidecar:
             raise
         finally:
             self._watches.discard(watch)
-            upstream.close()
+            if upstream.content.is_eof() and watch.expired is None:
+                upstream.release()  # back to the keep-alive pool
+            else:
+                upstream.close()  # unfinished: the connection can't be reused
 
     async def _relay_whole(
         self,
