@@ -19,6 +19,7 @@ _TYPES = {
     502: "upstream_error",
     503: "overloaded_error",
     504: "timeout_error",
+    508: "server_error",
 }
 
 

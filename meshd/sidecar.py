@@ -85,8 +85,10 @@ class RequestContext:
 class Sidecar:
     """One sidecar: its listeners, its upstream client pool and its state."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, original_destination_fn: Any = None) -> None:
         self.config = config
+        # Tests without iptables inject where a transparent connection was headed.
+        self._original_destination_fn = original_destination_fn
         self.metrics = DataPlaneMetrics()
         self.balancers = {
             pool.name: EndpointBalancer(
@@ -175,12 +177,16 @@ class Sidecar:
             from meshd.transparent import start_transparent_listener
 
             tl = cfg.listeners.transparent
+            extra = {}
+            if self._original_destination_fn is not None:
+                extra["original_destination_fn"] = self._original_destination_fn
             self._transparent = await start_transparent_listener(
                 tl.host,
                 tl.port,
                 {svc.key(): svc.pool for svc in cfg.transparent.services},
                 self._runner.server,  # type: ignore[arg-type]
                 connect_timeout_s=cfg.transparent.passthrough_connect_timeout_s,
+                **extra,
             )
             self.addresses["transparent"] = f"{tl.host}:{self._transparent.port}"
         self._admin_runner = web.AppRunner(self.build_admin_app(), access_log=None)
@@ -303,11 +309,30 @@ class Sidecar:
             return self._reject(400, f"malformed request body: {exc}", "bad_body", close=True)
         return b"".join(chunks)
 
+    def _intercepted_pool(self, request: web.BaseRequest) -> str | None:
+        if self._transparent is None:
+            return None
+        pool: str | None = self._transparent.pool_for(request.transport)
+        return pool
+
+    def _loop_detected(self, request: web.BaseRequest) -> web.Response | None:
+        """A request meshd already relayed, intercepted again by our own rules: the
+        sidecar's UID is not excluded from the REDIRECT. Refuse instead of looping."""
+        if self._intercepted_pool(request) is None:
+            return None
+        if not any(VIA in v for v in request.headers.getall("via", ())):
+            return None
+        return self._reject(
+            508,
+            "meshd intercepted its own upstream request: exclude the sidecar's UID from "
+            "the iptables REDIRECT (meshd iptables --proxy-uid)",
+            "loop_detected",
+        )
+
     def _pool_for(self, request: web.BaseRequest, model: str | None) -> str | None:
-        if self._transparent is not None:
-            pool: str | None = self._transparent.pool_for(request.transport)
-            if pool is not None:
-                return pool
+        pool = self._intercepted_pool(request)
+        if pool is not None:
+            return pool
         if model is None:
             return self.config.pools[0].name
         for p in self.config.pools:
@@ -319,7 +344,7 @@ class Sidecar:
         loop = asyncio.get_running_loop()
         started = loop.time()
         kind = PATH_KINDS[request.path]
-        rejected = self._check_header_limits(request)
+        rejected = self._check_header_limits(request) or self._loop_detected(request)
         if rejected is not None:
             return rejected
         if self._active >= self.config.limits.max_concurrent_streams:
@@ -376,7 +401,7 @@ class Sidecar:
     async def _passthrough(self, request: web.Request) -> web.StreamResponse:
         """Any other path goes to the chosen pool unchanged (e.g. /tokenize)."""
         loop = asyncio.get_running_loop()
-        rejected = self._check_header_limits(request)
+        rejected = self._check_header_limits(request) or self._loop_detected(request)
         if rejected is not None:
             return rejected
         body = await self._read_body(request)

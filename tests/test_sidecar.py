@@ -11,6 +11,8 @@ from backends import sse_events
 from harness import sidecar_config, url
 from prometheus_client.parser import text_string_to_metric_families
 
+from meshd.sidecar import Sidecar
+
 
 async def post(
     session: aiohttp.ClientSession,
@@ -299,3 +301,32 @@ async def test_admin_endpoints(backends, sidecar):
 async def _admin(s, path: str) -> bytes:
     async with aiohttp.ClientSession() as http, http.get(url(s, path, "admin")) as resp:
         return await resp.read()
+
+
+async def test_transparent_listener_routes_by_original_destination_and_refuses_loops(
+    backends, sidecar
+):
+    b = await backends()
+    host, port = b.url.removeprefix("http://").split(":")
+    cfg = sidecar_config(
+        [b.url],
+        listeners={"transparent": {"enabled": True, "host": "127.0.0.1", "port": 0}},
+        transparent={"services": [{"address": f"{host}:{port}", "pool": "default"}]},
+    )
+    # No iptables here: every connection "was headed for" the backend's address.
+    s = Sidecar(cfg, original_destination_fn=lambda sock: (host, int(port)))
+    await s.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "tiny", "prompt": "a"}
+            target = url(s, "/v1/completions", "transparent")
+            resp = await post(http, target, body)
+            assert resp.status == 200
+            assert b.requests[-1].headers["via"] == "1.1 meshd"
+            resp = await post(http, target, body, headers={"via": "1.1 meshd"})
+            doc = await resp.json()
+        assert resp.status == 508
+        assert "--proxy-uid" in doc["error"]["message"]
+        assert len(b.requests) == 1
+    finally:
+        await s.drain_and_stop()
