@@ -1,0 +1,347 @@
+"""One inference endpoint as the picker sees it: static config, the engine's last report
+(from the control plane, stale after a TTL) and what this proxy observed itself.
+
+Sans-I/O and mutable: the driver (sidecar, ext_proc picker, simulator) calls `start`,
+`first_token`, `finish`, `connect_failure` and `report` with `now`; every change bumps
+`version`, which is how the picker knows when its cached view of the endpoint is stale.
+Where a reported and a local figure disagree the larger load wins: the report sees every
+client's traffic but lags, the local figures are current but see only ours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["EndpointState", "ReportedState"]
+
+# Calibration (observed / predicted TTFT): EWMA weight of a new sample, and clamps that
+# keep one pathological sample (a GC pause, a network blip) from swinging the model.
+CALIBRATION_ALPHA = 0.1
+CALIBRATION_SAMPLE_RANGE = (0.2, 5.0)
+CALIBRATION_RANGE = (0.25, 8.0)
+# Below this predicted compute time the measured TTFT is mostly network and framing.
+CALIBRATION_MIN_NOMINAL_S = 0.002
+RESIDENCE_ALPHA = 0.1
+PROMPT_ALPHA = 0.05
+DEFAULT_PROMPT_TOKENS = 1024.0
+
+# Passive health, as filters/balancer.py: rest after this many connect failures in a row,
+# doubling while it keeps failing.
+UNHEALTHY_AFTER = 3
+COOLDOWN_S = 10.0
+COOLDOWN_MAX_FACTOR = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ReportedState:
+    """An engine's state as its agent reports it (the xDS EndpointState resource).
+
+    Fields that an agent does not know stay None; counters default to 0.
+    """
+
+    epoch: str | int = 0  # changes when the engine restarts (its cache is then empty)
+    healthy: bool = True
+    draining: bool = False
+    gpu: str | None = None
+    gpu_count: int | None = None
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    kv_block_size: int | None = None  # tokens per engine block
+    kv_capacity_blocks: int | None = None
+    kv_usage: float | None = None  # 0..1, vllm:kv_cache_usage_perc
+    requests_running: int = 0
+    requests_waiting: int = 0
+    tokens_in_flight: int = 0
+    ttft_s: float | None = None  # moving averages
+    tpot_s: float | None = None
+    models: Mapping[str, bool] = field(default_factory=dict)  # served model -> weights warm
+    adapters: Mapping[str, bool] = field(default_factory=dict)  # LoRA adapter -> loaded
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        if self.kv_block_size is None or self.kv_capacity_blocks is None:
+            return None
+        return self.kv_block_size * self.kv_capacity_blocks
+
+
+@dataclass(slots=True)
+class _InFlight:
+    prompt_tokens: int
+    uncached_tokens: int
+    max_tokens: int
+    started_at: float
+    nominal_s: float
+    fixed_s: float
+    first_token_at: float | None = None
+
+
+@dataclass(slots=True, eq=False)
+class EndpointState:
+    """Static config + reported state + local observations of one endpoint.
+
+    `models` None means "whatever it is asked for" (a plain pool with no model list);
+    `speed_scale` is the served model's speed relative to the reference 8B model
+    (about 8e9 / parameters for a dense model; the TTFT calibration refines it).
+    """
+
+    name: str
+    url: str = ""
+    gpu: str = "unknown"
+    gpu_count: int = 1
+    models: frozenset[str] | None = None
+    adapters: frozenset[str] = frozenset()
+    dynamic_lora: bool = False  # can load any adapter on demand (cold)
+    kv_capacity_tokens: int | None = None
+    speed_scale: float = 1.0
+    report_ttl_s: float = 10.0
+
+    # Reported state.
+    reported: ReportedState | None = None
+    reported_at: float = float("-inf")
+    # Local observations.
+    outstanding: int = 0
+    waiting: int = 0  # outstanding without a first token yet
+    pending_prefill_tokens: int = 0  # uncached prompt tokens of those
+    tokens_in_flight: int = 0  # prompt + max output tokens of all outstanding
+    ttft_ratio: float = 1.0  # EWMA of observed / predicted TTFT compute time
+    residence_s: float | None = None  # EWMA of request duration
+    prompt_tokens_avg: float = DEFAULT_PROMPT_TOKENS
+    consecutive_failures: int = 0
+    failures: int = 0
+    last_failure_at: float | None = None
+    ejected_until: float = float("-inf")
+    draining: bool = False  # set locally (admin drain, an EDS health flag)
+    breaker_open: bool = False  # set by the reliability filters
+    version: int = 0  # bumped by every change
+    static_version: int = 0  # bumped by reports, flags and failures (not request traffic)
+    _inflight: dict[Hashable, _InFlight] = field(default_factory=dict, repr=False)
+    # The picker's cached, request-independent view of this endpoint (filters/picker.py),
+    # kept here so that a pick finds it with one attribute load instead of a dict lookup;
+    # every change moves it to _pick_stale (the picker rebuilds from there), so a pick
+    # need only test it for None.
+    _pick_view: Any = field(default=None, repr=False)
+    _pick_stale: Any = field(default=None, repr=False)
+
+    def _changed(self) -> None:
+        """Every mutation ends here. Change fields through the methods (or call touch())."""
+        self.version += 1
+        v = self._pick_view
+        if v is not None:
+            self._pick_stale = v
+            self._pick_view = None
+
+    def touch(self) -> None:
+        """Fields were assigned directly (e.g. `models`): make the picker look again."""
+        self.static_version += 1
+        self._changed()
+
+    # -- reports --------------------------------------------------------------------------
+
+    def report(self, state: ReportedState, now: float) -> None:
+        self.reported = state
+        self.reported_at = now
+        self._changed()
+        self.static_version += 1
+
+    def fresh_report(self, now: float) -> ReportedState | None:
+        """The last report if it is younger than `report_ttl_s`, else None."""
+        if self.reported is not None and now - self.reported_at < self.report_ttl_s:
+            return self.reported
+        return None
+
+    def silent_for(self, now: float) -> float:
+        """Seconds since the last report went stale (0 when fresh or never reported)."""
+        if self.reported is None:
+            return 0.0
+        return max(0.0, now - self.reported_at - self.report_ttl_s)
+
+    @property
+    def epoch(self) -> str | int | None:
+        return None if self.reported is None else self.reported.epoch
+
+    # -- request lifecycle ----------------------------------------------------------------
+
+    def start(
+        self,
+        request_id: Hashable,
+        now: float,
+        *,
+        prompt_tokens: int,
+        uncached_tokens: int | None = None,
+        max_tokens: int = 0,
+        nominal_s: float = 0.0,
+        fixed_s: float = 0.0,
+    ) -> None:
+        """A request was sent here. `nominal_s` is the predicted TTFT compute part at the
+        GPU's nominal speed and `fixed_s` the part that does not scale with it (a cold
+        load); both come from the picker's Choice and feed the calibration."""
+        if request_id in self._inflight:
+            raise ValueError(f"request {request_id!r} already started on {self.name}")
+        uncached = prompt_tokens if uncached_tokens is None else uncached_tokens
+        self._inflight[request_id] = _InFlight(
+            prompt_tokens, uncached, max_tokens, now, nominal_s, fixed_s
+        )
+        self.outstanding += 1
+        self.waiting += 1
+        self.pending_prefill_tokens += uncached
+        self.tokens_in_flight += prompt_tokens + max_tokens
+        self.prompt_tokens_avg += PROMPT_ALPHA * (prompt_tokens - self.prompt_tokens_avg)
+        self._changed()
+
+    def first_token(self, request_id: Hashable, now: float) -> float | None:
+        """The first token arrived; returns the observed TTFT (None for an unknown id)."""
+        f = self._inflight.get(request_id)
+        if f is None or f.first_token_at is not None:
+            return None
+        f.first_token_at = now
+        self.waiting -= 1
+        self.pending_prefill_tokens -= f.uncached_tokens
+        ttft = now - f.started_at
+        if f.nominal_s >= CALIBRATION_MIN_NOMINAL_S:
+            lo, hi = CALIBRATION_SAMPLE_RANGE
+            sample = min(hi, max(lo, (ttft - f.fixed_s) / f.nominal_s))
+            ratio = self.ttft_ratio + CALIBRATION_ALPHA * (sample - self.ttft_ratio)
+            self.ttft_ratio = min(CALIBRATION_RANGE[1], max(CALIBRATION_RANGE[0], ratio))
+        self.consecutive_failures = 0
+        self._changed()
+        return ttft
+
+    def finish(self, request_id: Hashable, now: float, *, ok: bool = True) -> None:
+        """The request ended (completed, failed or cancelled). Unknown ids are ignored."""
+        f = self._inflight.pop(request_id, None)
+        if f is None:
+            return
+        if f.first_token_at is None:
+            self.waiting -= 1
+            self.pending_prefill_tokens -= f.uncached_tokens
+        self.outstanding -= 1
+        self.tokens_in_flight -= f.prompt_tokens + f.max_tokens
+        if ok:
+            d = now - f.started_at
+            r = self.residence_s
+            self.residence_s = d if r is None else r + RESIDENCE_ALPHA * (d - r)
+            self.consecutive_failures = 0
+        self._changed()
+
+    def connect_failure(self, now: float) -> None:
+        """A connection or request to this endpoint failed before any response byte."""
+        self.failures += 1
+        self.consecutive_failures += 1
+        self.last_failure_at = now
+        over = self.consecutive_failures - UNHEALTHY_AFTER
+        if over >= 0:
+            self.ejected_until = now + COOLDOWN_S * min(COOLDOWN_MAX_FACTOR, 2**over)
+        self._changed()
+        self.static_version += 1
+
+    def set_flags(self, *, draining: bool | None = None, breaker_open: bool | None = None) -> None:
+        if draining is not None:
+            self.draining = draining
+        if breaker_open is not None:
+            self.breaker_open = breaker_open
+        self._changed()
+        self.static_version += 1
+
+    # -- derived views ----------------------------------------------------------------------
+
+    def ineligible_reason(self, now: float) -> str | None:
+        """Why the picker must not use this endpoint now, or None when it may."""
+        if self.draining:
+            return "draining"
+        if self.breaker_open:
+            return "breaker-open"
+        if now < self.ejected_until:
+            return "ejected"
+        r = self.fresh_report(now)
+        if r is not None:
+            if not r.healthy:
+                return "unhealthy"
+            if r.draining:
+                return "draining"
+        return None
+
+    def next_change(self, now: float) -> float:
+        """The next time at which a time-dependent view (freshness, ejection) flips."""
+        t = float("inf")
+        if self.ejected_until > now:
+            t = self.ejected_until
+        if self.reported is not None:
+            stale_at = self.reported_at + self.report_ttl_s
+            if stale_at > now:
+                t = min(t, stale_at)
+        return t
+
+    def model_warm(self, model: str, now: float) -> bool | None:
+        """True/False: served with weights warm/cold; None: not served here."""
+        r = self.fresh_report(now)
+        if r is not None and r.models:
+            return r.models.get(model)  # a fresh list of served models is authoritative
+        if self.models is None or model in self.models:
+            return True
+        return None
+
+    def adapter_warm(self, adapter: str, now: float) -> bool | None:
+        r = self.fresh_report(now)
+        if r is not None and r.adapters:
+            warm = r.adapters.get(adapter)
+            if warm is not None:
+                return warm
+        if adapter in self.adapters:
+            return True
+        return False if self.dynamic_lora else None
+
+    def gpu_name(self, now: float) -> str:
+        r = self.fresh_report(now)
+        return r.gpu if r is not None and r.gpu else self.gpu
+
+    def gpus(self, now: float) -> int:
+        r = self.fresh_report(now)
+        return r.gpu_count if r is not None and r.gpu_count else self.gpu_count
+
+    def kv_capacity(self, now: float) -> int | None:
+        r = self.fresh_report(now)
+        if r is not None and r.kv_capacity_tokens is not None:
+            return r.kv_capacity_tokens
+        return self.kv_capacity_tokens
+
+    def kv_used(self, now: float) -> float:
+        """KV tokens in use: the report's usage fraction or our in-flight tokens, larger."""
+        used = float(self.tokens_in_flight)
+        r = self.fresh_report(now)
+        if r is not None:
+            cap = r.kv_capacity_tokens
+            if cap is not None and r.kv_usage is not None:
+                used = max(used, r.kv_usage * cap)
+            used = max(used, float(r.tokens_in_flight))
+        return used
+
+    def running(self, now: float) -> int:
+        local = self.outstanding - self.waiting
+        r = self.fresh_report(now)
+        return max(local, r.requests_running) if r is not None else local
+
+    def queued(self, now: float) -> int:
+        r = self.fresh_report(now)
+        return max(self.waiting, r.requests_waiting) if r is not None else self.waiting
+
+    def queued_prefill_tokens(self, now: float) -> float:
+        """Uncached prompt tokens ahead of a new request (the report counts waiting
+        requests, not their tokens: each is taken at the average prompt seen here)."""
+        local = float(self.pending_prefill_tokens)
+        r = self.fresh_report(now)
+        if r is not None:
+            return max(local, r.requests_waiting * self.prompt_tokens_avg)
+        return local
+
+    def load_tokens(self, now: float) -> float:
+        r = self.fresh_report(now)
+        local = float(self.tokens_in_flight)
+        return max(local, float(r.tokens_in_flight)) if r is not None else local
+
+    def load_requests(self, now: float) -> float:
+        r = self.fresh_report(now)
+        if r is not None:
+            return float(max(self.outstanding, r.requests_running + r.requests_waiting))
+        return float(self.outstanding)

@@ -1,0 +1,113 @@
+"""GPU generations as the picker sees them: prefill speed, decode step time, KV capacity
+and price per GPU-hour, for a reference 8B model, with configurable overrides.
+
+The numbers are the engine simulator's (loadtest/engine/profiles.py, a roofline of the
+datasheets calibrated on published runs), copied rather than imported because filters/
+may not import loadtest/; tests/test_picker.py checks that the two tables agree.
+
+    GPU      prefill   decode step, ctx 1k   KV tokens   max batched  max   $/GPU-h
+             tok/s     b=1 ms    b=64 ms     (8B BF16)   tokens       seqs
+    A100      8,742    11.6      17.4          442,704    2,048        256    1.30
+    H100     27,712     7.45     11.1          440,112    8,192      1,024    3.00
+    H200     27,712     5.50      8.17         888,032    8,192      1,024    4.00
+    B200     63,045     3.70      5.43       1,173,072    8,192      1,024    5.50
+    unknown   8,742    11.6      17.4          442,704    2,048        256    3.00
+
+Sources (as cited in loadtest/engine/profiles.py): NVIDIA datasheets for A100 80GB SXM,
+H100 SXM, H200 SXM and HGX B200 (HBM size and bandwidth, dense BF16 FLOP/s); calibration
+on TensorRT-LLM's H100-vs-A100 figures (nvidia.github.io/TensorRT-LLM/blogs/H100vsA100.html)
+and the vLLM v0.6.0 performance update (blog.vllm.ai/2024/09/05/perf-update.html); batch
+defaults from vLLM's vllm/engine/arg_utils.py (get_batch_defaults); prices are the upper end
+of 2026 specialty-cloud on-demand list prices per GPU-hour (mercatus-ai.com/blog/
+cloud-gpu-pricing; packet.ai/blog/gpu-pricing-models-compared); hyperscaler on-demand is
+2-4x these. "unknown" is pessimistic on both axes (A100 speed, H100 price) so that a
+known GPU wins a tie; the per-endpoint TTFT calibration corrects the speed once traffic flows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+
+__all__ = ["GPUS", "UNKNOWN", "GpuProfile", "GpuTable", "normalise_gpu_name"]
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProfile:
+    """What one GPU of a generation does for the reference 8B model (Llama-3-8B, BF16)."""
+
+    name: str
+    prefill_tokens_per_s: float
+    decode_step_s_b1: float  # one decode iteration, batch 1, context 1k
+    decode_step_s_b64: float  # one decode iteration, batch 64, context 1k
+    kv_tokens: int  # KV capacity for the reference model at gpu_memory_utilization 0.9
+    max_num_batched_tokens: int  # vLLM's per-step token budget default
+    max_num_seqs: int
+    price_per_gpu_hour: float
+
+    @property
+    def price_per_s(self) -> float:
+        return self.price_per_gpu_hour / 3600.0
+
+    def decode_step_s(self, batch: int) -> float:
+        """One decode iteration at `batch` sequences: linear between the b=1 and b=64 points
+        (the step is memory bound: weights once, plus every sequence's KV)."""
+        slope = (self.decode_step_s_b64 - self.decode_step_s_b1) / 63.0
+        return self.decode_step_s_b1 + slope * (max(1, batch) - 1)
+
+
+GPUS: dict[str, GpuProfile] = {
+    "A100": GpuProfile("A100", 8_742.0, 0.01159, 0.01744, 442_704, 2048, 256, 1.30),
+    "H100": GpuProfile("H100", 27_712.0, 0.00745, 0.01113, 440_112, 8192, 1024, 3.00),
+    "H200": GpuProfile("H200", 27_712.0, 0.00550, 0.00817, 888_032, 8192, 1024, 4.00),
+    "B200": GpuProfile("B200", 63_045.0, 0.00370, 0.00543, 1_173_072, 8192, 1024, 5.50),
+}
+UNKNOWN = replace(GPUS["A100"], name="unknown", price_per_gpu_hour=3.00)
+
+# Longest first where one name contains another (GH200 is Hopper with HBM3e: H200-like).
+_KNOWN_ORDER = ("B200", "H200", "H100", "A100")
+_FIELD_NAMES = frozenset(f.name for f in fields(GpuProfile)) - {"name"}
+
+
+def normalise_gpu_name(name: str | None) -> str:
+    """The table key for a GPU name as NVML or a config spells it ("NVIDIA H100 80GB HBM3",
+    "a100-sxm4-80gb", "H200"), else the name upper-cased (looked up as given, then unknown)."""
+    if not name:
+        return "unknown"
+    upper = name.upper()
+    for key in _KNOWN_ORDER:
+        if key in upper:
+            return key
+    return upper.removeprefix("NVIDIA ").strip()
+
+
+class GpuTable:
+    """The GPU profiles in use: the defaults above, with per-name field overrides.
+
+    `overrides` maps a GPU name to fields to replace, e.g. {"H100": {"price_per_gpu_hour":
+    2.2}}; a name not in the table starts from "unknown" (so {"L40S": {...}} adds one).
+    Raises ValueError for an unknown field or a non-positive number.
+    """
+
+    def __init__(self, overrides: Mapping[str, Mapping[str, float]] | None = None) -> None:
+        table = dict(GPUS)
+        table["unknown"] = UNKNOWN
+        for raw_name, changes in (overrides or {}).items():
+            bad = set(changes) - _FIELD_NAMES
+            if bad:
+                raise ValueError(f"gpu {raw_name!r}: unknown field(s) {sorted(bad)}")
+            for key, value in changes.items():
+                if not value > 0:
+                    raise ValueError(f"gpu {raw_name!r}: {key} must be > 0, got {value!r}")
+            key = normalise_gpu_name(raw_name) if raw_name != "unknown" else "unknown"
+            base = table.get(key, UNKNOWN)
+            ints = {"kv_tokens", "max_num_batched_tokens", "max_num_seqs"}
+            typed = {k: (int(v) if k in ints else float(v)) for k, v in changes.items()}
+            table[key] = replace(base, name=key, **typed)  # type: ignore[arg-type]
+        self._table = table
+
+    def get(self, name: str | None) -> GpuProfile:
+        return self._table.get(normalise_gpu_name(name), self._table["unknown"])
+
+    def names(self) -> list[str]:
+        return list(self._table)

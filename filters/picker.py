@@ -1,0 +1,926 @@
+"""The prefix-affinity picker: scores every eligible endpoint in seconds and dollars and
+returns the primary plus ordered fallbacks, each with its reason. Sans-I/O: time comes in.
+
+The model
+---------
+For a request with P prompt tokens (estimated), M max output tokens, priority p, and an
+endpoint e (GPU profile from filters/gpu.py, `n` GPUs, the served model's `speed_scale`)::
+
+    r          = running sequences on e        (max of reported and local)
+    tps_e      = prefill_tps(gpu) * n * speed_scale * (1 - r / B)   B = max_num_batched_tokens
+    cal_e      = EWMA of observed / predicted TTFT compute time on e (1 when unknown)
+    step_e     = decode_step(gpu, r + 1) / n                       one engine iteration
+    C_e        = expected cached prompt tokens: PrefixIndex match x tokens per block,
+                 approximate blocks x confidence, x the endpoint's trust (silence, demotion),
+                 plus for the task's previous endpoint its previous output (see below)
+    U_e        = P - C_e                                            tokens to prefill (>= 1)
+    queue_e    = cal_e * (Q_e / tps_e + step_e) + slot_wait_e       Q_e: uncached prompt
+                 tokens already waiting there; slot_wait_e when running + waiting exceeds
+                 max_num_seqs: the excess fraction of a request residence time
+    kv_wait_e  = max(0, U_e + M - free_kv_e) / kv_capacity_e * residence_e
+                 (memory headroom: the engine admits us once that much KV has turned over)
+    cold_e     = model_cold_load_s if the weights are not warm, + lora_cold_load_s if the
+                 adapter is not loaded (an endpoint that cannot serve it is ineligible)
+    TTFT_e     = cold_e + queue_e + kv_wait_e + cal_e * U_e / tps_e
+    cost_e     = price_per_s(gpu) * n * (cal_e * U_e / tps_e + cold_e)
+                 + price_per_s(gpu) * M * decode_step(gpu, 64) / 64
+    J_e        = cost_e + lambda(p) * TTFT_e,   lambda(p) = lambda_usd_per_s * base**(p - 5)
+
+Prefill owns the GPU (compute bound), so the request pays for all of it; decode is shared
+by the batch (memory bound), so it pays its share of a step at a healthy batch of 64 (the
+share at the engine's current batch would make an idle engine look dear and pull traffic
+onto busy ones; the batch's effect on latency is in the TTFT terms); time spent queueing
+is paid by whoever is being served. lambda converts seconds into dollars: at the default
+1e-3 $/s a second of TTFT is worth a tenth of a cent for a standard request, 16x that at
+priority 9 and 1/32 at priority 0 (a batch job goes to the cheapest GPU).
+
+Decision
+--------
+1. Eligible: not draining, breaker closed, not ejected, reported healthy (when fresh),
+   serves the model and adapter, passes the optional `eligible` hook.
+2. Deadline: endpoints whose TTFT_e misses the deadline are dropped; if all miss, the
+   answer is every eligible endpoint by TTFT, each with reason "deadline-unmeetable".
+3. Bounded load (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded Loads",
+   SODA 2018, arXiv:1608.01350): with loads L (requests or tokens in flight), capacity
+   weights w (nominal prefill tok/s) and this request's load x, e may be primary only if
+   L_e + x <= (1 + epsilon) * w_e * (sum L + x) / sum w, or L_e <= load_floor * w_e / w_H100
+   (below the floor an engine just batches one more). If none may, the bound is ignored.
+4. Primary, in order: the task's previous endpoint if its J is within sticky_tolerance of
+   the best ("sticky"); for a hot prefix group whose demand exceeds what its holders serve,
+   the best endpoint not yet holding it ("replicate", below); for a prefix cached nowhere,
+   rendezvous hashing (Thaler & Ravishankar 1998) of the group hash over the endpoints
+   within cold_tolerance of the best J ("cold-hash": many clients agree on one engine
+   without talking); else the lowest J ("prefix-affinity" when it has cached tokens, else
+   "least-cost"). Fallbacks follow by J: within the bound ("fallback"), then over it
+   ("over-load-bound"). Ties: lower J, then endpoint name.
+5. Speculation: the primary is recorded in the PrefixIndex and the task map at pick time.
+
+Replication (after Preble, Srivatsa et al., "Preble: Efficient Distributed Prompt
+Scheduling for LLM Serving", arXiv:2407.00023): requests are grouped by the hash of their
+first `group_blocks` blocks; each group's demand is an exponentially weighted rate of the
+GPU-seconds its requests need on a reference H100 (prefill of what the best holder has not
+cached, plus decode at batch 64), time constant `demand_window_s`. Holders are endpoints
+whose match covers the group prefix; they can serve replicate_utilisation x their speed
+relative to the reference. When demand exceeds that, the next request of the group goes to
+the best non-holder, which then holds it; so the group spreads one engine at a time, and
+only while it is hot. The queueing term does the same reactively (a holder whose queue
+outweighs the saved prefill loses on J), which is what stops the cache-aware "death
+spiral" of piling every request onto the one engine with the cache.
+
+Workflow context: the task's previous step (per context key: workflow, session or task id;
+a bounded LRU with a TTL) left its prompt's blocks in the index and its output in the
+engine's cache; when this request's match on that endpoint covers the previous prompt,
+the previous output (sticky_output_fraction x its max_tokens) counts as cached there too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+from filters.blockhash import xxh64
+from filters.endpoint_state import EndpointState
+from filters.gpu import GPUS, GpuTable
+from filters.prefix_index import PrefixIndex
+from filters.request import CHARS_PER_TOKEN, InferenceRequest
+from filters.routing_headers import RoutingHeaders
+
+__all__ = ["Choice", "PickRequest", "Picker", "PickerConfig"]
+
+_M64 = 0xFFFFFFFFFFFFFFFF
+# The reference GPU for demand accounting (group replication).
+_REF = GPUS["H100"]
+# Decode is priced at this batch size: a healthy engine's steady state.
+DECODE_REF_BATCH = 64
+_REF_DECODE_TOKEN_S = _REF.decode_step_s(DECODE_REF_BATCH) / DECODE_REF_BATCH
+# Bound on remembered (model, adapter, priority) classes: model names come from clients.
+MAX_REQUEST_CLASSES = 1024
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a well-spread 64-bit score for rendezvous hashing."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+@dataclass(frozen=True, slots=True)
+class PickerConfig:
+    lambda_usd_per_s: float = 1e-3  # value of one second of TTFT at priority 5
+    lambda_priority_base: float = 2.0  # lambda multiplies by this per priority step
+    default_priority: int = 5
+    tenant_priority: Mapping[str, int] = field(default_factory=dict)
+    load_metric: Literal["requests", "tokens"] = "requests"
+    epsilon: float = 0.25
+    load_floor: float | None = None  # per H100-equivalent; default 8 requests / 16,384 tokens
+    cold_tolerance: float = 0.1  # relative J window for rendezvous hashing of cold prefixes
+    sticky_tolerance: float = 0.05
+    sticky_output_fraction: float = 0.5
+    tokens_per_block: float = 64 / CHARS_PER_TOKEN  # 64-byte blocks, ~4 chars per token
+    group_blocks: int = 4
+    demand_window_s: float = 10.0
+    replicate_utilisation: float = 0.7
+    model_cold_load_s: float = 20.0  # weights not resident (sleeping engine, swapped model)
+    lora_cold_load_s: float = 0.5  # adapter load from local disk
+    default_residence_s: float = 10.0  # request duration before any is observed
+    stale_trust: float = 0.5  # index entries of an endpoint whose reports went stale
+    silent_drop_s: float = 60.0  # ...and after this much more silence, not at all
+    task_map_size: int = 65_536
+    task_ttl_s: float = 900.0
+    group_map_size: int = 4_096
+    # Primary + fallbacks returned (None: every candidate). Each costs ~1-3 us to build; a
+    # retry budget rarely allows more than two or three attempts.
+    max_choices: int | None = 4
+
+    def __post_init__(self) -> None:
+        if self.epsilon < 0 or self.lambda_usd_per_s < 0 or self.tokens_per_block <= 0:
+            raise ValueError("epsilon and lambda must be >= 0, tokens_per_block > 0")
+        if self.group_blocks < 1 or self.demand_window_s <= 0:
+            raise ValueError("group_blocks must be >= 1 and demand_window_s > 0")
+        if self.max_choices is not None and self.max_choices < 1:
+            raise ValueError("max_choices must be >= 1 or None")
+
+
+@dataclass(frozen=True, slots=True)
+class PickRequest:
+    """What the picker needs to know about one request. `block_hashes` are the chained
+    prefix hashes (filters.hotpath.block_hashes, whose block size must match
+    PickerConfig.tokens_per_block); `deadline_s` is absolute, on the same clock as `now`;
+    `context_key` names the workflow/session/task for stickiness."""
+
+    model: str
+    block_hashes: Sequence[int] = ()
+    prompt_tokens: int = 1
+    max_tokens: int = 256
+    adapter: str | None = None
+    tenant: str | None = None
+    priority: int | None = None
+    deadline_s: float | None = None
+    context_key: str | None = None
+
+    @classmethod
+    def build(
+        cls,
+        req: InferenceRequest,
+        headers: RoutingHeaders,
+        now: float,
+        *,
+        block_hashes: Sequence[int],
+        adapter: str | None = None,
+        default_max_tokens: int = 256,
+    ) -> PickRequest:
+        deadline = None if headers.deadline_ms is None else now + headers.deadline_ms / 1000.0
+        return cls(
+            model=req.model,
+            block_hashes=block_hashes,
+            prompt_tokens=req.estimated_prompt_tokens,
+            max_tokens=(req.max_tokens or default_max_tokens) * max(1, req.n),
+            adapter=adapter,
+            tenant=headers.tenant,
+            priority=headers.priority,
+            deadline_s=deadline,
+            context_key=headers.workflow_id or headers.session_id or headers.task_id,
+        )
+
+
+class Choice(NamedTuple):
+    """One endpoint in the answer. `rank` 0 is the primary. `nominal_s` (TTFT compute at
+    the GPU's nominal speed) and `fixed_s` (cold loads, waits for slots or KV) are what
+    `Picker.dispatch` hands to EndpointState for its calibration.
+
+    A NamedTuple rather than a frozen dataclass: building one took ~0.9 us against ~4.8 us
+    for the frozen dataclass (11 fields, CPython 3.11, timeit on the 2-core dev box), and a
+    pick builds up to max_choices of them.
+    """
+
+    endpoint: str
+    url: str
+    predicted_ttft_s: float
+    predicted_cost_usd: float
+    cached_tokens: int
+    reason: str
+    score: float
+    rank: int
+    nominal_s: float
+    fixed_s: float
+    state: EndpointState
+
+
+# (model, adapter, lambda): the request class a view's J constants were computed for.
+_KKey = tuple[str, str | None, float]
+
+
+class _View:
+    """The request-independent part of the model for one endpoint, cached per version."""
+
+    __slots__ = (
+        "adapters",
+        "budget",
+        "cap_blocks",
+        "cold",
+        "cold_now",
+        "floor_load",
+        "free_kv",
+        "inv",
+        "inv_nominal",
+        "k0",
+        "k1",
+        "kc",
+        "kkey",
+        "kv_cap",
+        "kv_wait_per_token",
+        "load",
+        "name",
+        "picker",
+        "price_s",
+        "q",
+        "q_fixed",
+        "q_nominal",
+        "r_kv_used",
+        "r_requests",
+        "r_running",
+        "r_tokens",
+        "r_waiting",
+        "salt",
+        "slots",
+        "stamp",
+        "state",
+        "static_version",
+        "step1",
+        "step_slope",
+        "tps0",
+        "trust",
+        "until",
+        "url",
+        "usd_per_out_tok",
+        "version",
+        "weight",
+        "why",
+    )
+
+    adapters: dict[str, float | None]
+    cap_blocks: int
+    cold: dict[str, float | None]
+    floor_load: float  # below this load the bounded-load rule does not bite
+    free_kv: float  # KV tokens free
+    inv: float  # calibrated seconds per prefill token
+    inv_nominal: float  # at the GPU's nominal speed
+    kv_wait_per_token: float
+    load: float  # for the bounded-load rule
+    name: str
+    picker: Picker
+    price_s: float
+    q: float  # calibrated queueing delay, seconds
+    q_fixed: float  # its part that does not scale (slot waits)
+    q_nominal: float  # its compute part at nominal speed
+    salt: int  # rendezvous-hash salt of the name
+    stamp: int  # >= a pick's base: a candidate of that pick, at slot stamp - base
+    state: EndpointState
+    trust: float  # silence discount for index entries
+    until: float  # the view is stale from then on
+    url: str
+    usd_per_out_tok: float  # decode share of a step, in dollars
+    version: int
+    weight: float  # nominal prefill tok/s: the capacity weight
+    why: str | None
+    # Per request class (model, adapter, lambda), recomputed after any change.
+    kkey: _KKey | None
+    k0: float
+    k1: float
+    # (k0, k1, usd_per_out_tok, free_kv, kv_wait_per_token * lambda, load, weight, name),
+    # or None when this endpoint cannot serve the class.
+    kc: tuple[float, float, float, float, float, float, float, str] | None
+    cold_now: float
+    # Static part (rebuilt on a report, a flag, a failure or a freshness deadline).
+    static_version: int
+    tps0: float  # nominal prefill tok/s, unloaded
+    budget: float  # max_num_batched_tokens
+    step1: float  # decode step at batch 1 (per engine, so / GPUs)
+    step_slope: float  # its growth per extra sequence
+    slots: int  # max_num_seqs
+    kv_cap: float  # KV capacity, tokens
+    r_running: int  # from the fresh report, else 0
+    r_waiting: int
+    r_requests: int
+    r_tokens: int
+    r_kv_used: float
+
+
+_new_choice = tuple.__new__
+_INF = float("inf")
+
+# (J, name, view): sorts by J, then name (names are unique).
+_Cand = tuple[float, str, _View]
+
+
+def _always(t: _Cand) -> bool:
+    return True
+
+
+@dataclass(slots=True)
+class _Group:
+    rate: float  # reference GPU-seconds per second, exponentially weighted
+    at: float
+
+
+@dataclass(slots=True)
+class _Task:
+    endpoint: str
+    prompt_tokens: int
+    max_tokens: int
+    at: float
+
+
+class Picker:
+    """Chooses endpoints for requests. One instance per pool; not thread-safe.
+
+    The driver's protocol (sidecar, ext_proc picker, simulator alike)::
+
+        choices = picker.pick(req, endpoints, now)   # the primary is recorded speculatively
+        for c in choices:                            # primary, then fallbacks
+            picker.dispatch(c, req, request_id, now) # local accounting (+ record a fallback)
+            ...connect; on failure: c.state.finish(request_id, now, ok=False)
+                                    c.state.connect_failure(now); try the next
+        c.state.first_token(request_id, now)         # feeds the TTFT calibration
+        c.state.finish(request_id, now)
+        picker.observe_cached(c, req, usage_cached_tokens, now)   # optional ghost check
+
+    Engine reports go to `endpoint.report(ReportedState(...), now)`, flags to
+    `endpoint.set_flags(...)`; an endpoint leaving the pool to `picker.forget(name)`.
+    EndpointState names must be unique within a pool; a state object is meant for one
+    picker (two pickers sharing one state still work, each rebuilding its cached view).
+    """
+
+    def __init__(
+        self,
+        config: PickerConfig | None = None,
+        *,
+        index: PrefixIndex | None = None,
+        gpus: GpuTable | None = None,
+        eligible: Callable[[EndpointState, PickRequest, float], bool] | None = None,
+    ) -> None:
+        self.config = c = config or PickerConfig()
+        self.index = index if index is not None else PrefixIndex()
+        self.gpus = gpus or GpuTable()
+        self._eligible = eligible
+        self._lambda = [c.lambda_usd_per_s * c.lambda_priority_base ** (p - 5) for p in range(10)]
+        floor = c.load_floor
+        if floor is None:
+            floor = 8.0 if c.load_metric == "requests" else 16_384.0
+        self._floor = floor
+        self._tasks: OrderedDict[str, _Task] = OrderedDict()
+        self._groups: OrderedDict[int, _Group] = OrderedDict()
+        self._stamp = 0
+        self._kkeys: dict[_KKey, _KKey] = {}
+        self._min_until = _INF  # earliest freshness deadline among the views
+        self._by_name: dict[str, _View] = {}
+
+    # -- the decision -------------------------------------------------------------------------
+
+    def pick(
+        self,
+        req: PickRequest,
+        endpoints: Sequence[EndpointState],
+        now: float,
+        *,
+        record: bool = True,
+    ) -> list[Choice]:
+        """Ordered choices for `req` among `endpoints` (names must be unique); empty when
+        none is eligible. With `record`, the primary is noted in the index and task map."""
+        c = self.config
+        prio = req.priority
+        if prio is None:
+            prio = c.tenant_priority.get(req.tenant or "", c.default_priority)
+        lam = self._lambda[min(9, max(0, prio))]
+        model = req.model
+        adapter = req.adapter
+        # One key object per (model, adapter, lambda), so views compare it with `is`.
+        kkeys = self._kkeys
+        kkey = kkeys.get((model, adapter, lam))
+        if kkey is None:
+            if len(kkeys) >= MAX_REQUEST_CLASSES:  # model names come from clients
+                kkeys.clear()
+            kkey = kkeys[(model, adapter, lam)] = (model, adapter, lam)
+        hashes = req.block_hashes
+        nb = len(hashes)
+        big_p = max(1, req.prompt_tokens)
+        big_m = max(0, req.max_tokens)
+        pm = big_p + big_m
+        hook = self._eligible
+
+        # Stamps: a view's stamp >= base marks it a candidate of this pick, and its value
+        # minus base is its slot in `cands` (one attribute store for both).
+        base = self._stamp + 1
+        self._stamp = base + len(endpoints)
+        # The hot loop: every endpoint priced as if nothing were cached (U = P); the few
+        # with a prefix match or the task's stickiness are re-priced below.
+        if now >= self._min_until:
+            self._expire_views(now)
+        cands: list[_Cand] = []
+        append = cands.append
+        slot = base
+        load_sum = 0.0
+        weight_sum = 0.0
+        for e in endpoints:
+            v = e._pick_view
+            if v is None:
+                v = self._view(e, now)
+            if v.kkey is not kkey:
+                self._constants(v, e, kkey, now)  # (also adopts another picker's view)
+                v = e._pick_view
+            kc = v.kc
+            if kc is None or v.stamp >= base:
+                continue
+            if hook is not None and not hook(e, req, now):
+                continue
+            v.stamp = slot
+            slot += 1
+            k0, k1, u, free, kvw, load, weight, name = kc
+            j = k0 + big_p * k1 + big_m * u
+            if pm > free:
+                j += (pm - free) * kvw
+            append((j, name, v))
+            load_sum += load
+            weight_sum += weight
+        if not cands:
+            return []
+
+        by_name = self._by_name
+        cached_of: dict[str, float] = {}
+        tpb = c.tokens_per_block
+        matched = self.index.match_detail(hashes, now) if nb else {}
+        for name, mt in matched.items():
+            v = by_name.get(name)
+            if v is not None and v.stamp >= base:
+                cached = mt[1] * tpb * v.trust
+                if cached > 0.0:
+                    cached_of[name] = cached
+        task = None
+        sticky = None
+        if req.context_key is not None:
+            task = self._tasks.get(req.context_key)
+            if task is not None and now - task.at <= c.task_ttl_s:
+                sticky = task.endpoint
+                v = by_name.get(sticky)
+                if v is not None and v.stamp >= base:
+                    had = cached_of.get(sticky, 0.0)
+                    bonus = self._sticky_bonus(task, matched.get(sticky), v, big_p, had)
+                    if bonus > 0.0:
+                        cached_of[sticky] = had + bonus
+                else:
+                    sticky = None
+        for name, cached in cached_of.items():
+            v = by_name[name]
+            unc = big_p - min(cached, big_p - 1.0)
+            j = v.k0 + unc * v.k1 + big_m * v.usd_per_out_tok
+            if unc + big_m > v.free_kv:
+                j += (unc + big_m - v.free_kv) * v.kv_wait_per_token * lam
+            cands[v.stamp - base] = (j, name, v)
+        sticky_t: _Cand | None = None
+        if sticky is not None:
+            sticky_t = cands[by_name[sticky].stamp - base]
+        cands.sort()
+
+        limit = len(cands) if c.max_choices is None else c.max_choices
+        if req.deadline_s is not None:
+            budget = req.deadline_s - now
+            meet = [t for t in cands if self._ttft(t, big_p, big_m, cached_of) <= budget]
+            if not meet:
+                cands.sort(key=lambda t: (self._ttft(t, big_p, big_m, cached_of), t[1]))
+                out = [
+                    self._choice(t, req, cached_of, "deadline-unmeetable", i)
+                    for i, t in enumerate(cands[:limit])
+                ]
+                if record:
+                    self._commit(req, out[0], now)
+                return out
+        else:
+            meet = cands
+
+        # Bounded load: the cap per unit of weight; below its floor nobody is hot.
+        x = 1.0 if c.load_metric == "requests" else float(pm)
+        cap = (1.0 + c.epsilon) * (load_sum + x) / weight_sum
+
+        def within(t: _Cand) -> bool:
+            v = t[2]
+            return v.load <= v.floor_load or v.load + x <= cap * v.weight
+
+        best = None
+        for t in meet:
+            if within(t):
+                best = t
+                break
+        bound_ok = best is not None
+        if best is None:
+            best = meet[0]
+            within = _always
+        primary = best
+        reason = "prefix-affinity" if best[1] in cached_of else "least-cost"
+
+        gk = min(c.group_blocks, nb)
+        group_key = hashes[gk - 1] if gk else None
+        demand = 0.0
+        if group_key is not None:
+            # The group's work is what its holders would still compute: the prompt beyond
+            # the best holder's cached part (or beyond the group prefix), and the decode.
+            held = max(cached_of.values()) if cached_of else gk * tpb
+            demand = self._demand(group_key, big_p - held, big_m, now)
+        if (
+            sticky_t is not None
+            and req.deadline_s is not None
+            and self._ttft(sticky_t, big_p, big_m, cached_of) > req.deadline_s - now
+        ):
+            sticky_t = None
+        if (
+            sticky_t is not None
+            and sticky_t[0] <= best[0] + abs(best[0]) * c.sticky_tolerance
+            and within(sticky_t)
+        ):
+            primary = sticky_t
+            reason = "sticky"
+        elif group_key is not None:
+            if cached_of:
+                target = self._replica_target(meet, cached_of, matched, gk, demand, within)
+                if target is not None:
+                    primary = target
+                    reason = "replicate"
+            else:
+                primary = self._cold_hash(meet, best, group_key, c.cold_tolerance, within)
+                reason = "cold-hash"
+        if not bound_ok:
+            reason = "over-load-bound"
+
+        out = [self._choice(primary, req, cached_of, reason, 0)]
+        over: list[_Cand] = []
+        for t in meet:
+            if len(out) >= limit:
+                break
+            if t is primary:
+                continue
+            if within(t):
+                out.append(self._choice(t, req, cached_of, "fallback", len(out)))
+            else:
+                over.append(t)
+        for t in over:
+            if len(out) >= limit:
+                break
+            out.append(self._choice(t, req, cached_of, "over-load-bound", len(out)))
+        if record:
+            self._commit(req, out[0], now)
+        return out
+
+    def dispatch(self, choice: Choice, req: PickRequest, request_id: Hashable, now: float) -> None:
+        """The driver sent `req` to `choice`: account it on the endpoint (and, for a
+        fallback, note it in the index and task map as pick() did for the primary)."""
+        if choice.rank:
+            self._commit(req, choice, now)
+        choice.state.start(
+            request_id,
+            now,
+            prompt_tokens=max(1, req.prompt_tokens),
+            uncached_tokens=max(1, req.prompt_tokens - choice.cached_tokens),
+            max_tokens=max(0, req.max_tokens),
+            nominal_s=choice.nominal_s,
+            fixed_s=choice.fixed_s,
+        )
+
+    def observe_cached(
+        self, choice: Choice, req: PickRequest, cached_tokens: int, now: float
+    ) -> None:
+        """The engine reported how many prompt tokens it had cached (usage.prompt_tokens_
+        details.cached_tokens). Far fewer than predicted means the index has ghosts there:
+        cut that endpoint's entry for this chain back to what the engine really had."""
+        if cached_tokens >= 0.5 * choice.cached_tokens:
+            return
+        keep = int(cached_tokens / self.config.tokens_per_block)
+        self.index.truncate(choice.endpoint, req.block_hashes, keep)
+
+    def forget(self, endpoint: str) -> None:
+        """An endpoint left the pool: drop its index entries and cached view."""
+        self.index.forget(endpoint)
+        v = self._by_name.pop(endpoint, None)
+        if v is not None:
+            if v.state._pick_view is v:
+                v.state._pick_view = None
+            if v.state._pick_stale is v:
+                v.state._pick_stale = None
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _expire_views(self, now: float) -> None:
+        """A freshness deadline passed somewhere: rebuild the views it affects, so that the
+        hot loop need only test each view for None."""
+        nxt = _INF
+        for v in list(self._by_name.values()):
+            if now >= v.until:
+                v = self._view(v.state, now)
+            if v.until < nxt:
+                nxt = v.until
+        self._min_until = nxt
+
+    def _view(self, e: EndpointState, now: float) -> _View:
+        """The endpoint's view, rebuilt: the static part (GPU, report, eligibility) only when
+        a report, flag or failure changed it or a freshness deadline passed; the load part
+        (local counters) on every version change."""
+        v = e._pick_view
+        if v is None:
+            v = e._pick_stale
+        if (
+            v is None
+            or v.picker is not self
+            or v.static_version != e.static_version
+            or now >= v.until
+        ):
+            v = self._static_view(e, now, v)
+        c = self.config
+        local_running = e.outstanding - e.waiting
+        running = local_running if local_running > v.r_running else v.r_running
+        queued = e.waiting if e.waiting > v.r_waiting else v.r_waiting
+        pending = float(e.pending_prefill_tokens)
+        if v.r_waiting and v.r_waiting * e.prompt_tokens_avg > pending:
+            pending = v.r_waiting * e.prompt_tokens_avg
+        tps = v.tps0 * max(0.1, 1.0 - running / v.budget)
+        cal = e.ttft_ratio
+        step = v.step1 + v.step_slope * running
+        residence = e.residence_s if e.residence_s is not None else c.default_residence_s
+        v.inv_nominal = 1.0 / tps
+        v.inv = cal / tps
+        v.q_nominal = pending / tps + step
+        excess = running + queued + 1 - v.slots
+        v.q_fixed = excess / v.slots * residence if excess > 0 else 0.0
+        v.q = cal * v.q_nominal + v.q_fixed
+        used = float(e.tokens_in_flight)
+        if v.r_kv_used > used:
+            used = v.r_kv_used
+        v.free_kv = max(0.0, v.kv_cap - used)
+        v.kv_wait_per_token = residence / v.kv_cap if v.kv_cap > 0 else 0.0
+        if c.load_metric == "requests":
+            v.load = float(max(e.outstanding, v.r_requests))
+        else:
+            v.load = float(max(e.tokens_in_flight, v.r_tokens))
+        v.version = e.version
+        v.kkey = None
+        e._pick_view = v
+        self._by_name[e.name] = v
+        return v
+
+    def _static_view(self, e: EndpointState, now: float, old: _View | None) -> _View:
+        c = self.config
+        mine = old is not None and old.picker is self
+        v = _View()
+        v.picker = self
+        v.state = e
+        v.static_version = e.static_version
+        v.name = e.name
+        v.url = e.url
+        v.stamp = old.stamp if old is not None and mine else 0
+        v.salt = old.salt if old is not None and mine else xxh64(e.name.encode("utf-8"))
+        v.cold = {}
+        v.adapters = {}
+        v.kkey = None
+        v.why = e.ineligible_reason(now)
+        until = e.next_change(now)
+        silent = e.silent_for(now)
+        if e.reported is None or silent <= 0.0:
+            v.trust = 1.0
+        elif silent <= c.silent_drop_s:
+            v.trust = c.stale_trust
+            until = min(until, e.reported_at + e.report_ttl_s + c.silent_drop_s)
+        else:
+            v.trust = 0.0
+        v.until = until
+        if until < self._min_until:
+            self._min_until = until
+
+        r = e.fresh_report(now)
+        gpu = self.gpus.get(e.gpu_name(now))
+        n = max(1, e.gpus(now))
+        v.tps0 = gpu.prefill_tokens_per_s * n * max(1e-6, e.speed_scale)
+        v.budget = float(gpu.max_num_batched_tokens)
+        v.step1 = gpu.decode_step_s(1) / n
+        v.step_slope = (gpu.decode_step_s(2) - gpu.decode_step_s(1)) / n
+        v.slots = gpu.max_num_seqs
+        v.price_s = gpu.price_per_s * n
+        # Decode at the reference batch, not this engine's current one: the average share of
+        # a step would make an idle engine look dear and pull traffic onto busy ones.
+        v.usd_per_out_tok = gpu.price_per_s * gpu.decode_step_s(DECODE_REF_BATCH) / DECODE_REF_BATCH
+        cap = e.kv_capacity(now)
+        if cap is None:
+            cap = gpu.kv_tokens * n
+        v.kv_cap = float(cap)
+        v.weight = v.tps0
+        v.floor_load = self._floor * v.weight / _REF.prefill_tokens_per_s
+        v.r_running = r.requests_running if r is not None else 0
+        v.r_waiting = r.requests_waiting if r is not None else 0
+        v.r_requests = v.r_running + v.r_waiting
+        v.r_tokens = r.tokens_in_flight if r is not None else 0
+        v.r_kv_used = 0.0
+        if r is not None:
+            v.r_kv_used = float(r.tokens_in_flight)
+            if r.kv_usage is not None and r.kv_capacity_tokens is not None:
+                v.r_kv_used = max(v.r_kv_used, r.kv_usage * r.kv_capacity_tokens)
+
+        # Keep the index in step with the endpoint: its capacity, and a restart.
+        cap_blocks = int(cap / c.tokens_per_block)
+        if old is None or not mine or old.cap_blocks != cap_blocks:
+            self.index.set_capacity(e.name, cap_blocks)
+        v.cap_blocks = cap_blocks
+        if r is not None:
+            self.index.observe_epoch(e.name, r.epoch)
+        e._pick_view = v
+        self._by_name[e.name] = v
+        return v
+
+    def _constants(self, v: _View, e: EndpointState, kkey: _KKey, now: float) -> None:
+        """The request-class constants of J (see the module docstring): with U uncached
+        tokens and M output tokens, J = k0 + U * k1 + M * usd_per_out_tok, plus
+        (U + M - free_kv) * kv_wait_per_token * lambda when that is positive. Packed into
+        one tuple (`kc`, None when the endpoint cannot serve the class) for the hot loop."""
+        if v.picker is not self:
+            v = self._view(e, now)
+        model, adapter, lam = kkey
+        v.kkey = kkey
+        v.kc = None
+        if v.why is not None:
+            return
+        if model in v.cold:
+            cold = v.cold[model]
+        else:
+            if len(v.cold) >= MAX_REQUEST_CLASSES:
+                v.cold.clear()
+                v.adapters.clear()
+            cold = v.cold[model] = self._model_cold(e, model, now)
+        if cold is None:
+            return
+        if adapter is not None:
+            if adapter in v.adapters:
+                ac = v.adapters[adapter]
+            else:
+                ac = v.adapters[adapter] = self._adapter_cold(e, adapter, now)
+            if ac is None:
+                return
+            cold += ac
+        v.cold_now = cold
+        v.k0 = v.price_s * cold + lam * (cold + v.q)
+        v.k1 = v.inv * (v.price_s + lam)
+        v.kc = (
+            v.k0,
+            v.k1,
+            v.usd_per_out_tok,
+            v.free_kv,
+            v.kv_wait_per_token * lam,
+            v.load,
+            v.weight,
+            v.name,
+        )
+
+    def _ttft(self, t: _Cand, prompt: int, max_tokens: int, cached_of: dict[str, float]) -> float:
+        v = t[2]
+        unc = prompt - min(cached_of.get(t[1], 0.0), prompt - 1.0)
+        ttft = v.cold_now + v.q + unc * v.inv
+        if unc + max_tokens > v.free_kv:
+            ttft += (unc + max_tokens - v.free_kv) * v.kv_wait_per_token
+        return ttft
+
+    def _model_cold(self, e: EndpointState, model: str, now: float) -> float | None:
+        warm = e.model_warm(model, now)
+        if warm is None:
+            return None
+        return 0.0 if warm else self.config.model_cold_load_s
+
+    def _adapter_cold(self, e: EndpointState, adapter: str, now: float) -> float | None:
+        warm = e.adapter_warm(adapter, now)
+        if warm is None:
+            return None
+        return 0.0 if warm else self.config.lora_cold_load_s
+
+    def _sticky_bonus(
+        self,
+        task: _Task,
+        match: tuple[int, float] | None,
+        v: _View,
+        prompt: int,
+        cached: float,
+    ) -> float:
+        c = self.config
+        held = 0 if match is None else match[0]
+        # The previous output is cached only where the previous prompt still is.
+        if held * c.tokens_per_block + c.tokens_per_block < task.prompt_tokens:
+            return 0.0
+        bonus = task.max_tokens * c.sticky_output_fraction
+        bonus *= self.index.approx_confidence * v.trust
+        return max(0.0, min(bonus, prompt - 1 - cached))
+
+    def _demand(self, key: int, uncached: float, max_tokens: int, now: float) -> float:
+        c = self.config
+        work = max(0.0, uncached) / _REF.prefill_tokens_per_s
+        work += max_tokens * _REF_DECODE_TOKEN_S
+        g = self._groups.get(key)
+        tau = c.demand_window_s
+        if g is None:
+            g = _Group(0.0, now)
+            self._groups[key] = g
+            if len(self._groups) > c.group_map_size:
+                self._groups.popitem(last=False)
+        else:
+            self._groups.move_to_end(key)
+        dt = now - g.at
+        if dt > 0.0:
+            g.rate *= math.exp(-dt / tau)
+            g.at = now
+        g.rate += work / tau
+        return g.rate
+
+    def _replica_target(
+        self,
+        meet: list[_Cand],
+        cached_of: dict[str, float],
+        matched: dict[str, tuple[int, float]],
+        gk: int,
+        demand: float,
+        within: Callable[[_Cand], bool],
+    ) -> _Cand | None:
+        util = self.config.replicate_utilisation / _REF.prefill_tokens_per_s
+        capacity = 0.0
+        holders: set[str] = set()
+        by_name = self._by_name
+        for name in cached_of:
+            m = matched.get(name)
+            if m is not None and m[0] >= gk:
+                capacity += util * by_name[name].weight
+                holders.add(name)
+        if not holders or demand <= capacity:
+            return None
+        for t in meet:  # sorted by J: the first non-holder within the bound is the best
+            if t[1] not in holders and within(t):
+                return t
+        return None
+
+    def _cold_hash(
+        self,
+        meet: list[_Cand],
+        best: _Cand,
+        key: int,
+        tolerance: float,
+        within: Callable[[_Cand], bool],
+    ) -> _Cand:
+        window = best[0] + abs(best[0]) * tolerance
+        top = best
+        top_score = -1
+        for t in meet:
+            if t[0] > window:
+                break
+            if not within(t):
+                continue
+            s = _mix(key ^ t[2].salt)
+            if s > top_score:
+                top, top_score = t, s
+        return top
+
+    def _choice(
+        self, t: _Cand, req: PickRequest, cached_of: dict[str, float], reason: str, rank: int
+    ) -> Choice:
+        score, name, v = t
+        prompt = req.prompt_tokens if req.prompt_tokens > 1 else 1
+        big_m = req.max_tokens if req.max_tokens > 0 else 0
+        cached = cached_of.get(name, 0.0) if cached_of else 0.0
+        if cached > prompt - 1.0:
+            cached = prompt - 1.0
+        unc = prompt - cached
+        pre = unc * v.inv
+        cold = v.cold_now
+        fixed = cold + v.q_fixed
+        ttft = cold + v.q + pre
+        if unc + big_m > v.free_kv:
+            kv_wait = (unc + big_m - v.free_kv) * v.kv_wait_per_token
+            ttft += kv_wait
+            fixed += kv_wait
+        cost = v.price_s * (pre + cold) + big_m * v.usd_per_out_tok
+        nominal = v.q_nominal + unc * v.inv_nominal
+        # tuple.__new__ directly: the NamedTuple's generated __new__ is one more call.
+        return _new_choice(
+            Choice,
+            (name, v.url, ttft, cost, int(cached), reason, score, rank, nominal, fixed, v.state),
+        )
+
+    def _commit(self, req: PickRequest, choice: Choice, now: float) -> None:
+        if req.block_hashes:
+            self.index.record(choice.endpoint, req.block_hashes, now)
+        key = req.context_key
+        if key is not None:
+            tasks = self._tasks
+            t = tasks.get(key)
+            if t is None:
+                tasks[key] = _Task(choice.endpoint, req.prompt_tokens, req.max_tokens, now)
+                if len(tasks) > self.config.task_map_size:
+                    tasks.popitem(last=False)
+            else:
+                t.endpoint = choice.endpoint
+                t.prompt_tokens = req.prompt_tokens
+                t.max_tokens = req.max_tokens
+                t.at = now
+                tasks.move_to_end(key)
