@@ -67,6 +67,7 @@ class Endpoint(_Strict):
     url: str
     gpu: str | None = None
     weight: float = Field(default=1.0, gt=0)
+    kv_capacity_tokens: int | None = Field(default=None, ge=1)
 
     @field_validator("url")
     @classmethod
@@ -144,10 +145,19 @@ class Trust(_Strict):
         return tuple(ipaddress.ip_network(n, strict=False) for n in self.routing_header_sources)
 
 
+class PickerSettings(_Strict):
+    """meshd's picker (routing.policy: meshd); the model is in filters/picker.py."""
+
+    lambda_usd_per_s: float = Field(default=1e-3, ge=0)
+    epsilon: float = Field(default=0.25, ge=0)
+    load_metric: Literal["requests", "tokens"] = "requests"
+
+
 class Routing(_Strict):
     block_size_bytes: int = Field(default=64, ge=8, le=65536)
     cache_salt: str = ""
-    policy: Literal["least-request", "round-robin"] = "least-request"
+    policy: Literal["meshd", "least-request", "round-robin"] = "meshd"
+    picker: PickerSettings = PickerSettings()
     unhealthy_after_failures: int = Field(default=3, ge=1)
     unhealthy_cooldown_s: float = Field(default=10.0, gt=0)
 
@@ -334,7 +344,7 @@ pools:
     models: ["*"]                              # glob patterns of model names served
     endpoints:
       - http://127.0.0.1:8000
-      - {url: "http://127.0.0.1:8001", gpu: H100, weight: 1.0}
+      - {url: "http://127.0.0.1:8001", gpu: H100, weight: 1.0, kv_capacity_tokens: 500000}
 upstream:
   connect_timeout_s: 5
   first_byte_timeout_s: 120    # per try: time to the response headers (504 after)
@@ -355,7 +365,11 @@ trust:
 routing:
   block_size_bytes: 64         # prefix block for hashing (about 16 tokens)
   cache_salt: ""
-  policy: least-request        # or round-robin
+  policy: meshd                # prefix-aware picker; or least-request, round-robin
+  picker:
+    lambda_usd_per_s: 0.001    # dollars one second of TTFT is worth at priority 5
+    epsilon: 0.25              # bounded load: no endpoint above (1+epsilon) x mean
+    load_metric: requests      # or tokens
   unhealthy_after_failures: 3  # consecutive connect failures before an endpoint rests
   unhealthy_cooldown_s: 10
 transparent:

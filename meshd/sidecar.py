@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import itertools
 import json
 import logging
 import signal
@@ -27,9 +28,22 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from filters.balancer import EndpointBalancer
-from filters.hotpath import IMPLEMENTATION, SSEScanner, block_hashes, parse_routing_headers
-from filters.request import PATH_KINDS, InferenceRequest, RequestError, parse_inference_request
+from filters.hotpath import (
+    IMPLEMENTATION,
+    RoutingHeaders,
+    SSEScanner,
+    block_hashes,
+    parse_routing_headers,
+)
+from filters.picker import PickerConfig, PickRequest
+from filters.pool_router import EndpointSpec, PoolRouter, Route, make_router
+from filters.request import (
+    CHARS_PER_TOKEN,
+    PATH_KINDS,
+    InferenceRequest,
+    RequestError,
+    parse_inference_request,
+)
 from meshd import __version__
 from meshd.config import Config, ConfigError, load_config
 from meshd.errors import error_response, sse_error_event
@@ -71,6 +85,23 @@ class _Watch:
     expired: str | None = None
 
 
+# A whole (non-streamed) response is parsed for its usage only below this size.
+_MAX_USAGE_PARSE_BYTES = 1 << 20
+
+
+@dataclass(slots=True, eq=False)
+class _Attempt:
+    """One try of a request on one endpoint, and what the router is told about it."""
+
+    router: PoolRouter
+    route: Route
+    rid: int
+    pick: PickRequest
+    ok: bool = False
+    cached_tokens: int | None = None
+    settled: bool = False
+
+
 @dataclass(slots=True)
 class RequestContext:
     kind: str
@@ -78,6 +109,7 @@ class RequestContext:
     started: float
     trusted: bool
     inference: InferenceRequest | None = None
+    routing: RoutingHeaders | None = None
     block_hashes: list[int] = field(default_factory=list)
     request_id: str = ""
 
@@ -90,15 +122,27 @@ class Sidecar:
         # Tests without iptables inject where a transparent connection was headed.
         self._original_destination_fn = original_destination_fn
         self.metrics = DataPlaneMetrics()
-        self.balancers = {
-            pool.name: EndpointBalancer(
-                [(ep.url, ep.weight) for ep in pool.endpoints],
-                policy=config.routing.policy,
-                unhealthy_after=config.routing.unhealthy_after_failures,
-                cooldown_s=config.routing.unhealthy_cooldown_s,
+        routing = config.routing
+        picker_config = PickerConfig(
+            lambda_usd_per_s=routing.picker.lambda_usd_per_s,
+            epsilon=routing.picker.epsilon,
+            load_metric=routing.picker.load_metric,
+            tokens_per_block=routing.block_size_bytes / CHARS_PER_TOKEN,
+        )
+        self.routers: dict[str, PoolRouter] = {
+            pool.name: make_router(
+                routing.policy,
+                [
+                    EndpointSpec(ep.url, ep.weight, ep.gpu, ep.kv_capacity_tokens)
+                    for ep in pool.endpoints
+                ],
+                unhealthy_after=routing.unhealthy_after_failures,
+                cooldown_s=routing.unhealthy_cooldown_s,
+                picker=picker_config,
             )
             for pool in config.pools
         }
+        self._attempt_ids = itertools.count()
         self._trusted_nets = config.trust.networks()
         self._active = 0
         self._draining = False
@@ -386,6 +430,7 @@ class Sidecar:
                 started=started,
                 trusted=trusted,
                 inference=inference,
+                routing=routing,
                 block_hashes=block_hashes(
                     inference.prompt_text,
                     inference.model,
@@ -478,13 +523,20 @@ class Sidecar:
         assert self._session is not None
         loop = asyncio.get_running_loop()
         up_cfg = self.config.upstream
-        balancer = self.balancers[ctx.pool]
+        router = self.routers[ctx.pool]
         upstream_headers = self._upstream_headers(headers, ctx)
         deadline = ctx.started + up_cfg.request_timeout_s
-        candidates = balancer.order(time.monotonic())[: up_cfg.max_attempts]
+        now = time.monotonic()
+        if ctx.inference is not None and ctx.routing is not None:
+            pick = PickRequest.build(ctx.inference, ctx.routing, now, block_hashes=ctx.block_hashes)
+        else:
+            pick = PickRequest(model="")
+        routes = router.order(pick, now)[: up_cfg.max_attempts]
         failures: list[str] = []
-        for url in candidates:
-            balancer.on_start(url)
+        for route in routes:
+            url = route.url
+            attempt = _Attempt(router, route, next(self._attempt_ids), pick)
+            router.started(route, attempt.rid, pick, time.monotonic())
             try:
                 budget = min(up_cfg.first_byte_timeout_s, deadline - loop.time())
                 try:
@@ -500,7 +552,8 @@ class Sidecar:
                     # Nothing reached an engine (or a stale keep-alive connection was
                     # closed under us): safe to try the next endpoint.
                     reason = _describe(exc)
-                    balancer.on_connect_failure(url, time.monotonic(), reason)
+                    router.connect_failed(route, attempt.rid, time.monotonic(), reason)
+                    attempt.settled = True
                     self.metrics.upstream_attempts.labels(ctx.pool, url, "connect_error").inc()
                     failures.append(f"{url}: {reason}")
                     continue
@@ -517,11 +570,19 @@ class Sidecar:
                     self.metrics.upstream_attempts.labels(ctx.pool, url, "error").inc()
                     self._finish(ctx, "upstream_error")
                     return self._reject(502, f"{url} failed: {_describe(exc)}", "upstream_error")
-                balancer.on_success(url)
                 self.metrics.upstream_attempts.labels(ctx.pool, url, str(upstream.status)).inc()
-                return await self._relay(request, ctx, url, upstream, deadline)
+                attempt.ok = upstream.status < 500
+                return await self._relay(request, ctx, attempt, upstream, deadline)
             finally:
-                balancer.on_finish(url)
+                if not attempt.settled:
+                    router.finished(
+                        route,
+                        attempt.rid,
+                        pick,
+                        time.monotonic(),
+                        ok=attempt.ok,
+                        cached_tokens=attempt.cached_tokens,
+                    )
         self._finish(ctx, "no_upstream")
         detail = "; ".join(failures) or "no endpoint available"
         return self._reject(
@@ -548,20 +609,21 @@ class Sidecar:
         self,
         request: web.Request,
         ctx: RequestContext,
-        url: str,
+        attempt: _Attempt,
         upstream: aiohttp.ClientResponse,
         deadline: float,
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         watch = _Watch(upstream, loop.time(), deadline)
         self._watches.add(watch)
-        headers = self._response_headers(upstream, ctx, url)
+        headers = self._response_headers(upstream, ctx, attempt.route.url)
         is_sse = upstream.content_type == "text/event-stream"
         try:
             if not is_sse:
-                return await self._relay_whole(ctx, upstream, headers, watch)
-            return await self._relay_stream(request, ctx, url, upstream, headers, watch)
+                return await self._relay_whole(ctx, attempt, upstream, headers, watch)
+            return await self._relay_stream(request, ctx, attempt, upstream, headers, watch)
         except asyncio.CancelledError:
+            attempt.ok = False
             # The client went away (aiohttp cancels the handler): drop the
             # upstream connection now so the engine stops generating.
             self.metrics.client_disconnects.labels(ctx.pool).inc()
@@ -577,6 +639,7 @@ class Sidecar:
     async def _relay_whole(
         self,
         ctx: RequestContext,
+        attempt: _Attempt,
         upstream: aiohttp.ClientResponse,
         headers: list[tuple[str, str]],
         watch: _Watch,
@@ -588,6 +651,7 @@ class Sidecar:
                 watch.last_activity = loop.time()
                 chunks.append(chunk)
         except (aiohttp.ClientError, ConnectionError) as exc:
+            attempt.ok = False
             outcome = "timeout" if watch.expired else "upstream_failed"
             self._finish(ctx, outcome)
             if watch.expired:
@@ -597,19 +661,23 @@ class Sidecar:
                 f"the upstream failed while sending its response: {_describe(exc)}",
                 "upstream_error",
             )
+        body = b"".join(chunks)
+        if ctx.inference is not None and upstream.status == 200:
+            attempt.cached_tokens = _cached_tokens_of(body)
         self._finish(ctx, "ok" if upstream.status < 500 else "upstream_5xx")
-        return web.Response(body=b"".join(chunks), status=upstream.status, headers=headers)
+        return web.Response(body=body, status=upstream.status, headers=headers)
 
     async def _relay_stream(
         self,
         request: web.Request,
         ctx: RequestContext,
-        url: str,
+        attempt: _Attempt,
         upstream: aiohttp.ClientResponse,
         headers: list[tuple[str, str]],
         watch: _Watch,
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
+        url = attempt.route.url
         resp = web.StreamResponse(status=upstream.status, headers=headers)
         await resp.prepare(request)
         transport = request.transport
@@ -627,6 +695,7 @@ class Sidecar:
                     try:
                         if scanner.feed(chunk) and first_token_at is None:
                             first_token_at = now
+                            attempt.router.first_token(attempt.route, attempt.rid, time.monotonic())
                     except ValueError as exc:
                         log.warning("stopped scanning a stream from %s: %s", url, exc)
                         scanner = None
@@ -634,6 +703,7 @@ class Sidecar:
                     await resp.write(chunk)
                 except ConnectionError:
                     # The client went away between two chunks.
+                    attempt.ok = False
                     self.metrics.client_disconnects.labels(ctx.pool).inc()
                     self._finish(ctx, "client_disconnect")
                     return resp
@@ -652,8 +722,11 @@ class Sidecar:
                 "the upstream closed the stream before [DONE]",
                 "upstream_stream_truncated",
             )
+        if failure is not None:
+            attempt.ok = False
         if scanner is not None:
             self.metrics.stream_tokens.labels(ctx.pool).inc(scanner.tokens)
+            attempt.cached_tokens = _usage_cached_tokens(scanner.usage)
         if first_token_at is not None:
             self.metrics.ttft.labels(ctx.pool, url).observe(first_token_at - ctx.started)
         try:
@@ -682,7 +755,7 @@ class Sidecar:
         now = time.monotonic()
         pools = {
             name: sum(1 for ep in b.snapshot(now) if ep["healthy"])
-            for name, b in self.balancers.items()
+            for name, b in self.routers.items()
         }
         problems = [f"pool {n!r} has no healthy endpoint" for n, c in pools.items() if c == 0]
         if self._draining:
@@ -705,9 +778,31 @@ class Sidecar:
             {
                 "hot_path": IMPLEMENTATION,
                 "active_requests": self._active,
-                "pools": {name: b.snapshot(now) for name, b in self.balancers.items()},
+                "policy": self.config.routing.policy,
+                "pools": {name: b.snapshot(now) for name, b in self.routers.items()},
             }
         )
+
+
+def _usage_cached_tokens(usage: Any) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens (vLLM with --enable-prompt-tokens-details)."""
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        return None
+    cached = details.get("cached_tokens")
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+
+
+def _cached_tokens_of(body: bytes) -> int | None:
+    if len(body) > _MAX_USAGE_PARSE_BYTES:
+        return None
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    return _usage_cached_tokens(doc.get("usage")) if isinstance(doc, dict) else None
 
 
 def _bound(site: web.TCPSite) -> str:
