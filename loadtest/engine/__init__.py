@@ -1,0 +1,52 @@
+"""A vLLM-compatible engine simulator: vLLM's HTTP API, metrics and KV events over a
+sans-I/O continuous-batching core with per-GPU timing profiles (see core.py, server.py)."""
+
+from loadtest.engine.config import (
+    DEFAULT_MODEL,
+    ConfigError,
+    EngineSpec,
+    FleetConfig,
+    fleet_from_dict,
+    load_fleet_config,
+    mixed_fleet,
+)
+from loadtest.engine.core import (
+    CoreConfig,
+    EngineCore,
+    RequestRejected,
+    SimRequest,
+    StepResult,
+    run_until_idle,
+)
+from loadtest.engine.faults import FaultError, FaultSpec, parse_fault
+from loadtest.engine.fleet import EngineFleet
+from loadtest.engine.profiles import GPUS, EngineProfile, get_profile
+from loadtest.engine.server import SimEngine
+from loadtest.engine.tokenizer import TokenGenerator, WordTokenizer, render_chat
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "GPUS",
+    "ConfigError",
+    "CoreConfig",
+    "EngineCore",
+    "EngineFleet",
+    "EngineProfile",
+    "EngineSpec",
+    "FaultError",
+    "FaultSpec",
+    "FleetConfig",
+    "RequestRejected",
+    "SimEngine",
+    "SimRequest",
+    "StepResult",
+    "TokenGenerator",
+    "WordTokenizer",
+    "fleet_from_dict",
+    "get_profile",
+    "load_fleet_config",
+    "mixed_fleet",
+    "parse_fault",
+    "render_chat",
+    "run_until_idle",
+]

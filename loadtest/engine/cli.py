@@ -1,0 +1,229 @@
+"""`meshd sim-engine`: run one simulated vLLM engine, or a fleet of them, until a signal."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from dataclasses import replace
+from typing import Any
+
+from loadtest.engine.config import (
+    DEFAULT_MODEL,
+    ConfigError,
+    EngineSpec,
+    load_fleet_config,
+    mixed_fleet,
+)
+from loadtest.engine.faults import FaultError, parse_fault
+from loadtest.engine.fleet import EngineFleet
+from loadtest.engine.profiles import GPUS
+
+DESCRIPTION = """\
+Run simulated vLLM engines: vLLM's OpenAI-compatible HTTP API (/v1/completions,
+/v1/chat/completions, streaming or not), /metrics with vLLM's metric names, KV events
+over ZMQ in vLLM's wire format, and a timing model of continuous batching on an
+A100/H100/H200/B200 serving Llama-3-8B. Output text is a pure function of (prompt, seed).
+Faults can be injected with POST /admin/fault (see loadtest/engine/faults.py).
+
+examples:
+  meshd sim-engine --port 8001 --gpu H100
+  meshd sim-engine --fleet 16 --gpus H100,A100,H200,B200 --port 8100 \\
+      --kv-events-endpoint 'tcp://*:5600' --time-scale 0.25
+  meshd sim-engine --config fleet.yaml
+"""
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "sim-engine",
+        help="run simulated vLLM engines (one, or a fleet on consecutive ports)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="port of the first engine; a fleet uses consecutive ports; 0 = any",
+    )
+    p.add_argument(
+        "--gpu",
+        default="H100",
+        choices=sorted(GPUS) + [g.lower() for g in GPUS],
+        metavar="GPU",
+        help=f"GPU profile: {', '.join(GPUS)} (default H100)",
+    )
+    p.add_argument(
+        "--gpus",
+        default=None,
+        help="comma-separated GPU profiles a fleet cycles through, e.g. H100,A100",
+    )
+    p.add_argument("--fleet", type=int, default=1, metavar="N", help="number of engines")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed for requests that carry none (output = f(prompt, seed))",
+    )
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="KV cache size in blocks (default: from the GPU profile)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-model-len", type=int, default=8192, help="context window")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="max running requests (default: vLLM's for the GPU)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget per step (default: vLLM's for the GPU)",
+    )
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="simulated seconds per wall second (2 = twice as fast as the GPU)",
+    )
+    p.add_argument(
+        "--cold-start",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="weights-loading delay before the engines accept connections",
+    )
+    p.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="ZMQ PUB endpoint, e.g. tcp://*:5557 (port +i for engine i)",
+    )
+    p.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help="ZMQ ROUTER replay endpoint, e.g. tcp://*:5558 (port +i)",
+    )
+    p.add_argument("--kv-events-topic", default="", help="ZMQ topic of KV event batches")
+    p.add_argument(
+        "--kv-events-format",
+        default="map",
+        choices=("map", "array"),
+        help="event encoding: map (vLLM >= 0.10, default) or array (older)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="FILE",
+        help="a tokenizer.json (needs the tokenizers package); default: word level",
+    )
+    p.add_argument(
+        "--eos-rate",
+        type=float,
+        default=0.0,
+        help="chance per token of ending the answer (requests without ignore_eos)",
+    )
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help='a fault for every engine, e.g. \'{"kind":"slowdown","factor":3,"at":60}\'',
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a YAML/JSON fleet file (see loadtest/engine/config.py); "
+        "replaces the per-engine options",
+    )
+    p.add_argument("--log-level", default="WARNING", help="logging level")
+    p.set_defaults(func=run)
+
+
+def specs_from_args(args: argparse.Namespace) -> tuple[str, tuple[EngineSpec, ...]]:
+    if args.config:
+        cfg = load_fleet_config(args.config)
+        return args.host or cfg.host, cfg.engines
+    try:
+        faults = tuple(parse_fault(json.loads(f)) for f in args.fault)
+    except (ValueError, FaultError) as exc:
+        raise ConfigError(f"--fault: {exc}") from None
+    base = EngineSpec(
+        gpu=args.gpu.upper(),
+        model=args.model,
+        seed=args.seed,
+        kv_blocks=args.kv_blocks,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        time_scale=args.time_scale,
+        cold_start_s=args.cold_start,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic=args.kv_events_topic,
+        kv_events_format=args.kv_events_format,
+        tokenizer=args.tokenizer,
+        eos_rate=args.eos_rate,
+        faults=faults,
+    )
+    gpus = [g.strip().upper() for g in args.gpus.split(",")] if args.gpus else [base.gpu]
+    specs = mixed_fleet(args.fleet, gpus, base=replace(base, port=args.port), port=args.port)
+    return args.host or "127.0.0.1", specs
+
+
+async def serve(host: str, specs: tuple[EngineSpec, ...]) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with EngineFleet(specs, host=host) as fleet:
+        for e in fleet:
+            line = f"{e.name} gpu={e.profile.gpu} kv_blocks={e.core.pool.num_blocks} url={e.url}"
+            if e.publisher is not None:
+                line += f" kv_events={e.publisher.bound_endpoint()}"
+            print(line, flush=True)
+        await stop.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
+    try:
+        host, specs = specs_from_args(args)
+    except (ConfigError, OSError) as exc:
+        print(f"meshd sim-engine: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        uvloop.run(serve(host, specs))
+    except OSError as exc:
+        print(f"meshd sim-engine: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m loadtest.engine.cli ...`: the same command without the meshd package."""
+    parser = argparse.ArgumentParser(prog="meshd")
+    register(parser.add_subparsers())
+    args = parser.parse_args(["sim-engine", *(sys.argv[1:] if argv is None else argv)])
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
