@@ -1,0 +1,456 @@
+"""The benchmark report: results.json, requests.jsonl, report.md and its plots.
+
+One table row per policy, ratios against the baseline (round robin) for the key figures,
+the workload's description and cache hit-rate bounds, per-engine hit rates and cost, and
+matplotlib plots (Agg backend, imported only when plots are drawn).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loadtest.bench.results import PolicyResult, throughput_series
+
+RESULTS_JSON = "results.json"
+REQUESTS_JSONL = "requests.jsonl"
+REPORT_MD = "report.md"
+PLOTS: tuple[tuple[str, str], ...] = (
+    ("ttft_cdf.png", "TTFT CDF"),
+    ("throughput.png", "Output tokens/s over time"),
+    ("queue_depth.png", "Queue depth over time (all engines)"),
+    ("hit_rate_per_engine.png", "Prefix-cache hit rate per engine"),
+    ("cost_per_task.png", "Cost per successful task"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchReport:
+    """A finished run: its settings, its workload and one result per policy."""
+
+    title: str
+    command: str
+    started_at: str
+    workload_name: str
+    workload_args: dict[str, Any]
+    workload: dict[str, Any]
+    fleet: dict[str, Any]
+    client: dict[str, Any]
+    results: tuple[PolicyResult, ...]
+    baseline: str = "round-robin"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def ran(self) -> tuple[PolicyResult, ...]:
+        return tuple(r for r in self.results if r.ok)
+
+    def baseline_result(self) -> PolicyResult | None:
+        for r in self.ran:
+            if r.policy == self.baseline:
+                return r
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "title": self.title,
+            "command": self.command,
+            "started_at": self.started_at,
+            "workload": {
+                "name": self.workload_name,
+                "args": self.workload_args,
+                "description": self.workload,
+            },
+            "fleet": self.fleet,
+            "client": self.client,
+            "baseline": self.baseline,
+            "notes": list(self.notes),
+            "policies": [r.to_json() for r in self.results],
+        }
+
+
+# ---- formatting ---------------------------------------------------------------------
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f}" if seconds >= 0.1 else f"{seconds * 1000:.1f}"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:.1f}%"
+
+
+def _num(value: float | None, fmt: str = ".1f") -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _usd(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"${value:.3g}" if value < 1 else f"${value:.2f}"
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    if value is None or base is None or base == 0:
+        return "n/a"
+    return f"{value / base:.2f}x"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+COMPARISON_HEADER = (
+    "policy",
+    "ok / failed",
+    "TTFT p50 / p90 / p99 ms",
+    "ITL p50 / p99 ms",
+    "E2E p50 / p99 s",
+    "out tok/s",
+    "hit rate",
+    "queue mean / max",
+    "GPU-s",
+    "cost",
+    "tasks ok / all",
+    "$ / ok task",
+    "ok tasks / $",
+)
+
+
+def comparison_rows(results: Sequence[PolicyResult]) -> list[list[str]]:
+    rows = []
+    for r in results:
+        if not r.ok:
+            continue
+        rows.append(
+            [
+                r.policy,
+                f"{r.succeeded} / {r.failed}",
+                f"{_ms(r.ttft.p50)} / {_ms(r.ttft.p90)} / {_ms(r.ttft.p99)}",
+                f"{_ms(r.itl.p50)} / {_ms(r.itl.p99)}",
+                f"{r.e2e.p50:.2f} / {r.e2e.p99:.2f}",
+                f"{r.output_tok_s:.0f}",
+                _pct(r.hit_rate),
+                f"{_num(r.queue_waiting_mean)} / {_num(r.queue_waiting_max, '.0f')}",
+                f"{r.gpu_seconds:.0f}",
+                _usd(r.cost_usd),
+                f"{r.tasks.succeeded} / {r.tasks.planned}",
+                _usd(r.cost_per_successful_task),
+                _num(r.successful_tasks_per_dollar, ".0f"),
+            ]
+        )
+    return rows
+
+
+RATIO_HEADER = (
+    "policy",
+    "TTFT p50",
+    "TTFT p99",
+    "E2E p99",
+    "out tok/s",
+    "hit rate",
+    "tasks ok",
+    "$ / ok task",
+    "ok tasks / $",
+)
+
+
+def ratio_rows(results: Sequence[PolicyResult], base: PolicyResult) -> list[list[str]]:
+    rows = []
+    for r in results:
+        if not r.ok or r is base:
+            continue
+        rows.append(
+            [
+                r.policy,
+                _ratio(r.ttft.p50, base.ttft.p50),
+                _ratio(r.ttft.p99, base.ttft.p99),
+                _ratio(r.e2e.p99, base.e2e.p99),
+                _ratio(r.output_tok_s, base.output_tok_s),
+                _ratio(r.hit_rate, base.hit_rate),
+                _ratio(r.tasks.succeeded, base.tasks.succeeded),
+                _ratio(r.cost_per_successful_task, base.cost_per_successful_task),
+                _ratio(r.successful_tasks_per_dollar, base.successful_tasks_per_dollar),
+            ]
+        )
+    return rows
+
+
+def comparison_table(report: BenchReport) -> str:
+    """The comparison table (Markdown; readable as plain text too) and the ratios."""
+    lines = _table(COMPARISON_HEADER, comparison_rows(report.results))
+    base = report.baseline_result()
+    ratios = ratio_rows(report.results, base) if base is not None else []
+    if base is not None and ratios:
+        lines += ["", f"Ratios vs {base.policy} (lower is better for latency and $ / task):", ""]
+        lines += _table(RATIO_HEADER, ratios)
+    not_run = [r for r in report.results if not r.ok]
+    if not_run:
+        lines += [""]
+        lines += [f"- {r.policy}: {r.status}: {r.reason}" for r in not_run]
+    return "\n".join(lines)
+
+
+def render_markdown(report: BenchReport, plots: Sequence[str] = ()) -> str:
+    w = report.workload
+    out = [f"# {report.title}", ""]
+    out += [f"Started {report.started_at}. Command: `{report.command}`", ""]
+    out += ["## Comparison", "", comparison_table(report), ""]
+    out += _basis_lines(report)
+    out += ["## Setup", ""]
+    fleet = report.fleet
+    out.append(
+        f"- Fleet: {fleet.get('engines')} {fleet.get('kind')} engines "
+        f"({fleet.get('gpu_summary')}), a fresh fleet per policy (caches start cold)"
+        + (f", time_scale {fleet['time_scale']}" if fleet.get("time_scale", 1.0) != 1.0 else "")
+        + (f", {fleet['kv_blocks']} KV blocks each" if fleet.get("kv_blocks") else "")
+        + "."
+    )
+    c = report.client
+    out.append(
+        f"- Client: open loop by arrival time plus dependency chains, streaming, timeout "
+        f"{c.get('timeout_s')} s, at most {c.get('max_concurrency')} in flight"
+        + (f", sends stop at {c['duration_s']} s" if c.get("duration_s") else "")
+        + "."
+    )
+    for r in report.results:
+        out.append(f"- `{r.policy}`: {r.summary}" + ("" if r.ok else f" — {r.status}: {r.reason}"))
+    out += [""]
+    out += ["## Workload", ""]
+    args = ", ".join(f"{k}={v}" for k, v in report.workload_args.items())
+    out.append(f"`{report.workload_name}`" + (f" ({args})" if args else ""))
+    out.append("")
+    rr_bounds = w.get("round_robin_bound", {})
+    rows = [
+        ["requests", str(w.get("requests"))],
+        ["duration (planned), s", f"{w.get('duration_s', 0):.1f}"],
+        ["rate, req/s", f"{w.get('rate_rps', 0):.2f}"],
+        ["kinds", json.dumps(w.get("kinds"))],
+        ["workloads", json.dumps(w.get("workloads"))],
+        ["tenants", json.dumps(w.get("tenants"))],
+        ["chains / dependent requests", f"{w.get('chains')} / {w.get('dependent_requests')}"],
+        ["prompt tokens mean / p99", _spread(w.get("prompt_tokens"))],
+        ["context tokens (est.) mean / p99", _spread(w.get("context_tokens_est"))],
+        ["max_tokens mean / p99", _spread(w.get("max_tokens"))],
+        ["hit-rate upper bound (one infinite cache)", _pct(w.get("upper_bound_hit_rate"))],
+    ]
+    rows += [
+        [f"hit-rate bound, round robin over {n} infinite caches", _pct(v)]
+        for n, v in rr_bounds.items()
+    ]
+    out += _table(["", ""], rows)
+    out += [
+        "",
+        "Bounds count prompt blocks (a block hits if an earlier request had it); the engines "
+        "count tokens, and dependent steps add answers the bounds do not know about.",
+        "",
+    ]
+    out += _engine_section(report)
+    out += _failure_section(report)
+    if plots:
+        out += ["## Plots", ""]
+        titles = dict(PLOTS)
+        for name in plots:
+            out += [f"### {titles.get(name, name)}", "", f"![{titles.get(name, name)}]({name})", ""]
+    if report.notes:
+        out += ["## Notes", ""] + [f"- {n}" for n in report.notes] + [""]
+    out += [
+        f"Raw figures: `{RESULTS_JSON}` (per policy) and `{REQUESTS_JSONL}` (per request).",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def _spread(d: Any) -> str:
+    if not isinstance(d, dict):
+        return "n/a"
+    return f"{d.get('mean', 0):.0f} / {d.get('p99', 0):.0f}"
+
+
+def _basis_lines(report: BenchReport) -> list[str]:
+    ran = report.ran
+    if not ran:
+        return ["No policy ran.", ""]
+    bases = {r.gpu_basis for r in ran}
+    if bases == {"busy"}:
+        text = (
+            "GPU-seconds are each engine's busy time (the simulator's own counter of time "
+            "spent in forward steps), priced per GPU-hour by GPU generation."
+        )
+    elif bases == {"provisioned"}:
+        text = (
+            "GPU-seconds are wall time x engines provisioned (the engines expose no busy "
+            "counter), priced per GPU-hour by GPU generation."
+        )
+    else:
+        text = "GPU-seconds: busy time where engines report it, else wall time x engines."
+    return [
+        text + " Cost counts all spend, failed and cut-off work included; a task is a "
+        "chain (agentic task or chat session) or a lone request, and succeeds when all its "
+        "steps succeed. Latencies are measured at the client, successful requests only.",
+        "",
+    ]
+
+
+def _engine_section(report: BenchReport) -> list[str]:
+    ran = report.ran
+    if not ran or not ran[0].engines:
+        return []
+    names = [e.name for e in ran[0].engines]
+    header = ["engine", "GPU", "$/h", *[f"{r.policy} hit rate" for r in ran]]
+    header += [f"{r.policy} GPU-s" for r in ran]
+    rows = []
+    for i, name in enumerate(names):
+        e0 = ran[0].engines[i]
+        row = [name, e0.gpu, f"{e0.price_per_gpu_hour:.2f}"]
+        row += [_pct(r.engines[i].hit_rate) if i < len(r.engines) else "n/a" for r in ran]
+        row += [f"{r.engines[i].gpu_seconds:.1f}" if i < len(r.engines) else "n/a" for r in ran]
+        rows.append(row)
+    return ["## Engines", "", *_table(header, rows), ""]
+
+
+def _failure_section(report: BenchReport) -> list[str]:
+    lines: list[str] = []
+    for r in report.ran:
+        if r.failures or r.not_sent:
+            parts = [f"{k} x{v}" for k, v in sorted(r.failures.items())]
+            if r.not_sent:
+                parts.append(f"not sent x{r.not_sent}")
+            detail = next((o.detail for o in r.outcomes if not o.ok and o.detail), "")
+            line = f"- {r.policy}: " + ", ".join(parts)
+            lines.append(line + (f" (e.g. {detail})" if detail else ""))
+    return ["## Failures", "", *lines, ""] if lines else []
+
+
+# ---- plots --------------------------------------------------------------------------
+
+
+def _legend(ax: Any, **kw: Any) -> None:
+    if ax.get_legend_handles_labels()[0]:  # a pass with nothing to draw adds no line
+        ax.legend(**kw)
+
+
+def _plot_ttft_cdf(ax: Any, ran: Sequence[PolicyResult]) -> None:
+    for r in ran:
+        values = sorted(o.ttft_s * 1000 for o in r.outcomes if o.ok and o.ttft_s is not None)
+        if values:
+            ys = [(i + 1) / len(values) for i in range(len(values))]
+            ax.step(values, ys, where="post", label=r.policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT, ms (log)")
+    ax.set_ylabel("fraction of requests")
+    ax.grid(True, alpha=0.3)
+    _legend(ax)
+
+
+def _plot_throughput(ax: Any, ran: Sequence[PolicyResult]) -> None:
+    for r in ran:
+        xs, ys = throughput_series(r.outcomes)
+        ax.plot(xs, ys, label=r.policy)
+    ax.set_xlabel("time, s")
+    ax.set_ylabel("output tokens/s")
+    ax.grid(True, alpha=0.3)
+    _legend(ax)
+
+
+def _plot_queue(ax: Any, ran: Sequence[PolicyResult]) -> None:
+    # vLLM admits every request it has KV room for, so "waiting" stays near 0 until an
+    # engine is full; running + waiting shows where the load went before that.
+    for k, r in enumerate(ran):
+        if not r.samples:
+            continue
+        color = f"C{k}"
+        ts = [s.t_s for s in r.samples]
+        total = [sum(s.waiting) + sum(s.running) for s in r.samples]
+        ax.plot(ts, total, color=color, label=f"{r.policy}: running + waiting")
+        ax.plot(ts, [sum(s.waiting) for s in r.samples], color=color, linestyle="--",
+                label=f"{r.policy}: waiting")  # fmt: skip
+    ax.set_xlabel("time, s")
+    ax.set_ylabel("requests (sum over engines)")
+    ax.grid(True, alpha=0.3)
+    _legend(ax, fontsize="small")
+
+
+def _plot_hit_rate(ax: Any, ran: Sequence[PolicyResult]) -> None:
+    if not ran or not ran[0].engines:
+        return
+    names = [e.name for e in ran[0].engines]
+    width = 0.8 / len(ran)
+    for k, r in enumerate(ran):
+        xs = [i + k * width for i in range(len(names))]
+        ys = [(e.hit_rate or 0.0) * 100 for e in r.engines]
+        ax.bar(xs[: len(ys)], ys, width=width, label=r.policy)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))])
+    ax.set_xticklabels(names, rotation=30, ha="right")
+    ax.set_ylabel("prefix-cache hit rate, %")
+    ax.set_ylim(0, 100)
+    _legend(ax)
+
+
+def _plot_cost(ax: Any, ran: Sequence[PolicyResult]) -> None:
+    names = [r.policy for r in ran]
+    values = [(r.cost_per_successful_task or 0.0) * 1000 for r in ran]
+    bars = ax.bar(names, values, color="tab:orange")
+    for bar, r in zip(bars, ran, strict=True):
+        label = "n/a" if r.cost_per_successful_task is None else f"{bar.get_height():.3f}"
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                    va="bottom")  # fmt: skip
+    ax.set_ylabel("$ per 1000 successful tasks")
+
+
+_PLOTTERS: dict[str, Callable[[Any, Sequence[PolicyResult]], None]] = {
+    "ttft_cdf.png": _plot_ttft_cdf,
+    "throughput.png": _plot_throughput,
+    "queue_depth.png": _plot_queue,
+    "hit_rate_per_engine.png": _plot_hit_rate,
+    "cost_per_task.png": _plot_cost,
+}
+
+
+def write_plots(report: BenchReport, out_dir: Path) -> list[str]:
+    """Draw every plot into `out_dir`; returns the file names written ([] without
+    matplotlib or without a policy that ran)."""
+    ran = report.ran
+    if not ran:
+        return []
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    for name, title in PLOTS:
+        if name == "queue_depth.png" and not any(r.samples for r in ran):
+            continue
+        if name == "hit_rate_per_engine.png" and not any(
+            e.hit_rate is not None for r in ran for e in r.engines
+        ):
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        _PLOTTERS[name](ax, ran)
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(out_dir / name)
+        plt.close(fig)
+        written.append(name)
+    return written
+
+
+def write_report(report: BenchReport, out_dir: Path, *, plots: bool = True) -> Path:
+    """Write results.json, requests.jsonl, the plots and report.md; returns report.md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / RESULTS_JSON).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    with (out_dir / REQUESTS_JSONL).open("w") as f:
+        for r in report.results:
+            for o in r.outcomes:
+                f.write(json.dumps({"policy": r.policy, **o.to_json()}) + "\n")
+    names = write_plots(report, out_dir) if plots else []
+    path = out_dir / REPORT_MD
+    path.write_text(render_markdown(report, names))
+    return path
