@@ -11,6 +11,7 @@ import importlib
 import os
 
 from filters import blockhash as _blockhash_py
+from filters import chunked as _chunked_py
 from filters import routing_headers as _routing_headers_py
 from filters import sse as _sse_py
 from filters.routing_headers import RoutingHeaders, TraceContext
@@ -19,13 +20,14 @@ from filters.routing_headers import RoutingHeaders, TraceContext
 block_hashes = _blockhash_py.block_hashes
 parse_routing_headers = _routing_headers_py.parse_routing_headers
 SSEScanner: type[_sse_py.SSEScanner] = _sse_py.SSEScanner
+ChunkedDecoder: type[_chunked_py.ChunkedDecoder] = _chunked_py.ChunkedDecoder
 IMPLEMENTATION = "python (forced by MESHD_PURE_PYTHON)"
 
 if not os.environ.get("MESHD_PURE_PYTHON"):
     try:
         _compiled = [
             importlib.import_module(f"filters.{name}")
-            for name in ("_blockhash_c", "_routing_headers_c", "_sse_c")
+            for name in ("_blockhash_c", "_routing_headers_c", "_sse_c", "_chunked_c")
         ]
     except ImportError:
         IMPLEMENTATION = "python (compiled extensions not built)"
@@ -33,10 +35,12 @@ if not os.environ.get("MESHD_PURE_PYTHON"):
         block_hashes = _compiled[0].block_hashes
         parse_routing_headers = _compiled[1].parse_routing_headers
         SSEScanner = _compiled[2].SSEScanner
+        ChunkedDecoder = _compiled[3].ChunkedDecoder
         IMPLEMENTATION = "cython"
 
 __all__ = [
     "IMPLEMENTATION",
+    "ChunkedDecoder",
     "RoutingHeaders",
     "SSEScanner",
     "TraceContext",

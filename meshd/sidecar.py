@@ -48,6 +48,13 @@ from meshd import __version__
 from meshd.config import Config, ConfigError, load_config
 from meshd.errors import error_response, sse_error_event
 from meshd.metrics import DataPlaneMetrics
+from meshd.upstream import (
+    UpstreamClosedError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
 
 log = logging.getLogger("meshd.sidecar")
 
@@ -79,7 +86,7 @@ _REAPER_PERIOD_S = 0.25
 class _Watch:
     """A response being relayed, watched by the reaper for silence and deadline."""
 
-    upstream: aiohttp.ClientResponse
+    upstream: UpstreamResponse
     last_activity: float
     deadline: float
     expired: str | None = None
@@ -148,6 +155,7 @@ class Sidecar:
         self._draining = False
         self._watches: set[_Watch] = set()
         self._session: aiohttp.ClientSession | None = None
+        self._upstream: UpstreamPool | None = None
         self._runner: web.AppRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self._reaper: asyncio.Task[None] | None = None
@@ -180,6 +188,11 @@ class Sidecar:
     async def start(self) -> None:
         cfg = self.config
         limits = cfg.limits
+        self._upstream = UpstreamPool(
+            connect_timeout_s=cfg.upstream.connect_timeout_s,
+            keepalive_timeout_s=cfg.upstream.keepalive_timeout_s,
+            max_connections_per_endpoint=cfg.upstream.max_connections_per_endpoint,
+        )
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
                 limit=0,
@@ -262,6 +275,8 @@ class Sidecar:
                 await self._reaper
         if self._session is not None:
             await self._session.close()
+        if self._upstream is not None:
+            await self._upstream.close()
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
 
@@ -520,7 +535,7 @@ class Sidecar:
         headers: list[tuple[str, str]],
         body: bytes,
     ) -> web.StreamResponse:
-        assert self._session is not None
+        assert self._upstream is not None
         loop = asyncio.get_running_loop()
         up_cfg = self.config.upstream
         router = self.routers[ctx.pool]
@@ -541,17 +556,13 @@ class Sidecar:
                 budget = min(up_cfg.first_byte_timeout_s, deadline - loop.time())
                 try:
                     async with asyncio.timeout(budget):
-                        upstream = await self._session.request(
-                            request.method,
-                            url + request.rel_url.raw_path_qs,
-                            data=body or None,
-                            headers=upstream_headers,
-                            allow_redirects=False,
+                        upstream = await self._upstream.request(
+                            url, request.method, request.rel_url.raw_path_qs, upstream_headers, body
                         )
-                except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
-                    # Nothing reached an engine (or a stale keep-alive connection was
-                    # closed under us): safe to try the next endpoint.
-                    reason = _describe(exc)
+                except (UpstreamConnectError, UpstreamClosedError) as exc:
+                    # No connection, or the engine closed it before answering (the pool has
+                    # already retried a stale keep-alive one): try the next endpoint.
+                    reason = str(exc)
                     router.connect_failed(route, attempt.rid, time.monotonic(), reason)
                     attempt.settled = True
                     self.metrics.upstream_attempts.labels(ctx.pool, url, "connect_error").inc()
@@ -566,10 +577,10 @@ class Sidecar:
                         f"upstream.first_byte_timeout_s ({up_cfg.first_byte_timeout_s:g} s)",
                         "upstream_timeout",
                     )
-                except aiohttp.ClientError as exc:
+                except UpstreamError as exc:  # a protocol error; the message names the url
                     self.metrics.upstream_attempts.labels(ctx.pool, url, "error").inc()
                     self._finish(ctx, "upstream_error")
-                    return self._reject(502, f"{url} failed: {_describe(exc)}", "upstream_error")
+                    return self._reject(502, f"upstream failed: {exc}", "upstream_error")
                 self.metrics.upstream_attempts.labels(ctx.pool, url, str(upstream.status)).inc()
                 attempt.ok = upstream.status < 500
                 return await self._relay(request, ctx, attempt, upstream, deadline)
@@ -592,11 +603,12 @@ class Sidecar:
         )
 
     def _response_headers(
-        self, upstream: aiohttp.ClientResponse, ctx: RequestContext, url: str
+        self, upstream: UpstreamResponse, ctx: RequestContext, url: str
     ) -> list[tuple[str, str]]:
         out = []
-        tokens = {t.strip().lower() for t in upstream.headers.get("connection", "").split(",") if t}
-        for name, value in upstream.headers.items():
+        connection = upstream.header("connection") or ""
+        tokens = {t.strip().lower() for t in connection.split(",") if t}
+        for name, value in upstream.headers:
             lname = name.lower()
             if lname in _RESPONSE_DROP or lname in tokens:
                 continue
@@ -610,7 +622,7 @@ class Sidecar:
         request: web.Request,
         ctx: RequestContext,
         attempt: _Attempt,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         deadline: float,
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
@@ -631,7 +643,7 @@ class Sidecar:
             raise
         finally:
             self._watches.discard(watch)
-            if upstream.content.is_eof() and watch.expired is None:
+            if upstream.at_eof() and watch.expired is None:
                 upstream.release()  # back to the keep-alive pool
             else:
                 upstream.close()  # unfinished: the connection can't be reused
@@ -640,17 +652,17 @@ class Sidecar:
         self,
         ctx: RequestContext,
         attempt: _Attempt,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         headers: list[tuple[str, str]],
         watch: _Watch,
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         chunks = []
         try:
-            async for chunk in upstream.content.iter_any():
+            while chunk := await upstream.read():
                 watch.last_activity = loop.time()
                 chunks.append(chunk)
-        except (aiohttp.ClientError, ConnectionError) as exc:
+        except (UpstreamError, ConnectionError) as exc:
             attempt.ok = False
             outcome = "timeout" if watch.expired else "upstream_failed"
             self._finish(ctx, outcome)
@@ -672,7 +684,7 @@ class Sidecar:
         request: web.Request,
         ctx: RequestContext,
         attempt: _Attempt,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         headers: list[tuple[str, str]],
         watch: _Watch,
     ) -> web.StreamResponse:
@@ -684,12 +696,12 @@ class Sidecar:
         if transport is not None:
             sock = transport.get_extra_info("socket")
             _nodelay(sock)
-        scan = ctx.kind in ("completion", "chat") and "content-encoding" not in upstream.headers
+        scan = ctx.kind in ("completion", "chat") and upstream.header("content-encoding") is None
         scanner = SSEScanner() if scan else None
         first_token_at: float | None = None
         failure: tuple[int, str, str] | None = None
         try:
-            async for chunk in upstream.content.iter_any():
+            while chunk := await upstream.read():
                 watch.last_activity = now = loop.time()
                 if scanner is not None:
                     try:
@@ -707,7 +719,7 @@ class Sidecar:
                     self.metrics.client_disconnects.labels(ctx.pool).inc()
                     self._finish(ctx, "client_disconnect")
                     return resp
-        except (aiohttp.ClientError, ConnectionError) as exc:
+        except (UpstreamError, ConnectionError) as exc:
             if watch.expired:
                 failure = (504, _expired_message(watch, self.config), "upstream_timeout")
             else:
