@@ -16,6 +16,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "meshd.sidecar",
     "meshd.config_cmd",
     "meshd.iptables",
+    "xds.cli",
     "meshd.demo",
     "loadtest.bench.cli",
     "loadtest.engine.cli",

@@ -1,0 +1,67 @@
+"""`meshd control-plane` as a process: it starts, serves ADS, and stops on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from envoy.service.discovery.v3 import discovery_pb2 as pb
+from grpc import aio
+from test_xds_protocol import RawStream, T
+
+from xds import cli
+
+
+def test_register_adds_control_plane() -> None:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["control-plane", "--listen", "127.0.0.1:0", "--max-unacked", "2"])
+    assert args.func is cli.run and args.max_unacked == 2
+
+
+async def test_control_plane_process_serves_and_stops() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        "import sys; from xds.cli import register, run; import argparse; "
+        "p = argparse.ArgumentParser(); register(p.add_subparsers()); "
+        "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))",
+        "control-plane",
+        "--listen",
+        "127.0.0.1:0",
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
+        port = int(line.rsplit(":", 1)[1])
+        async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            s = RawStream(ch)
+            await s.send(pb.DeltaDiscoveryRequest(type_url=T, resource_names_subscribe=["x"]))
+            resp = await s.recv()
+            assert list(resp.removed_resources) == ["x"]  # nothing published yet
+            s.call.cancel()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def test_stats_exported_to_prometheus() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from xds.metrics import ServerStatsCollector
+    from xds.server import ServerStats
+
+    stats = ServerStats()
+    stats.nacks[T] += 2
+    stats.last_nack[T] = "e1: not msgpack"
+    registry = CollectorRegistry()
+    registry.register(ServerStatsCollector(stats))
+    text = generate_latest(registry).decode()
+    assert f'meshd_xds_nacks_total{{type_url="{T}"}} 2.0' in text
+    assert 'detail="e1: not msgpack"' in text

@@ -1,0 +1,94 @@
+"""`meshd control-plane`: serve the xDS control channel (ADS, delta and state-of-the-world,
+plus the publish stream engine agents write to), optionally over mTLS."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from xds.server import ControlPlane, ServerLimits, TlsConfig
+
+log = logging.getLogger("meshd.xds.cli")
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "control-plane",
+        help="serve endpoint state and prefix digests over xDS (ADS)",
+        description="Run the control plane: Envoy's Aggregated Discovery Service (delta and "
+        "state-of-the-world) serving meshd's EndpointState and PrefixDigest resources, and "
+        "the publish stream engine agents write them to.",
+    )
+    p.add_argument("--listen", default="0.0.0.0:18000", help="host:port (default %(default)s)")
+    p.add_argument("--tls-cert", type=Path, help="server certificate chain (PEM)")
+    p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
+    p.add_argument(
+        "--client-ca",
+        type=Path,
+        help="CA (PEM) that signs client certificates; clients without one are refused",
+    )
+    d = ServerLimits()
+    p.add_argument("--keepalive-time-s", type=float, default=d.keepalive_time_s)
+    p.add_argument("--keepalive-timeout-s", type=float, default=d.keepalive_timeout_s)
+    p.add_argument(
+        "--max-unacked",
+        type=int,
+        default=d.max_unacked_per_type,
+        help="responses in flight per stream and type before updates coalesce "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus /metrics on this port (off by default)"
+    )
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run)
+
+
+def _tls(args: argparse.Namespace) -> TlsConfig | None:
+    if args.tls_cert is None and args.tls_key is None:
+        if args.client_ca is not None:
+            raise SystemExit("--client-ca needs --tls-cert and --tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise SystemExit("--tls-cert and --tls-key go together")
+    return TlsConfig(
+        args.tls_cert.read_bytes(),
+        args.tls_key.read_bytes(),
+        args.client_ca.read_bytes() if args.client_ca is not None else None,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    host, _, port = args.listen.rpartition(":")
+    limits = ServerLimits(
+        max_unacked_per_type=args.max_unacked,
+        keepalive_time_s=args.keepalive_time_s,
+        keepalive_timeout_s=args.keepalive_timeout_s,
+    )
+    tls = _tls(args)
+
+    async def serve() -> None:
+        plane = ControlPlane(limits=limits)
+        if args.metrics_port is not None:
+            from prometheus_client import CollectorRegistry, start_http_server
+
+            from xds.metrics import ServerStatsCollector
+
+            registry = CollectorRegistry()
+            registry.register(ServerStatsCollector(plane.stats))
+            start_http_server(args.metrics_port, registry=registry)
+        bound = await plane.start(host.strip("[]") or "0.0.0.0", int(port), tls)
+        print(f"meshd control plane on {host}:{bound}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await plane.stop(grace=2.0)
+
+    asyncio.run(serve())
+    return 0

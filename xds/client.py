@@ -1,0 +1,396 @@
+"""The subscriber side of the control channel: a delta-ADS client that keeps the last known
+state of its subscriptions through control-plane outages (static stability), and the
+publisher an engine agent writes its resources with.
+
+The subscriber ACKs a response it applied and NACKs one in which any resource fails to
+decode (the whole response is then ignored, as Envoy does), reconnects with jittered
+exponential backoff and resumes with `initial_resource_versions`, so the control plane
+sends only what changed while it was away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import discovery_pb2 as pb
+from grpc import aio
+
+from xds.resources import DECODERS, ResourceError
+from xds.server import PUBLISH_METHOD
+
+__all__ = ["Backoff", "Entry", "Publisher", "Subscriber", "SubscriberStats", "Update"]
+
+log = logging.getLogger("meshd.xds.client")
+
+DELTA_METHOD = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources"
+WILDCARD = "*"
+_INVALID_ARGUMENT = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Reconnect delays: the ceiling doubles per failed attempt up to `max_s`; the delay is
+    drawn uniformly from the upper half of it ("equal jitter"), so a fleet of sidecars that
+    lost the control plane together does not come back together."""
+
+    base_s: float = 0.25
+    max_s: float = 15.0
+    multiplier: float = 2.0
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        ceiling = min(self.max_s, self.base_s * self.multiplier ** min(attempt, 64))
+        return ceiling / 2 + rng.uniform(0.0, ceiling / 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A resource as last received: decoded value, its version, when it arrived."""
+
+    name: str
+    version: str
+    value: Any
+    received_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """What one applied response changed."""
+
+    type_url: str
+    changed: Mapping[str, Entry]
+    removed: frozenset[str]
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    responses: int = 0
+    acks: int = 0
+    nacks: int = 0
+    last_nack: str = ""
+    connects: int = 0
+    disconnects: int = 0
+
+
+@dataclass(slots=True)
+class _Interest:
+    wildcard: bool
+    names: set[str] = field(default_factory=set)
+
+
+class Subscriber:
+    """Subscribes (delta ADS) to resource types and keeps their latest decoded state.
+
+    `subscriptions` maps a type URL to the names wanted, or None for all (wildcard).
+    Start with `start()`; `close()` stops it. The state survives disconnections.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        subscriptions: Mapping[str, Iterable[str] | None],
+        *,
+        node_id: str = "meshd",
+        credentials: grpc.ChannelCredentials | None = None,
+        channel_options: Iterable[tuple[str, Any]] = (),
+        backoff: Backoff | None = None,
+        decoders: Mapping[str, Callable[[bytes], Any]] = DECODERS,
+        on_update: Callable[[Update], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.target = target
+        self.node_id = node_id
+        self._credentials = credentials
+        self._channel_options = [
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            *channel_options,
+        ]
+        self.backoff = backoff or Backoff()
+        self._decoders = decoders
+        self._on_update = on_update
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._interest = {
+            t: _Interest(wildcard=names is None, names=set(names or ()))
+            for t, names in subscriptions.items()
+        }
+        self._state: dict[str, dict[str, Entry]] = {t: {} for t in self._interest}
+        self.stats = SubscriberStats()
+        self._connected = False
+        self._last_update_at: float | None = None
+        self._disconnected_at: float | None = None
+        self._call: aio.StreamStreamCall | None = None
+        self._write_lock = asyncio.Lock()
+        self._events = asyncio.Condition()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    @property
+    def last_update_age_s(self) -> float | None:
+        """Seconds since the last response from the control plane (None: never had one)."""
+        return None if self._last_update_at is None else self._clock() - self._last_update_at
+
+    @property
+    def stale_for_s(self) -> float:
+        """How long the state has gone unconfirmed: 0 while connected, else seconds since
+        the connection was lost (or since start when it never connected)."""
+        if self._connected or self._disconnected_at is None:
+            return 0.0
+        return self._clock() - self._disconnected_at
+
+    def is_stale(self, max_age_s: float) -> bool:
+        return self.stale_for_s > max_age_s
+
+    def entries(self, type_url: str) -> Mapping[str, Entry]:
+        return MappingProxyType(self._state.setdefault(type_url, {}))
+
+    def get(self, type_url: str, name: str) -> Any | None:
+        e = self._state.get(type_url, {}).get(name)
+        return None if e is None else e.value
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Return once `predicate()` holds; re-checked after every response and every
+        connect or disconnect."""
+        async with self._events:
+            await self._events.wait_for(predicate)
+
+    async def _notify(self) -> None:
+        async with self._events:
+            self._events.notify_all()
+
+    # -- subscriptions --------------------------------------------------------------------
+
+    async def subscribe(self, type_url: str, names: Iterable[str]) -> None:
+        names = set(names)
+        interest = self._interest.get(type_url)
+        if interest is None:
+            interest = self._interest[type_url] = _Interest(wildcard=False)
+            self._state.setdefault(type_url, {})
+            await self._send(self._initial_request(type_url))
+            return
+        interest.names |= names
+        await self._send(
+            pb.DeltaDiscoveryRequest(type_url=type_url, resource_names_subscribe=sorted(names))
+        )
+
+    async def unsubscribe(self, type_url: str, names: Iterable[str]) -> None:
+        names = set(names)
+        interest = self._interest.get(type_url)
+        if interest is None:
+            return
+        interest.names -= names
+        table = self._state.get(type_url, {})
+        if not interest.wildcard:
+            for n in names:
+                table.pop(n, None)
+        await self._send(
+            pb.DeltaDiscoveryRequest(type_url=type_url, resource_names_unsubscribe=sorted(names))
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._disconnected_at = self._clock()
+            self._task = asyncio.ensure_future(self._run())
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def _channel(self) -> aio.Channel:
+        # A fresh channel per session, so our backoff (not grpc's own, whose default
+        # ceiling is two minutes) decides when to try again.
+        options = [*self._channel_options, ("grpc.enable_retries", 0)]
+        if self._credentials is not None:
+            return aio.secure_channel(self.target, self._credentials, options=options)
+        return aio.insecure_channel(self.target, options=options)
+
+    async def _run(self) -> None:
+        attempt = 0
+        while not self._closed:
+            got_response = False
+            try:
+                got_response = await self._session()
+            except asyncio.CancelledError:
+                raise
+            except aio.AioRpcError as exc:
+                log.info("control plane %s: %s %s", self.target, exc.code().name, exc.details())
+            except Exception:
+                log.exception("subscriber session to %s failed", self.target)
+            finally:
+                self._call = None
+                if self._connected:
+                    self._connected = False
+                    self._disconnected_at = self._clock()
+                    self.stats.disconnects += 1
+                    log.warning(
+                        "lost the control plane %s; keeping the last known state", self.target
+                    )
+                with contextlib.suppress(RuntimeError):
+                    await self._notify()
+            attempt = 0 if got_response else attempt + 1
+            await asyncio.sleep(self.backoff.delay(attempt, self._rng))
+
+    def _initial_request(self, type_url: str) -> pb.DeltaDiscoveryRequest:
+        interest = self._interest[type_url]
+        req = pb.DeltaDiscoveryRequest(type_url=type_url)
+        req.node.CopyFrom(base_pb2.Node(id=self.node_id))
+        subscribe = sorted(interest.names) + ([WILDCARD] if interest.wildcard else [])
+        req.resource_names_subscribe.extend(subscribe)
+        for name, entry in self._state.get(type_url, {}).items():
+            req.initial_resource_versions[name] = entry.version
+        return req
+
+    async def _send(self, req: pb.DeltaDiscoveryRequest) -> None:
+        call = self._call
+        if call is None:
+            return  # the next session's initial requests carry the subscription
+        async with self._write_lock:
+            with contextlib.suppress(aio.AioRpcError, asyncio.InvalidStateError):
+                await call.write(req)
+
+    async def _session(self) -> bool:
+        """One stream, until it ends; returns whether it connected."""
+        got_response = False
+        async with self._channel() as channel:
+            method = channel.stream_stream(
+                DELTA_METHOD,
+                request_serializer=pb.DeltaDiscoveryRequest.SerializeToString,
+                response_deserializer=pb.DeltaDiscoveryResponse.FromString,
+            )
+            call = method()
+            self._call = call
+            async with self._write_lock:
+                for t in list(self._interest):
+                    await call.write(self._initial_request(t))
+            # The control plane sends its headers as a stream opens (not with its first
+            # response, which may never come for an empty subscription).
+            await call.wait_for_connection()
+            got_response = True
+            self._connected = True
+            self.stats.connects += 1
+            log.info("connected to the control plane %s", self.target)
+            await self._notify()
+            while True:
+                resp = await call.read()
+                if resp is aio.EOF:
+                    return got_response
+                reply = self._apply(resp)
+                async with self._write_lock:
+                    await call.write(reply)
+                await self._notify()
+
+    def _apply(self, resp: pb.DeltaDiscoveryResponse) -> pb.DeltaDiscoveryRequest:
+        """Decode and apply one response (all or nothing); the ACK or NACK to send."""
+        now = self._clock()
+        self._last_update_at = now
+        self.stats.responses += 1
+        t = resp.type_url
+        reply = pb.DeltaDiscoveryRequest(type_url=t, response_nonce=resp.nonce)
+        interest = self._interest.get(t)
+        if interest is None:
+            return reply  # a type we unsubscribed from entirely: ACK and ignore
+        decoder = self._decoders.get(t)
+        changed: dict[str, Entry] = {}
+        try:
+            for r in resp.resources:
+                if not (interest.wildcard or r.name in interest.names):
+                    continue
+                if r.resource.type_url != t:
+                    raise ResourceError(f"Any type {r.resource.type_url!r} in a {t} response")
+                try:
+                    value = r.resource.value if decoder is None else decoder(r.resource.value)
+                except ResourceError as exc:
+                    raise ResourceError(f"{r.name}: {exc}") from None
+                except Exception as exc:  # a decoder bug must not take the subscriber down
+                    raise ResourceError(f"{r.name}: {type(exc).__name__}: {exc}") from None
+                changed[r.name] = Entry(r.name, r.version, value, now)
+        except ResourceError as exc:
+            self.stats.nacks += 1
+            self.stats.last_nack = str(exc)
+            log.warning("NACK %s nonce %s: %s", t, resp.nonce, exc)
+            reply.error_detail.code = _INVALID_ARGUMENT
+            reply.error_detail.message = str(exc)
+            return reply
+        table = self._state.setdefault(t, {})
+        table.update(changed)
+        removed = frozenset(n for n in resp.removed_resources if table.pop(n, None) is not None)
+        self.stats.acks += 1
+        if self._on_update is not None and (changed or removed):
+            self._on_update(Update(t, MappingProxyType(changed), removed))
+        return reply
+
+
+class Publisher:
+    """Writes resources into a control plane over its publish stream (one batch at a time;
+    each is ACKed, or refused with ResourceError)."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        channel_options: Iterable[tuple[str, Any]] = (),
+    ) -> None:
+        options = list(channel_options)
+        self._channel = (
+            aio.secure_channel(target, credentials, options=options)
+            if credentials is not None
+            else aio.insecure_channel(target, options=options)
+        )
+        self._call: aio.StreamStreamCall | None = None
+        self._lock = asyncio.Lock()
+        self._nonce = 0
+
+    async def publish(
+        self, type_url: str, resources: Mapping[str, bytes], removed: Iterable[str] = ()
+    ) -> None:
+        async with self._lock:
+            if self._call is None or self._call.done():
+                self._call = self._channel.stream_stream(
+                    PUBLISH_METHOD,
+                    request_serializer=pb.DeltaDiscoveryResponse.SerializeToString,
+                    response_deserializer=pb.DeltaDiscoveryRequest.FromString,
+                )()
+            self._nonce += 1
+            msg = pb.DeltaDiscoveryResponse(type_url=type_url, nonce=str(self._nonce))
+            msg.removed_resources.extend(removed)
+            for name, body in resources.items():
+                r = msg.resources.add(name=name)
+                r.resource.type_url = type_url
+                r.resource.value = body
+            await self._call.write(msg)
+            reply = await self._call.read()
+            if reply is aio.EOF:
+                self._call = None
+                raise ConnectionError("control plane closed the publish stream")
+            if reply.HasField("error_detail"):
+                raise ResourceError(reply.error_detail.message)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            with contextlib.suppress(Exception):
+                await self._call.done_writing()
+        await self._channel.close()

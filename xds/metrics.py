@@ -1,0 +1,49 @@
+"""Prometheus view of the control plane's counters (ServerStats), collected on scrape so the
+server's hot path only bumps plain integers. NACK error details are exported as the
+`detail` label of `meshd_xds_last_nack_info` (one series per type URL)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from xds.server import ServerStats
+
+__all__ = ["ServerStatsCollector"]
+
+# Long error details are cut so one bad publisher cannot bloat every scrape.
+MAX_DETAIL_CHARS = 200
+
+
+class ServerStatsCollector(Collector):
+    def __init__(self, stats: ServerStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily]:
+        s = self.stats
+        yield GaugeMetricFamily("meshd_xds_streams_open", "ADS streams open", value=s.streams_open)
+        for name, doc, counts in (
+            ("meshd_xds_responses", "Discovery responses sent, by type", s.responses),
+            ("meshd_xds_acks", "Responses ACKed, by type", s.acks),
+            ("meshd_xds_nacks", "Responses NACKed, by type", s.nacks),
+            ("meshd_xds_coalesced", "Updates merged into a pending one, by type", s.coalesced),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["type_url"])
+            for type_url, n in sorted(counts.items()):
+                family.add_metric([type_url], n)
+            yield family
+        yield CounterMetricFamily(
+            "meshd_xds_stale_nonces", "Requests with a superseded nonce", value=s.stale_nonces
+        )
+        yield CounterMetricFamily("meshd_xds_publishes", "Publishes accepted", value=s.publishes)
+        yield CounterMetricFamily(
+            "meshd_xds_publishes_rejected", "Publishes refused", value=s.publishes_rejected
+        )
+        info = InfoMetricFamily(
+            "meshd_xds_last_nack", "The last NACK's error detail", labels=["type_url"]
+        )
+        for type_url, detail in sorted(s.last_nack.items()):
+            info.add_metric([type_url], {"detail": detail[:MAX_DETAIL_CHARS]})
+        yield info

@@ -1,0 +1,322 @@
+"""meshd's own xDS resource types, `EndpointState` and `PrefixDigest`: what each field
+means, their msgpack encoding (carried as `google.protobuf.Any.value` under a type URL in
+meshd's namespace, so no .proto build step), and strict decoding.
+
+Every decoder either returns a value or raises `ResourceError` (never another exception):
+the control plane refuses a malformed publish with it and a subscriber NACKs with it.
+Unknown map keys are ignored (a newer agent may add fields); a known key of the wrong type
+is an error. A missing key takes the field's default.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import msgpack
+
+from filters.endpoint_state import ReportedState
+
+__all__ = [
+    "DECODERS",
+    "ENDPOINT_STATE_TYPE",
+    "MAX_RESOURCE_BYTES",
+    "PREFIX_DIGEST_TYPE",
+    "EndpointState",
+    "PrefixDigest",
+    "ResourceError",
+    "decode",
+    "decode_endpoint_state",
+    "decode_prefix_digest",
+]
+
+ENDPOINT_STATE_TYPE = "type.googleapis.com/meshd.v1.EndpointState"
+PREFIX_DIGEST_TYPE = "type.googleapis.com/meshd.v1.PrefixDigest"
+SCHEMA_VERSION = 1
+# A digest of a 1M-block KV cache is 8 MiB; anything larger is a bug or an attack.
+MAX_RESOURCE_BYTES = 16 * 2**20
+
+
+class ResourceError(ValueError):
+    """A resource body that does not decode to its type (the reason is the message)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointState:
+    """One engine's state, published by its agent under the engine's name.
+
+    msgpack map, keys exactly the field names below (plus "v": schema version, 1):
+
+    - address: str, "host:port" of the engine's OpenAI-compatible HTTP API (via the inbound
+      sidecar when there is one).
+    - pool: str, the pool (set of interchangeable engines) it belongs to.
+    - model: str, the base model it serves.
+    - adapters: map str -> bool, LoRA adapter name -> weights loaded (warm) now.
+    - gpu: str | nil, GPU generation ("H100", "A100", ...); nil when unknown.
+    - gpu_count: int >= 0, GPUs the engine spans (tensor/pipeline parallel).
+    - memory_total_bytes, memory_used_bytes: int >= 0 | nil, GPU memory over all its GPUs.
+    - kv_block_size: int > 0 | nil, tokens per KV block.
+    - kv_capacity_blocks: int >= 0 | nil, KV blocks the engine can hold.
+    - kv_usage: float in [0, 1] | nil, fraction of those in use (vllm:kv_cache_usage_perc).
+    - requests_running, requests_waiting: int >= 0 (vllm:num_requests_running/_waiting).
+    - tokens_in_flight: int >= 0, prompt + max output tokens of running/waiting requests.
+    - ttft_s, tpot_s: float >= 0 | nil, moving averages of time to first token and time
+      per output token, in seconds.
+    - healthy: bool, the engine answers its health check.
+    - draining: bool, finishing its requests, taking no new ones.
+    - epoch: str, changes whenever the engine restarts (its KV cache is then empty).
+    """
+
+    address: str
+    pool: str = ""
+    model: str = ""
+    adapters: Mapping[str, bool] = field(default_factory=dict)
+    gpu: str | None = None
+    gpu_count: int = 0
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    kv_block_size: int | None = None
+    kv_capacity_blocks: int | None = None
+    kv_usage: float | None = None
+    requests_running: int = 0
+    requests_waiting: int = 0
+    tokens_in_flight: int = 0
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    healthy: bool = True
+    draining: bool = False
+    epoch: str = ""
+
+    def encode(self) -> bytes:
+        d: dict[str, Any] = {"v": SCHEMA_VERSION}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            d[f.name] = dict(value) if f.name == "adapters" else value
+        out: bytes = msgpack.packb(d)
+        return out
+
+    def to_reported(self) -> ReportedState:
+        """The picker's view (filters.endpoint_state.ReportedState)."""
+        return ReportedState(
+            epoch=self.epoch,
+            healthy=self.healthy,
+            draining=self.draining,
+            gpu=self.gpu,
+            gpu_count=self.gpu_count or None,
+            memory_total_bytes=self.memory_total_bytes,
+            memory_used_bytes=self.memory_used_bytes,
+            kv_block_size=self.kv_block_size,
+            kv_capacity_blocks=self.kv_capacity_blocks,
+            kv_usage=self.kv_usage,
+            requests_running=self.requests_running,
+            requests_waiting=self.requests_waiting,
+            tokens_in_flight=self.tokens_in_flight,
+            ttft_s=self.ttft_s,
+            tpot_s=self.tpot_s,
+            models={self.model: True} if self.model else {},
+            adapters=dict(self.adapters),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixDigest:
+    """The KV blocks an engine holds, published under the engine's name.
+
+    xDS coalesces a slow subscriber's updates to the latest version of each resource, so a
+    digest must never depend on an earlier one being seen: a digest is either full (the
+    whole set, at a periodic resync or after the engine cleared its cache) or cumulative
+    since the last full one, identified by `base_seq`. A subscriber holding the full digest
+    of `base_seq` applies `blocks = base - removed | added`; one that does not waits for
+    the next full digest. (The agent keeps the cumulative delta small by resyncing when it
+    outgrows a fraction of the full set.)
+
+    msgpack map, keys ("v": schema version, 1):
+
+    - engine: str, the engine's name (as its EndpointState).
+    - epoch: str, the engine's epoch; a new epoch starts with a full digest.
+    - seq: int >= 0, grows with every digest of this epoch.
+    - base_seq: int >= 0, the `seq` of the full digest this one is relative to (== seq
+      when full).
+    - full: bool.
+    - block_size: int > 0, tokens per block.
+    - added, removed: bytes, packed little-endian uint64 block hashes (8 bytes each);
+      `removed` is empty when full. An engine cache clear is a full digest with nothing
+      added.
+    """
+
+    engine: str
+    epoch: str
+    seq: int
+    base_seq: int
+    full: bool
+    block_size: int
+    added: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+
+    def encode(self) -> bytes:
+        out: bytes = msgpack.packb(
+            {
+                "v": SCHEMA_VERSION,
+                "engine": self.engine,
+                "epoch": self.epoch,
+                "seq": self.seq,
+                "base_seq": self.base_seq,
+                "full": self.full,
+                "block_size": self.block_size,
+                "added": _pack_hashes(self.added),
+                "removed": _pack_hashes(self.removed),
+            }
+        )
+        return out
+
+    def apply(self, base: set[int]) -> set[int]:
+        """The engine's blocks: this digest applied to the full digest it is based on
+        (ignored when full)."""
+        if self.full:
+            return set(self.added)
+        return (base - set(self.removed)) | set(self.added)
+
+
+def _pack_hashes(hashes: tuple[int, ...]) -> bytes:
+    try:
+        return array("Q", hashes).tobytes()
+    except OverflowError as exc:
+        raise ResourceError("block hash outside uint64") from exc
+
+
+def _unpack_hashes(raw: object, key: str) -> tuple[int, ...]:
+    if not isinstance(raw, bytes) or len(raw) % 8:
+        raise ResourceError(f"{key}: packed uint64 bytes expected")
+    a = array("Q")
+    a.frombytes(raw)
+    return tuple(a)
+
+
+# -- strict decoding ----------------------------------------------------------------------
+
+
+def _load_map(body: bytes) -> dict[str, Any]:
+    if len(body) > MAX_RESOURCE_BYTES:
+        raise ResourceError(f"resource of {len(body)} bytes over {MAX_RESOURCE_BYTES}")
+    try:
+        d = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ResourceError(f"not msgpack: {exc}") from None
+    if not isinstance(d, dict):
+        raise ResourceError("msgpack map expected")
+    if d.get("v", SCHEMA_VERSION) != SCHEMA_VERSION:
+        raise ResourceError(f"unknown schema version {d.get('v')!r}")
+    return d
+
+
+def _str(
+    d: Mapping[str, Any], key: str, default: str | None = "", *, optional: bool = False
+) -> Any:
+    v = d.get(key, default)
+    if v is None and optional:
+        return None
+    if not isinstance(v, str):
+        raise ResourceError(f"{key}: string expected, got {type(v).__name__}")
+    return v
+
+
+def _int(d: Mapping[str, Any], key: str, default: int | None = 0, *, optional: bool = False) -> Any:
+    v = d.get(key, default)
+    if v is None and optional:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ResourceError(f"{key}: non-negative integer expected, got {v!r}")
+    return v
+
+
+def _float(d: Mapping[str, Any], key: str, hi: float = math.inf) -> float | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, int | float) or isinstance(v, bool) or not 0.0 <= v <= hi:
+        raise ResourceError(f"{key}: number in [0, {hi}] expected, got {v!r}")
+    return float(v)
+
+
+def _bool(d: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = d.get(key, default)
+    if not isinstance(v, bool):
+        raise ResourceError(f"{key}: bool expected, got {v!r}")
+    return v
+
+
+def decode_endpoint_state(body: bytes) -> EndpointState:
+    d = _load_map(body)
+    adapters = d.get("adapters", {})
+    if not isinstance(adapters, dict) or not all(
+        isinstance(k, str) and isinstance(w, bool) for k, w in adapters.items()
+    ):
+        raise ResourceError("adapters: map of str -> bool expected")
+    block_size = _int(d, "kv_block_size", None, optional=True)
+    if block_size == 0:
+        raise ResourceError("kv_block_size: must be positive")
+    address = _str(d, "address", None)
+    if not address:
+        raise ResourceError("address: required")
+    return EndpointState(
+        address=address,
+        pool=_str(d, "pool"),
+        model=_str(d, "model"),
+        adapters=adapters,
+        gpu=_str(d, "gpu", None, optional=True),
+        gpu_count=_int(d, "gpu_count"),
+        memory_total_bytes=_int(d, "memory_total_bytes", None, optional=True),
+        memory_used_bytes=_int(d, "memory_used_bytes", None, optional=True),
+        kv_block_size=block_size,
+        kv_capacity_blocks=_int(d, "kv_capacity_blocks", None, optional=True),
+        kv_usage=_float(d, "kv_usage", 1.0),
+        requests_running=_int(d, "requests_running"),
+        requests_waiting=_int(d, "requests_waiting"),
+        tokens_in_flight=_int(d, "tokens_in_flight"),
+        ttft_s=_float(d, "ttft_s"),
+        tpot_s=_float(d, "tpot_s"),
+        healthy=_bool(d, "healthy", True),
+        draining=_bool(d, "draining", False),
+        epoch=_str(d, "epoch"),
+    )
+
+
+def decode_prefix_digest(body: bytes) -> PrefixDigest:
+    d = _load_map(body)
+    seq, base_seq = _int(d, "seq"), _int(d, "base_seq")
+    full = _bool(d, "full", False)
+    if base_seq > seq or (full and base_seq != seq):
+        raise ResourceError(f"base_seq {base_seq} inconsistent with seq {seq} (full={full})")
+    block_size = _int(d, "block_size")
+    if block_size == 0:
+        raise ResourceError("block_size: must be positive")
+    removed = _unpack_hashes(d.get("removed", b""), "removed")
+    if full and removed:
+        raise ResourceError("removed: must be empty in a full digest")
+    return PrefixDigest(
+        engine=_str(d, "engine"),
+        epoch=_str(d, "epoch"),
+        seq=seq,
+        base_seq=base_seq,
+        full=full,
+        block_size=block_size,
+        added=_unpack_hashes(d.get("added", b""), "added"),
+        removed=removed,
+    )
+
+
+# type URL -> decoder; the control plane validates publishes and the subscriber decodes
+# responses with these. A type not listed here is carried opaquely (bytes).
+DECODERS: Mapping[str, Callable[[bytes], Any]] = {
+    ENDPOINT_STATE_TYPE: decode_endpoint_state,
+    PREFIX_DIGEST_TYPE: decode_prefix_digest,
+}
+
+
+def decode(type_url: str, body: bytes) -> Any:
+    """Decode a known type (ResourceError when malformed); unknown types pass through."""
+    decoder = DECODERS.get(type_url)
+    return body if decoder is None else decoder(body)
