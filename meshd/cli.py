@@ -17,6 +17,8 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "meshd.config_cmd",
     "meshd.iptables",
     "xds.cli",
+    "meshd.inject",
+    "meshd.webhook",
     "meshd.demo",
     "loadtest.bench.cli",
     "loadtest.engine.cli",

@@ -31,6 +31,8 @@ async def test_control_plane_process_serves_and_stops() -> None:
         "control-plane",
         "--listen",
         "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
         stdout=asyncio.subprocess.PIPE,
     )
     try:

@@ -9,6 +9,8 @@ import logging
 import signal
 from pathlib import Path
 
+from aiohttp import web
+
 from xds.server import ControlPlane, ServerLimits, TlsConfig
 
 log = logging.getLogger("meshd.xds.cli")
@@ -41,7 +43,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(default %(default)s)",
     )
     p.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus /metrics on this port (off by default)"
+        "--admin",
+        default="127.0.0.1:15014",
+        metavar="HOST:PORT",
+        help="admin listener: /healthz, /readyz, /metrics (default %(default)s: loopback; "
+        "set 0.0.0.0:PORT for kubelet probes and scraping)",
     )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
@@ -61,6 +67,35 @@ def _tls(args: argparse.Namespace) -> TlsConfig | None:
     )
 
 
+async def _start_admin(address: str, plane: ControlPlane) -> web.AppRunner:
+    """The control plane's admin listener: liveness, readiness and its Prometheus stats."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+    from xds.metrics import ServerStatsCollector
+
+    registry = CollectorRegistry()
+    registry.register(ServerStatsCollector(plane.stats))
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", healthz)
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    host, _, port = address.rpartition(":")
+    await web.TCPSite(runner, host.strip("[]") or "127.0.0.1", int(port)).start()
+    return runner
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     host, _, port = args.listen.rpartition(":")
@@ -73,14 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         plane = ControlPlane(limits=limits)
-        if args.metrics_port is not None:
-            from prometheus_client import CollectorRegistry, start_http_server
-
-            from xds.metrics import ServerStatsCollector
-
-            registry = CollectorRegistry()
-            registry.register(ServerStatsCollector(plane.stats))
-            start_http_server(args.metrics_port, registry=registry)
+        admin = await _start_admin(args.admin, plane)
         bound = await plane.start(host.strip("[]") or "0.0.0.0", int(port), tls)
         print(f"meshd control plane on {host}:{bound}", flush=True)
         stop = asyncio.Event()
@@ -89,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         await plane.stop(grace=2.0)
+        await admin.cleanup()
 
     asyncio.run(serve())
     return 0

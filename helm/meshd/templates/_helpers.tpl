@@ -1,0 +1,138 @@
+{{/* Names, labels and shared snippets of the meshd chart. */}}
+
+{{- define "meshd.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "meshd.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* selector labels of one component: include "meshd.selector" (list . "webhook") */}}
+{{- define "meshd.selector" -}}
+{{- $ctx := index . 0 -}}
+app.kubernetes.io/name: {{ $ctx.Chart.Name }}
+app.kubernetes.io/instance: {{ $ctx.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "meshd.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* OpenTelemetry exporter settings, as the SDK's standard environment variables. */}}
+{{- define "meshd.otelEnv" -}}
+{{- $ctx := index . 0 -}}
+{{- $otlp := $ctx.Values.telemetry.otlp -}}
+- name: OTEL_SERVICE_NAME
+  value: {{ printf "meshd-%s" (index . 1) | quote }}
+{{- if $otlp.endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ $otlp.endpoint | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ $otlp.protocol | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: parentbased_traceidratio
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ $otlp.sampleRatio | quote }}
+{{- else }}
+- name: OTEL_TRACES_EXPORTER
+  value: none
+{{- end }}
+{{- end -}}
+
+{{- define "meshd.containerSecurity" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{/* nodeSelector/tolerations/affinity/imagePullSecrets of one component's values. */}}
+{{- define "meshd.scheduling" -}}
+{{- $ctx := index . 0 -}}
+{{- $v := index . 1 -}}
+{{- with $ctx.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* A PodDisruptionBudget when a component runs more than one replica. */}}
+{{- define "meshd.pdb" -}}
+{{- $ctx := index . 0 -}}
+{{- $component := index . 1 -}}
+{{- $v := index . 2 -}}
+{{- if gt (int $v.replicas) 1 }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "meshd.fullname" $ctx }}-{{ $component }}
+  namespace: {{ $ctx.Release.Namespace }}
+  labels:
+    {{- include "meshd.labels" $ctx | nindent 4 }}
+spec:
+  minAvailable: {{ $v.podDisruptionBudget.minAvailable }}
+  selector:
+    matchLabels:
+      {{- include "meshd.selector" (list $ctx $component) | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{- define "meshd.webhookSecret" -}}
+{{- if eq .Values.webhook.tls.mode "secret" -}}
+{{- .Values.webhook.tls.secretName -}}
+{{- else -}}
+{{- include "meshd.fullname" . }}-webhook-tls
+{{- end -}}
+{{- end -}}
+
+{{/* DNS names a certificate for Service NAME in the release namespace must carry. */}}
+{{- define "meshd.serviceDNS" -}}
+{{- $ctx := index . 0 -}}
+{{- $svc := index . 1 -}}
+{{- $ns := $ctx.Release.Namespace -}}
+{{- toJson (list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns)) -}}
+{{- end -}}
+
+{{/*
+A CA-signed TLS Secret's data, made at install with genCA/genSignedCert, or the data of the
+Secret already in the cluster (lookup) so an upgrade keeps the same CA.
+Call: include "meshd.tlsData" (list . SECRET_NAME SERVICE_NAME CA_NAME DAYS) -> JSON.
+*/}}
+{{- define "meshd.tlsData" -}}
+{{- $ctx := index . 0 -}}
+{{- $secret := index . 1 -}}
+{{- $svc := index . 2 -}}
+{{- $days := int (index . 4) -}}
+{{- $existing := lookup "v1" "Secret" $ctx.Release.Namespace $secret -}}
+{{- if and $existing (hasKey ($existing.data | default dict) "ca.crt") -}}
+{{- toJson $existing.data -}}
+{{- else -}}
+{{- $ca := genCA (index . 3) $days -}}
+{{- $names := include "meshd.serviceDNS" (list $ctx $svc) | fromJsonArray -}}
+{{- $cert := genSignedCert (index $names 2) nil $names $days $ca -}}
+{{- toJson (dict "tls.crt" ($cert.Cert | b64enc) "tls.key" ($cert.Key | b64enc) "ca.crt" ($ca.Cert | b64enc)) -}}
+{{- end -}}
+{{- end -}}

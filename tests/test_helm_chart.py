@@ -1,0 +1,351 @@
+"""helm/meshd rendered by Helm's own engine (helm-python-sdk, Helm v4 SDK through ctypes),
+linted, and every manifest validated against the Kubernetes schemas (kubernetes-validate,
+strict) for 1.29, a middle version and the newest it ships. The generated webhook certificate
+is then served by a real `meshd webhook` and trusted through the rendered caBundle."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+try:
+    import helm_python as helm
+
+    helm.helm_sdk_version()  # loads the bundled native library
+except Exception as exc:
+    pytest.skip(f"helm-python-sdk cannot run here: {exc}", allow_module_level=True)
+
+kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
+x509 = pytest.importorskip("cryptography.x509", reason="cryptography is not installed")
+
+from kubernetes_validate.utils import all_versions, major_minor  # noqa: E402
+
+from meshd.config import load_config  # noqa: E402
+from meshd.inject import load_config_file  # noqa: E402
+from meshd.webhook import WebhookServer  # noqa: E402
+
+CHART = Path(__file__).parent.parent / "helm" / "meshd"
+REVIEW = Path(__file__).parent / "k8s" / "admission_review_pod.json"
+NAMESPACE = "meshd-system"
+# Custom resources (cert-manager, Prometheus Operator): no schema in kubernetes-validate.
+CRD_KINDS = {"Certificate", "Issuer", "ServiceMonitor", "PodMonitor"}
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "ha": {
+        "controlPlane": {"replicas": 3},
+        "webhook": {"replicas": 2, "failurePolicy": "Fail"},
+        "picker": {"enabled": True, "replicas": 2},
+    },
+    "picker": {"picker": {"enabled": True}},
+    "mtls": {"mtls": {"enabled": True}, "picker": {"enabled": True}},
+    "cert-manager": {
+        "webhook": {"tls": {"mode": "certManager"}},
+        "mtls": {"enabled": True, "mode": "certManager"},
+        "telemetry": {
+            "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+            "otlp": {"endpoint": "http://otel-collector.observability.svc:4317"},
+        },
+        "injection": {"includePorts": ["*"], "excludePorts": [22]},
+    },
+    "no-discovery": {"controlPlane": {"discoverEndpoints": False}},
+    "user-secret": {
+        "webhook": {"tls": {"mode": "secret", "secretName": "my-tls", "caBundle": "Q0E="}}
+    },
+}
+
+
+def k8s_versions() -> list[str]:
+    ours = sorted(
+        {major_minor(v) for v in all_versions() if int(major_minor(v).split(".")[1]) >= 29},
+        key=lambda v: int(v.split(".")[1]),
+    )
+    return sorted({ours[0], ours[len(ours) // 2], ours[-1]}, key=lambda v: int(v.split(".")[1]))
+
+
+@pytest.fixture(scope="module")
+def chart() -> Iterator[Any]:
+    with helm.Chart.load(str(CHART)) as loaded:
+        yield loaded
+
+
+def render(chart: Any, values: dict[str, Any]) -> list[dict[str, Any]]:
+    manifests: dict[str, str] = chart.render(
+        values, name="meshd", namespace=NAMESPACE, is_install=True
+    )
+    docs: list[dict[str, Any]] = []
+    for path, text in manifests.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:
+    return [
+        d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+    ]
+
+
+@pytest.fixture(scope="module")
+def rendered(chart: Any) -> dict[str, list[dict[str, Any]]]:
+    return {name: render(chart, values) for name, values in VALUE_SETS.items()}
+
+
+# ---------------------------------------------------------------- engine checks
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_every_manifest_validates_against_kubernetes(
+    rendered: dict[str, list[dict[str, Any]]], name: str
+) -> None:
+    docs = rendered[name]
+    assert docs
+    checked = 0
+    for doc in docs:
+        if doc["kind"] in CRD_KINDS:
+            continue
+        for version in k8s_versions():
+            try:
+                kv.validate(doc, version, strict=True)
+            except kv.ValidationError as exc:
+                path = ".".join(map(str, exc.path))
+                pytest.fail(
+                    f"{doc['kind']}/{doc['metadata']['name']} on {version}: {path}: {exc.message}"
+                )
+        checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.parametrize("name", ["defaults", "ha", "mtls", "cert-manager"])
+def test_helm_lint_is_clean(name: str) -> None:
+    report = helm.lint(str(CHART), VALUE_SETS[name], namespace=NAMESPACE, kube_version="v1.29.0")
+    assert report["errors"] == []
+    # Severity 2 is a warning, 3 an error; "icon is recommended" (1, info) is fine.
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize(
+    ("values", "where"),
+    [
+        ({"webhook": {"failurePolicy": "Sometimes"}}, "/webhook/failurePolicy"),
+        ({"injection": {"proxyUID": 0}}, "/injection/proxyUID"),
+        ({"controlPlane": {"replicas": 0}}, "/controlPlane/replicas"),
+        ({"webhok": {"replicas": 2}}, "webhok"),
+        ({"injection": {"includePorts": [70000]}}, "/injection/includePorts"),
+        ({"webhook": {"tls": {"mode": "secret"}}}, "/webhook/tls/secretName"),
+        ({"telemetry": {"otlp": {"endpoint": "otel:4317"}}}, "/telemetry/otlp/endpoint"),
+        ({"sidecar": {"config": {"pools": []}}}, "/sidecar/config/pools"),
+    ],
+)
+def test_bad_values_are_rejected_by_the_schema(
+    chart: Any, values: dict[str, Any], where: str
+) -> None:
+    with pytest.raises(helm.HelmValuesError) as info:
+        chart.render(values, name="meshd", namespace=NAMESPACE)
+    assert where in str(info.value)
+
+
+# ---------------------------------------------------------------- what the chart says
+
+
+def test_ha_runs_replicas_with_disruption_budgets(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["ha"]
+    cp = find(docs, "Deployment", "meshd-control-plane")[0]
+    assert cp["spec"]["replicas"] == 3
+    assert cp["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    pdbs = {d["metadata"]["name"] for d in find(docs, "PodDisruptionBudget")}
+    assert pdbs == {"meshd-control-plane", "meshd-webhook", "meshd-picker"}
+    assert find(rendered["defaults"], "PodDisruptionBudget") == []
+    (mwc,) = find(docs, "MutatingWebhookConfiguration")
+    assert {w["failurePolicy"] for w in mwc["webhooks"]} == {"Fail"}
+
+
+def test_picker_is_optional(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    assert find(rendered["defaults"], "Deployment", "meshd-picker") == []
+    (svc,) = find(rendered["picker"], "Service", "meshd-picker")
+    assert svc["spec"]["ports"][0]["port"] == 9002
+
+
+def test_webhook_configuration_selects_opted_in_pods_only(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    (mwc,) = find(rendered["defaults"], "MutatingWebhookConfiguration")
+    by_name = {w["name"]: w for w in mwc["webhooks"]}
+    ns_hook = by_name["namespace.sidecar-injector.meshd.io"]
+    obj_hook = by_name["object.sidecar-injector.meshd.io"]
+    assert ns_hook["clientConfig"]["service"]["path"] == "/mutate?namespace-opt-in=true"
+    assert obj_hook["clientConfig"]["service"]["path"] == "/mutate"
+    for hook in (ns_hook, obj_hook):
+        assert hook["sideEffects"] == "None" and hook["admissionReviewVersions"] == ["v1"]
+        assert hook["failurePolicy"] == "Ignore"
+        assert hook["rules"] == [
+            {
+                "operations": ["CREATE"],
+                "apiGroups": [""],
+                "apiVersions": ["v1"],
+                "resources": ["pods"],
+                "scope": "Namespaced",
+            }
+        ]
+        names = next(
+            e
+            for e in hook["namespaceSelector"]["matchExpressions"]
+            if e["key"] == "kubernetes.io/metadata.name"
+        )
+        assert NAMESPACE in names["values"] and "kube-system" in names["values"]
+    assert ns_hook["namespaceSelector"]["matchExpressions"][0] == {
+        "key": "meshd.io/inject",
+        "operator": "In",
+        "values": ["true"],
+    }
+
+
+def test_least_privilege_rbac(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["defaults"]
+    assert find(docs, "Role") == [] and find(docs, "RoleBinding") == []
+    (role,) = find(docs, "ClusterRole")
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    (binding,) = find(docs, "ClusterRoleBinding")
+    assert [s["name"] for s in binding["subjects"]] == ["meshd-control-plane"]
+    sas = {d["metadata"]["name"]: d for d in find(docs, "ServiceAccount")}
+    assert sas["meshd-webhook"]["automountServiceAccountToken"] is False
+    webhook = find(docs, "Deployment", "meshd-webhook")[0]["spec"]["template"]["spec"]
+    assert webhook["automountServiceAccountToken"] is False
+    assert find(rendered["no-discovery"], "ClusterRole") == []
+
+
+def test_meshd_never_injects_itself(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    for deploy in find(rendered["ha"], "Deployment"):
+        assert deploy["spec"]["template"]["metadata"]["annotations"]["meshd.io/inject"] == "false"
+
+
+def test_config_map_holds_configs_meshd_accepts(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    for name in ("defaults", "cert-manager"):
+        (cm,) = find(rendered[name], "ConfigMap", "meshd-config")
+        (tmp_path / "sidecar.yaml").write_text(cm["data"]["sidecar.yaml"])
+        (tmp_path / "inject.yaml").write_text(cm["data"]["inject.yaml"])
+        sidecar = load_config(str(tmp_path / "sidecar.yaml"))
+        assert sidecar.pools[0].name == "default"
+        cfg = load_config_file(str(tmp_path / "inject.yaml"))
+        assert cfg.image == "ghcr.io/meshd/meshd:0.1.0" and cfg.proxy_uid == 1337
+    assert cfg.include_ports == "*" and cfg.exclude_ports == (22,)
+    assert dict(cfg.env)["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http://otel-collector")
+
+
+def test_otel_endpoint_reaches_the_control_plane(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    cp = find(rendered["cert-manager"], "Deployment", "meshd-control-plane")[0]
+    env = {e["name"]: e["value"] for e in cp["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability.svc:4317"
+    assert env["OTEL_SERVICE_NAME"] == "meshd-control-plane"
+    kinds = {d["kind"] for d in rendered["cert-manager"]}
+    assert {"ServiceMonitor", "PodMonitor", "Certificate", "Issuer"} <= kinds
+    (mwc,) = find(rendered["cert-manager"], "MutatingWebhookConfiguration")
+    assert mwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == (
+        f"{NAMESPACE}/meshd-webhook"
+    )
+
+
+def _certs(secret: dict[str, Any]) -> tuple[Any, Any]:
+    data = secret["data"]
+    leaf = x509.load_pem_x509_certificate(base64.b64decode(data["tls.crt"]))
+    ca = x509.load_pem_x509_certificate(base64.b64decode(data["ca.crt"]))
+    return leaf, ca
+
+
+def test_mtls_gives_the_control_plane_a_ca_signed_certificate(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["mtls"]
+    (secret,) = find(docs, "Secret", "meshd-control-plane-tls")
+    leaf, ca = _certs(secret)
+    leaf.verify_directly_issued_by(ca)
+    sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert f"meshd-control-plane.{NAMESPACE}.svc" in sans.get_values_for_type(x509.DNSName)
+    args = find(docs, "Deployment", "meshd-control-plane")[0]["spec"]["template"]["spec"][
+        "containers"
+    ][0]["args"]
+    assert "--tls-cert" in args
+    (root,) = find(docs, "ConfigMap", "meshd-ca-root")
+    assert x509.load_pem_x509_certificate(root["data"]["ca.crt"].encode()) == ca
+
+
+def test_dashboard_has_the_panels_and_meshd_metrics(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    (cm,) = find(rendered["defaults"], "ConfigMap", "meshd-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dash = json.loads(cm["data"]["meshd.json"])
+    titles = " | ".join(p["title"] for p in dash["panels"]).lower()
+    for word in ("time to first token", "hit rate", "retries", "breaker", "cost per successful"):
+        assert word in titles
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    metrics = set(re.findall(r"\b(meshd_[a-z_]+)", exprs))
+    assert {"meshd_time_to_first_token_seconds_bucket", "meshd_upstream_attempts_total"} <= metrics
+
+
+# ---------------------------------------------------------------- the certificate, for real
+
+
+async def test_generated_webhook_certificate_serves_a_review(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    docs = rendered["defaults"]
+    (secret,) = find(docs, "Secret", "meshd-webhook-tls")
+    (mwc,) = find(docs, "MutatingWebhookConfiguration")
+    ca_bundle = {w["clientConfig"]["caBundle"] for w in mwc["webhooks"]}
+    assert ca_bundle == {secret["data"]["ca.crt"]}
+    (cm,) = find(docs, "ConfigMap", "meshd-config")
+    for key in ("tls.crt", "tls.key"):
+        (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
+    (tmp_path / "inject.yaml").write_text(cm["data"]["inject.yaml"])
+
+    server = WebhookServer(
+        load_config_file(str(tmp_path / "inject.yaml")),
+        str(tmp_path / "tls.crt"),
+        str(tmp_path / "tls.key"),
+        "127.0.0.1",
+        0,
+    )
+    await server.start()
+    assert server.address is not None
+    # Trust only the caBundle, and check the name the API server dials.
+    trust = ssl.create_default_context(cadata=base64.b64decode(ca_bundle.pop()).decode())
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                f"https://127.0.0.1:{server.address[1]}/mutate",
+                data=REVIEW.read_bytes(),
+                headers={"Content-Type": "application/json"},
+                ssl=trust,
+                server_hostname=f"meshd-webhook.{NAMESPACE}.svc",
+            ) as resp,
+        ):
+            assert resp.status == 200
+            answer = await resp.json()
+    finally:
+        await server.stop()
+    assert answer["response"]["uid"] == json.loads(REVIEW.read_text())["request"]["uid"]
+    assert answer["response"]["patchType"] == "JSONPatch"
