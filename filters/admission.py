@@ -1,0 +1,610 @@
+"""Admission control and deadline-aware queueing: admit, queue or refuse each request by
+tenant, priority, deadline and the sunk cost of its task, and hand queued requests out in
+order as capacity frees. Sans-I/O: time comes in; every refusal carries its reason.
+
+Order of service
+----------------
+1. Bands, strictly: band = 2 x priority + sunk, where priority (0..9, clamped to the
+   tenant's `max_priority`) is the request's and sunk is 1 when its task already has
+   `sunk_cost_min_steps` successful steps (and `sunk_cost_min_usd` spent), reported through
+   `task_progress`. Step 3 of a task whose steps 1 and 2 succeeded goes before a new task's
+   step 1 at the same priority, and a new task is shed before it.
+2. Within a band, tenants share by weight: start-time fair queueing (Goyal, Vin, Cheng,
+   "Start-Time Fair Queueing", SIGCOMM 1996) at the level of tenant flows. A backlogged
+   tenant's flow has start tag S = max(V, F); dispatch takes the flow with the least S,
+   sets V = S and F = S + cost / weight (cost: the item's `cost`, e.g. expected tokens).
+   Over a backlogged period each tenant's share of dispatched cost converges to its weight
+   share.
+3. Within a tenant's flow: earliest deadline first (no deadline sorts last), then arrival.
+
+Refusals (OpenAI-style 429 with Retry-After; `Reject.code` names them):
+- "deadline": the deadline minus the predicted TTFT has passed, or the queue ahead (a
+  lower bound: queued requests in higher bands x the mean slot time / slots) already makes
+  it late. Checked at offer and again for queued items at every `next`/`expire`, from the
+  lowest band up, so the least important late work is refused first.
+- "quota": the tenant already has `max_queued` requests queued.
+- "overload": the queue holds `max_queued` requests; a newcomer of a higher band displaces
+  the newest request of the lowest band (which is refused), otherwise the newcomer is.
+
+Guarantee: every item offered is answered exactly once: Admit or Reject from `offer`, or
+later exactly one of: returned by `next`, a Reject in `take_rejected()`, or `cancel` by
+the driver. Nothing is dropped silently (tests/test_admission.py checks it by property).
+Costs: offer, next, release O(log n) amortised (+ O(bands) = 20); memory bounded by
+max_queued, max_in_flight, max_tasks and max_tenants.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "ADMIT",
+    "Admission",
+    "AdmissionConfig",
+    "AdmissionItem",
+    "Admit",
+    "Queue",
+    "Reject",
+    "TenantPolicy",
+]
+
+PRIORITY_MAX = 9
+DEFAULT_PRIORITY = 5
+BANDS = 2 * (PRIORITY_MAX + 1)
+DEFAULT_TENANT = ""
+
+RejectReason = Literal["deadline", "quota", "overload"]
+_CODES: dict[str, str] = {
+    "deadline": "deadline_unmeetable",
+    "quota": "tenant_quota_exceeded",
+    "overload": "overloaded",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPolicy:
+    weight: float = 1.0  # fair share relative to other tenants
+    max_priority: int = PRIORITY_MAX  # the tenant's own priority class ceiling
+    max_queued: int | None = None  # None: AdmissionConfig.max_queued_per_tenant
+    max_in_flight: int | None = None  # None: no per-tenant cap
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"tenant weight must be > 0, got {self.weight}")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    max_in_flight: int = 256  # dispatch slots; set_capacity() changes it at run time
+    max_queued: int = 1024  # requests waiting, across tenants
+    max_queued_per_tenant: int = 256
+    tenants: Mapping[str, TenantPolicy] = field(default_factory=dict)
+    default_tenant: TenantPolicy = TenantPolicy()
+    sunk_cost_min_steps: int = 1
+    sunk_cost_min_usd: float = 0.0
+    max_tasks: int = 10_000  # LRU of task progress
+    max_tenants: int = 10_000  # fair-queueing state kept for idle tenants
+    residence_alpha: float = 0.1  # EWMA weight of a slot-time sample (dispatch to release)
+    initial_residence_s: float | None = None  # None: no wait estimate until measured
+    min_retry_after_s: float = 1.0
+    max_retry_after_s: float = 60.0
+    # After a requeue, no dispatch until a release or this long, whichever comes first
+    # (with nothing in flight here, no release may ever come).
+    requeue_backoff_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1 or self.max_queued < 0 or self.max_queued_per_tenant < 0:
+            raise ValueError("max_in_flight must be >= 1, queue bounds >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionItem:
+    id: Hashable
+    tenant: str | None = None
+    priority: int | None = None  # 0..9, higher first; None: 5
+    deadline: float | None = None  # absolute, on the `now` clock; None: no deadline
+    predicted_ttft_s: float = 0.0  # the picker's estimate, so a deadline means first token
+    cost: float = 1.0  # fair-share cost (expected tokens, or 1 per request)
+    task_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Dispatch now; call `release(item.id, now)` when it finishes."""
+
+
+ADMIT = Admit()
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """Wait; `next()` will return the item, or `take_rejected()` will refuse it."""
+
+    position: int  # requests ahead in its band and above
+    expected_wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    item: AdmissionItem
+    reason: RejectReason
+    message: str
+    retry_after_s: float
+
+    @property
+    def code(self) -> str:
+        return _CODES[self.reason]
+
+
+Decision = Admit | Queue | Reject
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    item: AdmissionItem
+    tenant: str
+    band: int
+    seq: int
+    latest_start: float  # deadline - predicted TTFT
+    queued: bool = True
+
+
+@dataclass(slots=True, eq=False)
+class _Flow:
+    """One tenant's requests in one band."""
+
+    heap: list[tuple[float, int, _Entry]] = field(default_factory=list)  # EDF
+    live: int = 0
+    finish: float = 0.0  # F
+    tag: float | None = None  # S while active (in the band's heap)
+
+
+@dataclass(slots=True, eq=False)
+class _Band:
+    flows: dict[str, _Flow] = field(default_factory=dict)
+    tags: list[tuple[float, int, str]] = field(default_factory=list)  # (S, seq, tenant)
+    deadlines: list[tuple[float, int, _Entry]] = field(default_factory=list)
+    newest: list[tuple[int, _Entry]] = field(default_factory=list)  # (-seq, entry)
+    vtime: float = 0.0
+    count: int = 0
+    active: int = 0
+
+
+@dataclass(slots=True)
+class _Tenant:
+    queued: int = 0
+    in_flight: int = 0
+
+
+@dataclass(slots=True)
+class _Dispatched:
+    tenant: str
+    at: float
+    entry: _Entry
+
+
+class Admission:
+    """One per pool. Driver protocol::
+
+        d = adm.offer(item, now)            # Admit: go; Queue: wait; Reject: 429
+        ... when a request finishes: adm.release(item.id, now)
+        ... after every offer, release and requeue, and on a timer (requeue_backoff_s):
+            while (it := adm.next(now)) is not None: wake its waiter
+        for r in adm.take_rejected(): answer r.item's waiter with 429 r.code, r.message,
+                                      Retry-After r.retry_after_s
+        a waiter that goes away: adm.cancel(item.id)
+        an admitted request that the pool still cannot place: adm.requeue(item.id, now)
+
+    Counters: `admitted` (at offer), `queued_total`, `dispatched` (from the queue),
+    `rejected` (by reason), `cancelled`, `shed` (displaced by higher-band work).
+    """
+
+    def __init__(self, config: AdmissionConfig | None = None) -> None:
+        cfg = config or AdmissionConfig()
+        self.config = cfg
+        self._capacity = cfg.max_in_flight
+        self._bands = [_Band() for _ in range(BANDS)]
+        self._queued: dict[Hashable, _Entry] = {}
+        # Every queued deadline, across bands: lets _expire return in O(1) when nothing
+        # can be late yet (stale entries are dropped when they reach the top).
+        self._deadlines: list[tuple[float, int, _Entry]] = []
+        self._in_flight: dict[Hashable, _Dispatched] = {}
+        self._tenants: dict[str, _Tenant] = {}
+        self._tasks: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        self._rejected: list[Reject] = []
+        self._residence: float | None = cfg.initial_residence_s
+        self._blocked_until = -math.inf
+        self._seq = 0
+        self.admitted = 0
+        self.queued_total = 0
+        self.dispatched = 0
+        self.rejected: dict[str, int] = {"deadline": 0, "quota": 0, "overload": 0}
+        self.cancelled = 0
+        self.shed = 0
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queued)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def set_capacity(self, max_in_flight: int) -> None:
+        """Dispatch slots now (e.g. from healthy endpoints x their limits)."""
+        self._capacity = max(1, max_in_flight)
+
+    def policy(self, tenant: str | None) -> TenantPolicy:
+        if tenant is None:
+            return self.config.default_tenant
+        return self.config.tenants.get(tenant, self.config.default_tenant)
+
+    def task_progress(self, task_id: str, spent_usd: float, steps_ok: int) -> None:
+        """What a task has already spent and achieved (its successful steps)."""
+        tasks = self._tasks
+        tasks.pop(task_id, None)
+        tasks[task_id] = (spent_usd, steps_ok)
+        while len(tasks) > self.config.max_tasks:
+            tasks.popitem(last=False)
+
+    def record_step(self, task_id: str, spent_usd: float = 0.0) -> None:
+        """One more step of the task succeeded, at this cost (adds to task_progress)."""
+        spent, steps = self._tasks.get(task_id, (0.0, 0))
+        self.task_progress(task_id, spent + spent_usd, steps + 1)
+
+    def has_sunk_cost(self, task_id: str | None) -> bool:
+        if task_id is None:
+            return False
+        p = self._tasks.get(task_id)
+        if p is None:
+            return False
+        spent, steps = p
+        cfg = self.config
+        return steps >= cfg.sunk_cost_min_steps and spent >= cfg.sunk_cost_min_usd
+
+    def band_of(self, item: AdmissionItem) -> int:
+        p = DEFAULT_PRIORITY if item.priority is None else item.priority
+        p = max(0, min(PRIORITY_MAX, p, self.policy(item.tenant).max_priority))
+        return 2 * p + (1 if self.has_sunk_cost(item.task_id) else 0)
+
+    def expected_wait(self, band: int) -> float:
+        """Estimated queueing time for a newcomer in `band`: every request queued in it or
+        above goes first, at slots / mean slot time per second."""
+        return self._wait_for(sum(b.count for b in self._bands[band:]))
+
+    def _wait_for(self, ahead: int) -> float:
+        r = self._residence
+        return 0.0 if r is None or ahead <= 0 else ahead * r / self._capacity
+
+    def _retry_after(self, ahead: int) -> float:
+        cfg = self.config
+        return min(cfg.max_retry_after_s, max(cfg.min_retry_after_s, self._wait_for(ahead)))
+
+    # -- offer -------------------------------------------------------------------------------
+
+    def offer(self, item: AdmissionItem, now: float) -> Decision:
+        if item.id in self._queued or item.id in self._in_flight:
+            raise ValueError(f"item {item.id!r} is already queued or in flight")
+        self._expire(now)
+        cfg = self.config
+        policy = self.policy(item.tenant)
+        tenant = DEFAULT_TENANT if item.tenant is None else item.tenant
+        band = self.band_of(item)
+        latest = math.inf if item.deadline is None else item.deadline - item.predicted_ttft_s
+        if latest < now:
+            left = latest + item.predicted_ttft_s - now
+            return self._refuse(
+                item,
+                "deadline",
+                f"the deadline is {_secs(left)} away "
+                f"and the first token needs about {_secs(item.predicted_ttft_s)}",
+                0,
+            )
+        t = self._tenants.get(tenant)
+        queued_here = 0 if t is None else t.queued
+        in_flight_here = 0 if t is None else t.in_flight
+        if (
+            now >= self._blocked_until
+            and len(self._in_flight) < self._capacity
+            and (policy.max_in_flight is None or in_flight_here < policy.max_in_flight)
+            and not any(b.count for b in self._bands[band:])
+        ):
+            entry = _Entry(item, tenant, band, self._next_seq(), latest, queued=False)
+            self._dispatch(entry, now)
+            self.admitted += 1
+            return ADMIT
+        limit = cfg.max_queued_per_tenant if policy.max_queued is None else policy.max_queued
+        if queued_here >= limit:
+            return self._refuse(
+                item,
+                "quota",
+                f"tenant {tenant or 'default'!r} already has {queued_here} requests queued "
+                f"(its limit is {limit})",
+                queued_here,
+            )
+        ahead_above = sum(b.count for b in self._bands[band + 1 :])
+        wait_lb = self._wait_for(ahead_above)
+        if latest < now + wait_lb:
+            return self._refuse(
+                item,
+                "deadline",
+                f"{ahead_above} higher-priority requests are queued ahead (about "
+                f"{_secs(wait_lb)}) and the deadline leaves {_secs(latest - now)} before "
+                "the first token is due",
+                ahead_above,
+            )
+        if len(self._queued) >= cfg.max_queued:
+            low = next((i for i, b in enumerate(self._bands) if b.count), None)
+            if low is None or low >= band:
+                return self._refuse(
+                    item,
+                    "overload",
+                    f"the admission queue is full ({cfg.max_queued} requests, "
+                    "admission.max_queued)",
+                    len(self._queued),
+                )
+            self._shed(low)
+        entry = _Entry(item, tenant, band, self._next_seq(), latest)
+        self._enqueue(entry)
+        self.queued_total += 1
+        ahead = sum(b.count for b in self._bands[band:]) - 1
+        return Queue(ahead, self._wait_for(ahead))
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _refuse(
+        self, item: AdmissionItem, reason: RejectReason, message: str, ahead: int
+    ) -> Reject:
+        self.rejected[reason] += 1
+        return Reject(item, reason, message, self._retry_after(ahead))
+
+    # -- queue structure ---------------------------------------------------------------------
+
+    def _enqueue(self, e: _Entry) -> None:
+        b = self._bands[e.band]
+        flow = b.flows.get(e.tenant)
+        if flow is None:
+            if len(b.flows) >= self.config.max_tenants:
+                self._purge_flows(b)
+            flow = b.flows[e.tenant] = _Flow()
+        deadline = math.inf if e.item.deadline is None else e.item.deadline
+        heapq.heappush(flow.heap, (deadline, e.seq, e))
+        flow.live += 1
+        if flow.tag is None:
+            flow.tag = max(b.vtime, flow.finish)
+            heapq.heappush(b.tags, (flow.tag, e.seq, e.tenant))
+            b.active += 1
+        if e.latest_start != math.inf:
+            heapq.heappush(b.deadlines, (e.latest_start, e.seq, e))
+            heapq.heappush(self._deadlines, (e.latest_start, e.seq, e))
+            if len(self._deadlines) > 2 * len(self._queued) + 64:
+                self._deadlines = [x for x in self._deadlines if x[2].queued]
+                heapq.heapify(self._deadlines)
+        heapq.heappush(b.newest, (-e.seq, e))
+        b.count += 1
+        self._queued[e.item.id] = e
+        self._tenant(e.tenant).queued += 1
+
+    def _tenant(self, name: str) -> _Tenant:
+        t = self._tenants.get(name)
+        if t is None:
+            t = self._tenants[name] = _Tenant()
+        return t
+
+    def _unqueue(self, e: _Entry) -> None:
+        """Take a queued entry out of the counts; heap entries go stale (skipped later)."""
+        e.queued = False
+        del self._queued[e.item.id]
+        b = self._bands[e.band]
+        b.count -= 1
+        flow = b.flows[e.tenant]
+        flow.live -= 1
+        if flow.live == 0:
+            flow.heap.clear()
+            if flow.tag is not None:
+                flow.tag = None
+                b.active -= 1
+        elif len(flow.heap) > 2 * flow.live + 16:
+            flow.heap = [x for x in flow.heap if x[2].queued]
+            heapq.heapify(flow.heap)
+        t = self._tenants[e.tenant]
+        t.queued -= 1
+        self._maybe_drop_tenant(e.tenant, t)
+        self._compact(b)
+
+    def _maybe_drop_tenant(self, name: str, t: _Tenant) -> None:
+        if t.queued == 0 and t.in_flight == 0:
+            del self._tenants[name]
+
+    def _compact(self, b: _Band) -> None:
+        if len(b.deadlines) > 2 * b.count + 32:
+            b.deadlines = [x for x in b.deadlines if x[2].queued]
+            heapq.heapify(b.deadlines)
+        if len(b.newest) > 2 * b.count + 32:
+            b.newest = [x for x in b.newest if x[1].queued]
+            heapq.heapify(b.newest)
+        if len(b.tags) > 2 * b.active + 32:
+            b.tags = [
+                x for x in b.tags if b.flows.get(x[2]) is not None and b.flows[x[2]].tag == x[0]
+            ]
+            heapq.heapify(b.tags)
+
+    def _purge_flows(self, b: _Band) -> None:
+        """Idle flows whose finish tag the band's virtual time has passed carry no
+        fairness debt: forget them (amortised: runs once per max_tenants new flows)."""
+        b.flows = {k: f for k, f in b.flows.items() if f.live or f.finish > b.vtime}
+
+    def _shed(self, band: int) -> None:
+        b = self._bands[band]
+        while b.newest:
+            _, e = heapq.heappop(b.newest)
+            if e.queued:
+                self._unqueue(e)
+                self.shed += 1
+                self._rejected.append(
+                    self._refuse(
+                        e.item,
+                        "overload",
+                        "the admission queue is full and this request was displaced by "
+                        "higher-priority work",
+                        len(self._queued),
+                    )
+                )
+                return
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def _dispatch(self, e: _Entry, now: float) -> None:
+        self._in_flight[e.item.id] = _Dispatched(e.tenant, now, e)
+        self._tenant(e.tenant).in_flight += 1
+
+    def next(self, now: float) -> AdmissionItem | None:
+        """The next queued item to dispatch now, or None (no free slot, nothing queued, or
+        blocked after a requeue). Refusals found on the way go to take_rejected()."""
+        self._expire(now)
+        if now < self._blocked_until or len(self._in_flight) >= self._capacity or not self._queued:
+            return None
+        for band in range(BANDS - 1, -1, -1):
+            b = self._bands[band]
+            if not b.count:
+                continue
+            e = self._pop_band(b)
+            if e is not None:
+                self._unqueue(e)
+                self._dispatch(e, now)
+                self.dispatched += 1
+                return e.item
+        return None
+
+    def _pop_band(self, b: _Band) -> _Entry | None:
+        """SFQ: the active flow with the least start tag whose tenant may take a slot."""
+        held: list[tuple[float, int, str]] = []
+        chosen: _Entry | None = None
+        while b.tags:
+            tag, seq, tenant = heapq.heappop(b.tags)
+            flow = b.flows.get(tenant)
+            if flow is None or flow.tag != tag or not flow.live:
+                continue  # stale
+            cap = self.policy(tenant if tenant != DEFAULT_TENANT else None).max_in_flight
+            t = self._tenants.get(tenant)
+            if cap is not None and t is not None and t.in_flight >= cap:
+                held.append((tag, seq, tenant))
+                continue
+            while flow.heap and not flow.heap[0][2].queued:
+                heapq.heappop(flow.heap)
+            _, _, chosen = heapq.heappop(flow.heap)
+            b.vtime = tag
+            flow.finish = tag + chosen.item.cost / self.policy(chosen.item.tenant).weight
+            if flow.live > 1:
+                flow.tag = flow.finish
+                heapq.heappush(b.tags, (flow.tag, chosen.seq, tenant))
+            break
+        for h in held:
+            heapq.heappush(b.tags, h)
+        return chosen
+
+    def release(self, item_id: Hashable, now: float) -> None:
+        """A dispatched item finished (any outcome): its slot is free."""
+        d = self._in_flight.pop(item_id, None)
+        if d is None:
+            return
+        sample = max(0.0, now - d.at)
+        r = self._residence
+        self._residence = sample if r is None else r + self.config.residence_alpha * (sample - r)
+        self._free(d)
+        self._blocked_until = -math.inf
+
+    def _free(self, d: _Dispatched) -> None:
+        t = self._tenants[d.tenant]
+        t.in_flight -= 1
+        self._maybe_drop_tenant(d.tenant, t)
+
+    def requeue(self, item_id: Hashable, now: float) -> None:
+        """A dispatched item could not be placed after all (every endpoint said "queue"):
+        back to the queue with its deadline and arrival order, and no dispatch until the
+        next release or requeue_backoff_s (so the driver must also call `next` on a
+        timer). It may exceed max_queued by the items requeued: an admitted item is never
+        dropped. (Its tenant's fair-share tag was already charged for it.)"""
+        d = self._in_flight.pop(item_id, None)
+        if d is None:
+            raise KeyError(item_id)
+        self._free(d)
+        d.entry.queued = True
+        self._enqueue(d.entry)
+        self._blocked_until = now + self.config.requeue_backoff_s
+
+    def cancel(self, item_id: Hashable) -> bool:
+        """The waiter went away: drop a queued item (True), or False if it is not queued
+        (an admitted item is released with `release`)."""
+        e = self._queued.get(item_id)
+        if e is None:
+            return False
+        self._unqueue(e)
+        self.cancelled += 1
+        return True
+
+    # -- deadlines ---------------------------------------------------------------------------
+
+    def expire(self, now: float) -> list[Reject]:
+        """Refuse every queued item that can no longer meet its deadline, lowest band
+        first; return them with any other pending refusals (same as take_rejected)."""
+        self._expire(now)
+        return self.take_rejected()
+
+    def take_rejected(self) -> list[Reject]:
+        """Refusals of queued items since the last call. The driver MUST answer each."""
+        out, self._rejected = self._rejected, []
+        return out
+
+    def _expire(self, now: float) -> None:
+        top = self._deadlines
+        while top and not top[0][2].queued:
+            heapq.heappop(top)
+        # No band's horizon reaches beyond now + the wait behind everything queued.
+        if not top or top[0][0] >= now + self._wait_for(len(self._queued)):
+            return
+        above = 0
+        counts = [b.count for b in self._bands]
+        total_above = [0] * BANDS
+        for band in range(BANDS - 1, -1, -1):
+            total_above[band] = above
+            above += counts[band]
+        for band in range(BANDS):
+            b = self._bands[band]
+            if not b.count or not b.deadlines:
+                continue
+            horizon = now + self._wait_for(total_above[band])
+            while b.deadlines and b.deadlines[0][0] < horizon:
+                latest, _, e = heapq.heappop(b.deadlines)
+                if not e.queued:
+                    continue
+                self._unqueue(e)
+                late = latest < now
+                self._rejected.append(
+                    self._refuse(
+                        e.item,
+                        "deadline",
+                        "the deadline passed while the request was queued"
+                        if late
+                        else f"the deadline can no longer be met: about "
+                        f"{_secs(horizon - now)} of higher-priority work is queued ahead",
+                        total_above[band],
+                    )
+                )
+
+
+def _secs(s: float) -> str:
+    return f"{max(0.0, s):.2f} s"

@@ -1,0 +1,180 @@
+"""RetryBudget (filters/retry_budget.py) on a virtual clock: floor, ratio, refill and
+exhaustion, the per-request cap, what is retryable, backoff and Retry-After."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from filters.retry_budget import (
+    RetryBudget,
+    RetryBudgetConfig,
+    WindowedSum,
+    parse_retry_after,
+)
+
+
+class FixedRng:
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
+
+
+def test_floor_allows_min_retries_per_second_times_window_without_traffic() -> None:
+    b = RetryBudget()  # 10 retries/s over 10 s
+    assert b.balance(0.0) == 100
+    assert all(b.withdraw(0.0) for _ in range(100))
+    assert not b.withdraw(0.0)
+    assert (b.retries, b.exhausted, b.attempts) == (100, 1, 100)
+
+
+def test_ratio_of_recent_requests() -> None:
+    b = RetryBudget(RetryBudgetConfig(min_retries_per_s=0, retry_ratio=0.2))
+    assert not b.withdraw(0.0)
+    for _ in range(100):
+        b.deposit(0.0)
+    granted = sum(b.withdraw(1.0) for _ in range(30))
+    assert granted == 20
+    assert b.requests == 100 and b.retries == 20 and b.exhausted == 11
+    assert b.ratio == pytest.approx(0.2)
+    assert b.attempts == 120
+
+
+def test_fractional_ratio_is_exact() -> None:
+    # tower truncates 1/0.3 to 3 (33%); thousandths keep 30%.
+    b = RetryBudget(RetryBudgetConfig(min_retries_per_s=0, retry_ratio=0.3))
+    for _ in range(10):
+        b.deposit(0.0)
+    assert sum(b.withdraw(0.0) for _ in range(5)) == 3
+
+
+def test_deposits_expire_after_the_window() -> None:
+    b = RetryBudget(RetryBudgetConfig(min_retries_per_s=0, retry_ratio=1.0, window_s=1.0))
+    b.deposit(0.0)
+    b.deposit(0.0)
+    assert b.withdraw(0.901)  # 900 ms later the deposits still count (tower's tps_slots)
+    assert not RetryBudget(b.config).withdraw(0.0)
+    b2 = RetryBudget(b.config)
+    b2.deposit(0.0)
+    assert not b2.withdraw(3.0)  # long gone (tower's tps_leaky)
+
+
+def test_exhausted_floor_refills_once_withdrawals_leave_the_window() -> None:
+    b = RetryBudget(RetryBudgetConfig(min_retries_per_s=1, window_s=10.0))
+    assert sum(b.withdraw(0.0) for _ in range(12)) == 10
+    assert not b.withdraw(5.0)
+    assert not b.withdraw(9.5)
+    assert b.balance(10.0) == 10
+    assert b.withdraw(10.0)
+
+
+def test_attempt_cap_is_per_request() -> None:
+    b = RetryBudget(RetryBudgetConfig(max_attempts=3))
+    assert b.withdraw(0.0, attempts_made=1)
+    assert b.withdraw(0.0, attempts_made=2)
+    assert not b.withdraw(0.0, attempts_made=3)
+    assert b.capped == 1 and b.exhausted == 0 and b.retries == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.floats(0, 3.0), st.sampled_from(["deposit", "withdraw"])),
+        min_size=20,
+        max_size=300,
+    ),
+    ratio=st.sampled_from([0.0, 0.1, 0.2, 1.0]),
+    floor=st.sampled_from([0.0, 0.5, 2.0]),
+)
+def test_retries_in_any_window_stay_under_ratio_plus_floor(
+    ops: list[tuple[float, str]], ratio: float, floor: float
+) -> None:
+    window, slots = 10.0, 10
+    cfg = RetryBudgetConfig(
+        window_s=window, slots=slots, retry_ratio=ratio, min_retries_per_s=floor
+    )
+    b = RetryBudget(cfg)
+    now = 0.0
+    deposits: deque[float] = deque()
+    grants: deque[float] = deque()
+    for dt, op in ops:
+        now += dt
+        if op == "deposit":
+            b.deposit(now)
+            deposits.append(now)
+            continue
+        if not b.withdraw(now):
+            continue
+        grants.append(now)
+        # The ring covers at least window - one slot and at most the window, so at each
+        # grant (the worst moment for any window ending then):
+        recent_grants = sum(1 for t in grants if t > now - (window - window / slots))
+        recent_deposits = sum(1 for t in deposits if t > now - window - 1e-9)
+        assert recent_grants <= ratio * recent_deposits + floor * window + 1e-9
+
+
+def test_retryable_only_before_the_first_byte() -> None:
+    b = RetryBudget()
+    assert b.retryable(None, connect_failed=True, first_byte_sent=False)
+    for status in (429, 502, 503, 504):
+        assert b.retryable(status, connect_failed=False, first_byte_sent=False)
+        assert not b.retryable(status, connect_failed=False, first_byte_sent=True)
+    for status in (200, 400, 404, 500, 501):
+        assert not b.retryable(status, connect_failed=False, first_byte_sent=False)
+    assert not b.retryable(None, connect_failed=True, first_byte_sent=True)
+    assert not b.retryable(None, connect_failed=False, first_byte_sent=False)
+
+
+def test_backoff_is_full_jitter_under_an_exponential_ceiling() -> None:
+    b = RetryBudget()  # base 25 ms, max 1 s
+    top = FixedRng(1.0)
+    assert [b.backoff(a, top) for a in (1, 2, 3, 6)] == pytest.approx([0.025, 0.05, 0.1, 0.8])
+    assert b.backoff(7, top) == 1.0 and b.backoff(50, top) == 1.0
+    assert b.backoff(3, FixedRng(0.5)) == pytest.approx(0.05)
+    assert b.backoff(3, FixedRng(0.0)) == 0.0
+
+
+def test_backoff_honours_retry_after() -> None:
+    b = RetryBudget(RetryBudgetConfig(retry_after_max_s=5.0))
+    assert b.backoff(1, FixedRng(1.0), retry_after_s=2.0) == 2.0
+    assert b.backoff(1, FixedRng(1.0), retry_after_s=0.0) == pytest.approx(0.025)
+    assert b.backoff(1, FixedRng(0.0), retry_after_s=6.0) == math.inf
+
+
+def test_parse_retry_after() -> None:
+    assert parse_retry_after("120") == 120.0
+    assert parse_retry_after(" 3 ") == 3.0
+    assert parse_retry_after("soon") is None
+    assert parse_retry_after("-1") is None
+    date = "Wed, 21 Oct 2015 07:28:00 GMT"  # RFC 9110's example
+    epoch = 1445412480.0
+    assert parse_retry_after(date) is None  # needs the wall clock
+    assert parse_retry_after(date, wall_now=epoch - 30) == pytest.approx(30.0)
+    assert parse_retry_after(date, wall_now=epoch + 30) == 0.0
+
+
+def test_windowed_sum_survives_long_gaps_and_clock_steps_back() -> None:
+    w = WindowedSum(10.0, 10)
+    w.add(0.0, 5)
+    w.add(4.5, 3)
+    assert w.total(9.9) == 8
+    assert w.total(10.5) == 3  # the first bucket left
+    assert w.total(1e9) == 0  # one reset, not a billion steps
+    w.add(1e9, 2)
+    w.add(1e9 - 100, 1)  # time went backwards: counted in the current bucket
+    assert w.total(1e9) == 3
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError):
+        RetryBudgetConfig(max_attempts=0)
+    with pytest.raises(ValueError):
+        RetryBudgetConfig(retry_ratio=-0.1)
+    with pytest.raises(ValueError):
+        WindowedSum(0.0)
