@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "meshd.config_cmd",
     "meshd.iptables",
     "xds.cli",
+    "meshd.extproc",
     "meshd.inject",
     "meshd.webhook",
     "meshd.demo",
