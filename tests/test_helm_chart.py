@@ -44,10 +44,13 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "ha": {
         "controlPlane": {"replicas": 3},
         "webhook": {"replicas": 2, "failurePolicy": "Fail"},
-        "picker": {"enabled": True, "replicas": 2},
+        "picker": {"enabled": True, "replicas": 2, "endpoints": ["10.0.0.5:8000=H100"]},
     },
-    "picker": {"picker": {"enabled": True}},
-    "mtls": {"mtls": {"enabled": True}, "picker": {"enabled": True}},
+    "picker": {"picker": {"enabled": True, "endpoints": ["10.0.0.5:8000", "10.0.0.6:8000=A100"]}},
+    "mtls": {
+        "mtls": {"enabled": True},
+        "picker": {"enabled": True, "endpoints": ["10.0.0.5:8000"]},
+    },
     "cert-manager": {
         "webhook": {"tls": {"mode": "certManager"}},
         "mtls": {"enabled": True, "mode": "certManager"},
@@ -145,6 +148,8 @@ def test_helm_lint_is_clean(name: str) -> None:
         ({"webhook": {"tls": {"mode": "secret"}}}, "/webhook/tls/secretName"),
         ({"telemetry": {"otlp": {"endpoint": "otel:4317"}}}, "/telemetry/otlp/endpoint"),
         ({"sidecar": {"config": {"pools": []}}}, "/sidecar/config/pools"),
+        ({"picker": {"enabled": True}}, "endpoints"),
+        ({"picker": {"enabled": True, "endpoints": ["no-port"]}}, "/picker/endpoints/0"),
     ],
 )
 def test_bad_values_are_rejected_by_the_schema(
@@ -176,6 +181,26 @@ def test_picker_is_optional(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert find(rendered["defaults"], "Deployment", "meshd-picker") == []
     (svc,) = find(rendered["picker"], "Service", "meshd-picker")
     assert svc["spec"]["ports"][0]["port"] == 9002
+
+
+@pytest.mark.parametrize(
+    ("value_set", "kind", "name", "container"),
+    [
+        ("picker", "Deployment", "meshd-picker", "picker"),
+        ("mtls", "Deployment", "meshd-control-plane", "control-plane"),
+        ("defaults", "Deployment", "meshd-webhook", "webhook"),
+    ],
+)
+def test_rendered_commands_are_accepted_by_meshd_itself(
+    rendered: dict[str, list[dict[str, Any]]], value_set: str, kind: str, name: str, container: str
+) -> None:
+    from meshd.cli import build_parser
+
+    (deploy,) = find(rendered[value_set], kind, name)
+    (c,) = [c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == container]
+    assert c["command"] == ["meshd"]
+    args = build_parser().parse_args(c["args"])  # exits (fails the test) on an unknown flag
+    assert callable(args.func)
 
 
 def test_webhook_configuration_selects_opted_in_pods_only(
