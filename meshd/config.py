@@ -111,7 +111,7 @@ class Upstream(_Strict):
     request_timeout_s: float = Field(default=900.0, gt=0)
     max_connections_per_endpoint: int = Field(default=512, ge=1)
     keepalive_timeout_s: float = Field(default=30.0, gt=0)
-    max_attempts: int = Field(default=2, ge=1, le=10)
+    max_attempts: int = Field(default=3, ge=1, le=10)
 
 
 class Limits(_Strict):
@@ -190,6 +190,27 @@ class Transparent(_Strict):
     passthrough_connect_timeout_s: float = Field(default=5.0, gt=0)
 
 
+class RetrySettings(_Strict):
+    """The retry budget (filters/retry_budget.py): retries allowed while they stay under
+    `ratio` of the requests of the last `window_s`, plus `min_retries_per_s`."""
+
+    ratio: float = Field(default=0.2, ge=0, le=1000)
+    min_retries_per_s: float = Field(default=10.0, ge=0)
+    window_s: float = Field(default=10.0, gt=0)
+    backoff_base_s: float = Field(default=0.025, ge=0)
+    backoff_max_s: float = Field(default=1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> RetrySettings:
+        if self.backoff_base_s > self.backoff_max_s:
+            raise ValueError("backoff_base_s must not exceed backoff_max_s")
+        return self
+
+
+class Reliability(_Strict):
+    retry: RetrySettings = RetrySettings()
+
+
 class Drain(_Strict):
     grace_period_s: float = Field(default=30.0, ge=0)
 
@@ -202,6 +223,7 @@ class Config(_Strict):
     trust: Trust = Trust()
     routing: Routing = Routing()
     transparent: Transparent = Transparent()
+    reliability: Reliability = Reliability()
     drain: Drain = Drain()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -352,7 +374,7 @@ upstream:
   request_timeout_s: 900       # whole request, all tries
   max_connections_per_endpoint: 512
   keepalive_timeout_s: 30
-  max_attempts: 2              # tries on connect failure, each on another endpoint
+  max_attempts: 3              # tries per request, each on another endpoint
 limits:
   max_body_bytes: 8388608      # 413 above
   max_header_count: 100        # 431 above
@@ -375,6 +397,13 @@ routing:
 transparent:
   services: []                 # e.g. [{address: "10.0.0.5:8000", pool: default}]
   passthrough_connect_timeout_s: 5
+reliability:
+  retry:                       # retries on connect failure or 429/502/503/504 before the first byte
+    ratio: 0.2                 # at most this share of the last window's requests...
+    min_retries_per_s: 10      # ...plus this floor
+    window_s: 10
+    backoff_base_s: 0.025      # full-jitter exponential backoff; Retry-After honoured
+    backoff_max_s: 1.0
 drain:
   grace_period_s: 30           # SIGTERM: streams get this long to finish
 log_level: info

@@ -28,6 +28,18 @@ class DataPlaneMetrics:
             ["pool", "endpoint", "result"],
             registry=r,
         )
+        self.retries = Counter(
+            "meshd_retries",
+            "Upstream attempts after the first, by the failure that caused them",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.retry_budget_exhausted = Counter(
+            "meshd_retry_budget_exhausted",
+            "Retries not made because the pool's retry budget was spent",
+            ["pool"],
+            registry=r,
+        )
         self.request_duration = Histogram(
             "meshd_request_duration_seconds",
             "Time from request accepted to the last byte sent to the client",

@@ -15,6 +15,8 @@ import ipaddress
 import itertools
 import json
 import logging
+import math
+import random
 import signal
 import sys
 import time
@@ -44,6 +46,7 @@ from filters.request import (
     RequestError,
     parse_inference_request,
 )
+from filters.retry_budget import RetryBudget, RetryBudgetConfig, parse_retry_after
 from meshd import __version__
 from meshd.config import Config, ConfigError, load_config
 from meshd.errors import error_response, sse_error_event
@@ -150,6 +153,21 @@ class Sidecar:
             for pool in config.pools
         }
         self._attempt_ids = itertools.count()
+        rc = config.reliability.retry
+        self.retry_budgets = {
+            pool.name: RetryBudget(
+                RetryBudgetConfig(
+                    window_s=rc.window_s,
+                    retry_ratio=rc.ratio,
+                    min_retries_per_s=rc.min_retries_per_s,
+                    max_attempts=config.upstream.max_attempts,
+                    backoff_base_s=rc.backoff_base_s,
+                    backoff_max_s=rc.backoff_max_s,
+                )
+            )
+            for pool in config.pools
+        }
+        self._rng = random.Random()
         self._trusted_nets = config.trust.networks()
         self._active = 0
         self._draining = False
@@ -546,9 +564,13 @@ class Sidecar:
             pick = PickRequest.build(ctx.inference, ctx.routing, now, block_hashes=ctx.block_hashes)
         else:
             pick = PickRequest(model="")
-        routes = router.order(pick, now)[: up_cfg.max_attempts]
+        routes = router.order(pick, now)
+        retry = self.retry_budgets[ctx.pool]
+        retry.deposit(now)
         failures: list[str] = []
-        for route in routes:
+        for n, route in enumerate(routes, start=1):
+            if n > up_cfg.max_attempts:
+                break
             url = route.url
             attempt = _Attempt(router, route, next(self._attempt_ids), pick)
             router.started(route, attempt.rid, pick, time.monotonic())
@@ -567,6 +589,10 @@ class Sidecar:
                     attempt.settled = True
                     self.metrics.upstream_attempts.labels(ctx.pool, url, "connect_error").inc()
                     failures.append(f"{url}: {reason}")
+                    delay = self._retry_delay(ctx, n, len(routes), None, deadline, "connect_error")
+                    if delay is None:
+                        break
+                    await asyncio.sleep(delay)
                     continue
                 except TimeoutError:
                     self.metrics.upstream_attempts.labels(ctx.pool, url, "timeout").inc()
@@ -581,8 +607,20 @@ class Sidecar:
                     self.metrics.upstream_attempts.labels(ctx.pool, url, "error").inc()
                     self._finish(ctx, "upstream_error")
                     return self._reject(502, f"upstream failed: {exc}", "upstream_error")
-                self.metrics.upstream_attempts.labels(ctx.pool, url, str(upstream.status)).inc()
-                attempt.ok = upstream.status < 500
+                status = upstream.status
+                self.metrics.upstream_attempts.labels(ctx.pool, url, str(status)).inc()
+                attempt.ok = status < 500
+                if retry.retryable(status, False, False):
+                    # Refused before the first byte (429/502/503/504): another endpoint may
+                    # serve it, within the retry budget; otherwise the answer goes through.
+                    after = parse_retry_after(upstream.header("retry-after") or "")
+                    delay = self._retry_delay(ctx, n, len(routes), after, deadline, str(status))
+                    if delay is not None:
+                        attempt.ok = False
+                        upstream.close()
+                        failures.append(f"{url}: HTTP {status}")
+                        await asyncio.sleep(delay)
+                        continue
                 return await self._relay(request, ctx, attempt, upstream, deadline)
             finally:
                 if not attempt.settled:
@@ -601,6 +639,30 @@ class Sidecar:
             f"no endpoint of pool {ctx.pool!r} accepted the request: {detail}",
             "upstream_unavailable",
         )
+
+    def _retry_delay(
+        self,
+        ctx: RequestContext,
+        attempts_made: int,
+        routes: int,
+        retry_after_s: float | None,
+        deadline: float,
+        reason: str,
+    ) -> float | None:
+        """Seconds to wait before the next attempt, or None when there is none: no other
+        endpoint, the attempt cap, a Retry-After beyond the deadline, or the retry budget
+        (retries stay under a ratio of recent requests, so failures never become a storm)."""
+        if attempts_made >= min(routes, self.config.upstream.max_attempts):
+            return None
+        retry = self.retry_budgets[ctx.pool]
+        delay = retry.backoff(attempts_made, self._rng, retry_after_s)
+        if delay == math.inf or asyncio.get_running_loop().time() + delay >= deadline:
+            return None
+        if not retry.withdraw(time.monotonic(), attempts_made):
+            self.metrics.retry_budget_exhausted.labels(ctx.pool).inc()
+            return None
+        self.metrics.retries.labels(ctx.pool, reason).inc()
+        return delay
 
     def _response_headers(
         self, upstream: UpstreamResponse, ctx: RequestContext, url: str

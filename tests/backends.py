@@ -30,6 +30,8 @@ class TestBackend:
     release: asyncio.Event = field(default_factory=asyncio.Event)
     url: str = ""
     runner: web.AppRunner | None = None
+    # When set, every generation request is refused with this status (an engine shedding).
+    refuse_with: int | None = None
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -80,6 +82,12 @@ class TestBackend:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await self._record(request) or {}
+        if self.refuse_with is not None:
+            return web.json_response(
+                {"error": {"message": "busy", "type": "overloaded", "code": self.refuse_with}},
+                status=self.refuse_with,
+                headers={"Retry-After": "0"},
+            )
         chat = request.path.endswith("chat/completions")
         prompt = body["messages"][-1]["content"] if chat else body.get("prompt", "")
         n = int(body.get("max_tokens") or 5)

@@ -330,3 +330,59 @@ async def test_transparent_listener_routes_by_original_destination_and_refuses_l
         assert len(b.requests) == 1
     finally:
         await s.drain_and_stop()
+
+
+async def test_a_refusal_before_the_first_byte_is_retried_on_another_endpoint(backends, sidecar):
+    busy, ok = await backends("busy"), await backends("ok")
+    busy.refuse_with = 503
+    s = await sidecar(sidecar_config([busy.url, ok.url], routing={"policy": "round-robin"}))
+    async with aiohttp.ClientSession() as http:
+        for _ in range(4):
+            req = {"model": "tiny", "prompt": "a", "stream": True, "max_tokens": 2}
+            resp = await post(http, url(s, "/v1/completions"), req)
+            assert resp.status == 200
+            assert sse_events(await resp.read())[-1] == "[DONE]"
+    assert len(ok.requests) == 4
+    assert len(busy.requests) == 2  # round robin offered it every other request
+    metrics = (await _admin(s, "/metrics")).decode()
+    assert 'meshd_retries_total{pool="default",reason="503"} 2.0' in metrics
+
+
+async def test_without_retry_budget_the_refusal_reaches_the_client(backends, sidecar):
+    busy, ok = await backends("busy"), await backends("ok")
+    busy.refuse_with = 503
+    s = await sidecar(
+        sidecar_config(
+            [busy.url, ok.url],
+            routing={"policy": "round-robin"},
+            reliability={"retry": {"ratio": 0.0, "min_retries_per_s": 0.0}},
+        )
+    )
+    statuses = []
+    async with aiohttp.ClientSession() as http:
+        for _ in range(4):
+            resp = await post(http, url(s, "/v1/completions"), {"model": "tiny", "prompt": "a"})
+            statuses.append(resp.status)
+            if resp.status == 503:
+                assert (await resp.json())["error"]["message"] == "busy"  # the engine's own
+    assert sorted(statuses) == [200, 200, 503, 503]
+    metrics = (await _admin(s, "/metrics")).decode()
+    assert 'meshd_retry_budget_exhausted_total{pool="default"} 2.0' in metrics
+
+
+async def test_retries_stay_within_the_budget_when_every_engine_refuses(backends, sidecar):
+    a, b = await backends("a"), await backends("b")
+    a.refuse_with = b.refuse_with = 429
+    s = await sidecar(
+        sidecar_config(
+            [a.url, b.url],
+            reliability={"retry": {"ratio": 0.2, "min_retries_per_s": 0.1, "window_s": 10}},
+        )
+    )
+    async with aiohttp.ClientSession() as http:
+        for _ in range(20):
+            resp = await post(http, url(s, "/v1/completions"), {"model": "tiny", "prompt": "a"})
+            assert resp.status == 429
+    attempts = len(a.requests) + len(b.requests)
+    # 20 requests; the budget allows 0.2 x 20 + 0.1 x 10 = 5 retries at most.
+    assert 20 < attempts <= 25, attempts
