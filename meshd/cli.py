@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "meshd.config_cmd",
     "meshd.iptables",
     "xds.cli",
+    "meshd.agent",
     "meshd.extproc",
     "meshd.inject",
     "meshd.webhook",

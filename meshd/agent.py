@@ -1,0 +1,549 @@
+"""`meshd agent`: runs next to one engine (vLLM or SGLang), scrapes its /metrics and /health,
+follows its KV events (ZMQ SUB, with replay after a gap), reads its GPUs through NVML when
+there are any, and publishes EndpointState and PrefixDigest to every control plane.
+
+The decisions are in filters/vllm_metrics.py and filters/kv_digest.py; this file is I/O.
+Nothing here may crash the agent: an engine that stops answering is published unhealthy,
+a control plane that is down is retried with backoff, each on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aiohttp
+import zmq
+import zmq.asyncio
+
+from filters.gpu import normalise_gpu_name
+from filters.kv_digest import Digest, KVDigestTracker, KVEventError
+from filters.vllm_metrics import (
+    EngineMetrics,
+    Flavor,
+    MetricsParseError,
+    MetricsTracker,
+    parse_engine_metrics,
+)
+from xds.client import Backoff, Publisher
+from xds.resources import ENDPOINT_STATE_TYPE, PREFIX_DIGEST_TYPE, EndpointState, PrefixDigest
+
+__all__ = ["AgentConfig", "AgentStats", "EngineAgent", "GpuReading", "read_nvml", "register"]
+
+log = logging.getLogger("meshd.agent")
+
+# vLLM's replay socket ends an answer with this seq and an empty payload.
+REPLAY_END_SEQ = 0xFFFFFFFFFFFFFFFF
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """Everything `meshd agent` takes (flags of the same names)."""
+
+    name: str
+    engine_url: str
+    address: str
+    control_planes: tuple[str, ...]
+    pool: str = ""
+    model: str = ""
+    flavor: Flavor | None = None
+    interval_s: float = 0.1
+    heartbeat_s: float = 2.0
+    scrape_timeout_s: float = 0.5
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = ""
+    # vLLM connects its PUB to a concrete tcp:// address; then the agent must bind.
+    kv_events_bind: bool = False
+    replay_timeout_s: float = 1.0
+    resync_s: float = 30.0
+    gpu: str | None = None
+    gpu_count: int = 0
+    memory_total_bytes: int | None = None
+    nvml: bool = True
+    gpu_indices: tuple[int, ...] = ()
+    backoff: Backoff = field(default_factory=lambda: Backoff(base_s=0.1, max_s=5.0))
+
+
+@dataclass(slots=True)
+class AgentStats:
+    scrapes: int = 0
+    scrape_failures: int = 0
+    epochs: int = 1
+    kv_batches: int = 0
+    kv_bad_payloads: int = 0
+    replays: int = 0
+    publishes: int = 0
+    publish_failures: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    name: str
+    count: int
+    memory_total_bytes: int
+    memory_used_bytes: int
+
+
+_nvml_state: dict[str, bool] = {}
+
+
+def read_nvml(indices: Sequence[int] = ()) -> GpuReading | None:
+    """The engine's GPUs through NVML (`nvidia-ml-py`, an optional extra), or None when it
+    is not installed or there is no GPU. NVML is initialised once, at the first call."""
+    if _nvml_state.get("failed"):
+        return None
+    try:
+        import pynvml  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        _nvml_state["failed"] = True
+        return None
+    try:
+        if not _nvml_state.get("ready"):
+            pynvml.nvmlInit()
+            _nvml_state["ready"] = True
+        n = pynvml.nvmlDeviceGetCount()
+        wanted = [i for i in indices if 0 <= i < n] if indices else list(range(n))
+        if not wanted:
+            return None
+        name, total, used = "", 0, 0
+        for i in wanted:
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            raw = pynvml.nvmlDeviceGetName(h)
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            total += int(mem.total)
+            used += int(mem.used)
+        return GpuReading(normalise_gpu_name(name), len(wanted), total, used)
+    except Exception as exc:  # NVMLError (no driver, no GPU): fall back to config for good
+        log.info("NVML unavailable (%s); GPU facts come from flags", exc)
+        _nvml_state["failed"] = True
+        return None
+
+
+class _Link:
+    """One control plane: the latest body of each resource, sent by its own task, so a
+    control plane that is down or slow never holds up the others."""
+
+    def __init__(self, agent: EngineAgent, target: str) -> None:
+        self.agent = agent
+        self.target = target
+        self.connected = False
+        self._pending: dict[tuple[str, str], bytes] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._rng = random.Random()
+
+    def offer(self, type_url: str, name: str, body: bytes) -> None:
+        self._pending[(type_url, name)] = body
+        self._wake.set()
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        attempt = 0
+        publisher: Publisher | None = None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._pending = self._pending, {}
+            if publisher is None:
+                publisher = Publisher(self.target)
+            try:
+                for (type_url, name), body in batch.items():
+                    await asyncio.wait_for(publisher.publish(type_url, {name: body}), 5.0)
+                self.agent.stats.publishes += len(batch)
+                if not self.connected:
+                    self.connected = True
+                    log.info("publishing to the control plane %s", self.target)
+                attempt = 0
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await publisher.close()
+                raise
+            except Exception as exc:
+                self.agent.stats.publish_failures += 1
+                if self.connected:
+                    log.warning("control plane %s: %s; retrying", self.target, exc)
+                self.connected = False
+                with contextlib.suppress(Exception):
+                    await publisher.close()
+                publisher = None
+                # Keep what did not go (newer bodies offered meanwhile win), and make the
+                # next digest full: this control plane may have lost the base.
+                self._pending = {**batch, **self._pending}
+                self.agent.on_link_lost()
+                await asyncio.sleep(self.agent.config.backoff.delay(attempt, self._rng))
+                attempt += 1
+                self._wake.set()
+
+
+class EngineAgent:
+    """The agent of one engine. `start()`, then `close()`; `state` and `tracker` are its
+    current view (tests and /metrics read them)."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.stats = AgentStats()
+        self.epoch = self._new_epoch()
+        self.metrics = MetricsTracker()
+        self.tracker = KVDigestTracker(config.name, self.epoch, resync_s=config.resync_s)
+        self.state: EndpointState | None = None
+        self.last_metrics: EngineMetrics | None = None
+        self.healthy = False
+        self._was_healthy: bool | None = None
+        self._published_state: EndpointState | None = None
+        self._published_at = float("-inf")
+        self._links = [_Link(self, t) for t in config.control_planes]
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._zmq = zmq.asyncio.Context()
+        self._changed = asyncio.Condition()
+
+    @staticmethod
+    def _new_epoch() -> str:
+        return uuid.uuid4().hex[:16]
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.scrape_timeout_s)
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        for link in self._links:
+            link.start()
+        self._tasks.append(asyncio.ensure_future(self._scrape_loop()))
+        if self.config.kv_events:
+            self._tasks.append(asyncio.ensure_future(self._kv_loop()))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for link in self._links:
+            await link.close()
+        if self._session is not None:
+            await self._session.close()
+        self._zmq.destroy(linger=0)
+
+    async def __aenter__(self) -> EngineAgent:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def on_link_lost(self) -> None:
+        self.tracker.force_full()
+
+    async def wait_until(self, predicate: Any) -> None:
+        async with self._changed:
+            await self._changed.wait_for(predicate)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # -- epochs ---------------------------------------------------------------------------
+
+    def new_epoch(self, why: str) -> None:
+        self.epoch = self._new_epoch()
+        self.stats.epochs += 1
+        self.metrics = MetricsTracker()
+        self.tracker.set_epoch(self.epoch)
+        log.info("engine %s: new epoch %s (%s)", self.config.name, self.epoch, why)
+
+    # -- scraping -------------------------------------------------------------------------
+
+    async def _get(self, path: str) -> tuple[int, str]:
+        assert self._session is not None
+        async with self._session.get(self.config.engine_url.rstrip("/") + path) as r:
+            return r.status, await r.text()
+
+    async def _scrape(self) -> EngineMetrics | None:
+        try:
+            (hs, _), (ms, text) = await asyncio.gather(self._get("/health"), self._get("/metrics"))
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            log.debug("engine %s unreachable: %s", self.config.engine_url, exc)
+            return None
+        if hs != 200 or ms != 200:
+            return None
+        try:
+            return parse_engine_metrics(text, self.config.flavor)
+        except MetricsParseError as exc:
+            log.warning("engine %s: unreadable /metrics: %s", self.config.engine_url, exc)
+            return None
+
+    def _build_state(self, m: EngineMetrics | None, healthy: bool) -> EndpointState:
+        cfg = self.config
+        gpu = read_nvml(cfg.gpu_indices) if cfg.nvml else None
+        prev = self.state
+        if m is None:
+            # Keep the last figures; only health says anything now.
+            base = prev or EndpointState(address=cfg.address, pool=cfg.pool, model=cfg.model)
+            return replace(base, healthy=False, epoch=self.epoch)
+        return EndpointState(
+            address=cfg.address,
+            pool=cfg.pool,
+            model=cfg.model or m.model or "",
+            gpu=gpu.name if gpu else (cfg.gpu or m.gpu),
+            gpu_count=gpu.count if gpu else cfg.gpu_count,
+            memory_total_bytes=gpu.memory_total_bytes if gpu else cfg.memory_total_bytes,
+            memory_used_bytes=gpu.memory_used_bytes if gpu else None,
+            kv_block_size=m.kv_block_size,
+            kv_capacity_blocks=m.kv_capacity_blocks,
+            kv_usage=m.kv_usage,
+            requests_running=m.running,
+            requests_waiting=m.waiting,
+            ttft_s=self.metrics.ttft_s,
+            tpot_s=self.metrics.tpot_s,
+            healthy=healthy,
+            epoch=self.epoch,
+        )
+
+    async def tick(self) -> None:
+        """One scrape, and the publishes it calls for."""
+        m = await self._scrape()
+        now = time.monotonic()
+        self.stats.scrapes += 1
+        healthy = m is not None
+        if m is None:
+            self.stats.scrape_failures += 1
+        else:
+            update = self.metrics.update(m)
+            if update.counters_reset:
+                self.new_epoch("engine counters went backwards")
+                self.metrics.update(m)
+            elif self._was_healthy is False:
+                # Down and back: maybe a restart whose counters we never saw fall.
+                self.new_epoch("engine recovered")
+                self.metrics.update(m)
+            if m.kv_block_size and not self.tracker.blocks:
+                self.tracker.block_size = m.kv_block_size
+            self.last_metrics = m
+        self._was_healthy = healthy
+        self.healthy = healthy
+        self.state = self._build_state(m, healthy)
+        if (
+            self.state != self._published_state
+            or now - self._published_at >= self.config.heartbeat_s
+        ):
+            self._offer(ENDPOINT_STATE_TYPE, self.state.encode())
+            self._published_state, self._published_at = self.state, now
+        self.publish_digest(now)
+        await self._notify()
+
+    def publish_digest(self, now: float) -> Digest | None:
+        d = self.tracker.digest(now)
+        if d is not None:
+            self._offer(PREFIX_DIGEST_TYPE, _to_resource(d).encode())
+        return d
+
+    def _offer(self, type_url: str, body: bytes) -> None:
+        for link in self._links:
+            link.offer(type_url, self.config.name, body)
+
+    async def _scrape_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must cost one tick, not the agent
+                log.exception("agent tick failed")
+            next_at = max(next_at + self.config.interval_s, loop.time())
+            await asyncio.sleep(next_at - loop.time())
+
+    # -- KV events ------------------------------------------------------------------------
+
+    async def _kv_loop(self) -> None:
+        cfg = self.config
+        assert cfg.kv_events is not None
+        sub = self._zmq.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, cfg.kv_events_topic.encode())
+        if cfg.kv_events_bind:
+            sub.bind(cfg.kv_events)
+        else:
+            sub.connect(cfg.kv_events)
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                try:
+                    await self._on_kv_frames(frames)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("KV event handling failed")
+        finally:
+            sub.close(linger=0)
+
+    async def _on_kv_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.stats.kv_bad_payloads += 1
+            return
+        _, seq_raw, payload = frames
+        seq = int.from_bytes(seq_raw, "big")
+        now = time.monotonic()
+        self.stats.kv_batches += 1
+        try:
+            result = self.tracker.feed(seq, payload, now)
+        except KVEventError as exc:
+            self.stats.kv_bad_payloads += 1
+            log.warning("engine %s: bad KV event batch %d: %s", self.config.name, seq, exc)
+            return
+        if result.restarted:
+            self.new_epoch("KV event sequence restarted")
+        if result.replay_from is not None:
+            await self._replay(result.replay_from)
+
+    async def _replay(self, start_seq: int) -> None:
+        """Ask the engine's replay socket (ROUTER) for batches from `start_seq`; give up
+        the gap when it has no such socket or its answer does not fill the gap."""
+        cfg = self.config
+        if not cfg.kv_events_replay:
+            self.tracker.abandon_gap()
+            return
+        self.stats.replays += 1
+        dealer = self._zmq.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(cfg.kv_events_replay)
+        try:
+            await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + cfg.replay_timeout_s
+            while True:
+                left = deadline - loop.time()
+                if left <= 0 or not await dealer.poll(left * 1000):
+                    log.warning("engine %s: replay from %d timed out", cfg.name, start_seq)
+                    break
+                frames = await dealer.recv_multipart()
+                if len(frames) != 4 or len(frames[2]) != 8:
+                    continue
+                seq = int.from_bytes(frames[2], "big")
+                if seq == REPLAY_END_SEQ:
+                    break
+                with contextlib.suppress(KVEventError):
+                    self.tracker.feed(seq, frames[3], time.monotonic())
+        finally:
+            dealer.close(linger=0)
+            if self.tracker.end_replay():
+                log.warning("engine %s: KV events from %d lost; digest reset", cfg.name, start_seq)
+
+
+def _to_resource(d: Digest) -> PrefixDigest:
+    return PrefixDigest(
+        engine=d.engine,
+        epoch=d.epoch,
+        seq=d.seq,
+        base_seq=d.base_seq,
+        full=d.full,
+        block_size=d.block_size,
+        added=d.added,
+        removed=d.removed,
+    )
+
+
+# -- CLI ----------------------------------------------------------------------------------
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "agent",
+        help="publish one engine's state and KV-cache digest to the control plane",
+        description="Run next to a vLLM or SGLang engine: scrape its /metrics and /health, "
+        "follow its KV events (ZMQ), read its GPUs via NVML when present, and publish "
+        "EndpointState and PrefixDigest to every --control-plane.",
+    )
+    p.add_argument("--engine", default="http://127.0.0.1:8000", help="engine base URL")
+    p.add_argument("--name", required=True, help="the engine's resource name")
+    p.add_argument("--address", help="host:port clients reach the engine at (default: --engine)")
+    p.add_argument("--pool", default="")
+    p.add_argument("--model", default="", help="default: the engine's model_name label")
+    p.add_argument("--flavor", choices=("vllm", "sglang"), help="default: detect")
+    p.add_argument(
+        "--control-plane", action="append", default=[], metavar="HOST:PORT", required=True
+    )
+    p.add_argument("--interval", type=float, default=0.1, help="seconds between scrapes")
+    p.add_argument("--heartbeat", type=float, default=2.0, help="republish at least this often")
+    p.add_argument("--scrape-timeout", type=float, default=0.5)
+    p.add_argument("--kv-events", metavar="ENDPOINT", help="the engine's KV event PUB endpoint")
+    p.add_argument("--kv-events-replay", metavar="ENDPOINT", help="its replay ROUTER endpoint")
+    p.add_argument("--kv-events-topic", default="")
+    p.add_argument(
+        "--kv-events-bind",
+        action="store_true",
+        help="bind the SUB socket (when vLLM's endpoint is a concrete tcp:// address, it "
+        "connects to it)",
+    )
+    p.add_argument("--resync", type=float, default=30.0, help="seconds between full digests")
+    p.add_argument("--gpu", help="GPU generation when NVML cannot tell (H100, A100, ...)")
+    p.add_argument("--gpu-count", type=int, default=0)
+    p.add_argument("--gpu-memory-gib", type=float, help="total GPU memory when NVML cannot tell")
+    p.add_argument("--gpu-index", type=int, action="append", default=[], help="NVML indices")
+    p.add_argument("--no-nvml", action="store_true")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    address = args.address or args.engine.split("://", 1)[-1].rstrip("/")
+    mem = args.gpu_memory_gib
+    return AgentConfig(
+        name=args.name,
+        engine_url=args.engine,
+        address=address,
+        control_planes=tuple(args.control_plane),
+        pool=args.pool,
+        model=args.model,
+        flavor=args.flavor,
+        interval_s=args.interval,
+        heartbeat_s=args.heartbeat,
+        scrape_timeout_s=args.scrape_timeout,
+        kv_events=args.kv_events,
+        kv_events_replay=args.kv_events_replay,
+        kv_events_topic=args.kv_events_topic,
+        kv_events_bind=args.kv_events_bind,
+        resync_s=args.resync,
+        gpu=args.gpu,
+        gpu_count=args.gpu_count,
+        memory_total_bytes=int(mem * 2**30) if mem is not None else None,
+        nvml=not args.no_nvml,
+        gpu_indices=tuple(args.gpu_index),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    config = config_from_args(args)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with EngineAgent(config):
+            print(f"meshd agent for {config.name} ({config.engine_url})", flush=True)
+            await stop.wait()
+
+    asyncio.run(serve())
+    return 0
