@@ -122,6 +122,10 @@ class InjectionConfig:
     config_key: str = "config.yaml"
     config_mount_path: str = "/etc/meshd"
     sidecar_config: str | None = None
+    # Where engine agents publish (meshd agent --control-plane) and the engine's own port
+    # in its pod (the agent scrapes it on loopback and advertises it on the pod IP).
+    control_plane: str = "meshd-control-plane.meshd-system.svc:18000"
+    engine_port: int = 8000
     # Extra environment of the injected containers (e.g. OTEL_EXPORTER_OTLP_ENDPOINT).
     env: tuple[tuple[str, str], ...] = ()
 
@@ -403,19 +407,33 @@ def proxy_container(cfg: InjectionConfig) -> dict[str, Any]:
 
 
 def agent_container(cfg: InjectionConfig) -> dict[str, Any]:
+    """The engine agent: scrapes the engine on loopback, publishes its state to the control
+    plane under the pod's name and IP (downward API). It serves no port, so it has no probes:
+    a native sidecar that exits is restarted by the kubelet."""
+    downward = [
+        {"name": "MESHD_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "MESHD_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
     return {
         "name": AGENT_NAME,
         "image": cfg.image,
         "imagePullPolicy": cfg.image_pull_policy,
         "restartPolicy": "Always",
         "command": ["meshd"],
-        "args": ["agent", "--config", _config_path(cfg), "--admin", f"0.0.0.0:{cfg.admin_port}"],
-        "ports": [{"name": "meshd-admin", "containerPort": cfg.admin_port, "protocol": "TCP"}],
-        **_env(cfg),
+        "args": [
+            "agent",
+            "--name",
+            "$(MESHD_POD_NAME)",
+            "--engine",
+            f"http://127.0.0.1:{cfg.engine_port}",
+            "--address",
+            f"$(MESHD_POD_IP):{cfg.engine_port}",
+            "--control-plane",
+            cfg.control_plane,
+        ],
+        "env": downward + _env(cfg).get("env", []),
         "resources": cfg.agent_resources.to_k8s(),
         "securityContext": _nonroot(cfg),
-        "volumeMounts": _mount(cfg),
-        **_probes(cfg),
     }
 
 

@@ -154,6 +154,30 @@ def test_engine_pod_gets_the_agent_and_no_iptables() -> None:
     validate(patched)
 
 
+@pytest.mark.parametrize("role", ["engine", "client"])
+def test_injected_meshd_commands_are_accepted_by_meshd_itself(role: str) -> None:
+    from meshd.cli import build_parser
+
+    labels = {"meshd.io/role": "engine"} if role == "engine" else {}
+    p = pod(labels=labels, annotations={"meshd.io/inject": "true"})
+    patched = apply(p, inject(p, CFG).patch)
+    ours = [c for c in patched["spec"]["initContainers"] if c["name"].startswith("meshd-")]
+    assert ours
+    for c in ours:
+        env = {e["name"] for e in c.get("env", [])}
+        # Kubernetes expands $(VAR) from the container's env; every one used must be set.
+        args = [
+            a.replace("$(MESHD_POD_NAME)", "pod").replace("$(MESHD_POD_IP)", "10.1.2.3")
+            for a in c["args"]
+        ]
+        assert all("$(" not in a for a in args), c["args"]
+        assert {
+            v for v in ("MESHD_POD_NAME", "MESHD_POD_IP") if any(v in a for a in c["args"])
+        } <= env
+        parsed = build_parser().parse_args(args)  # exits (fails the test) on an unknown flag
+        assert callable(parsed.func)
+
+
 # ---------------------------------------------------------------- the injected containers
 
 
