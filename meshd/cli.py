@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "meshd.extproc",
     "meshd.inject",
     "meshd.webhook",
+    "meshd.cost_cmd",
     "meshd.demo",
     "loadtest.bench.cli",
     "loadtest.engine.cli",

@@ -1,0 +1,545 @@
+"""The cost ledger: what each request cost in GPU-seconds and dollars, grouped into tasks, so
+that the headline figure is cost per *successful* task and every wasted dollar is named.
+
+Sans-I/O: records come in (time is the record's own `ts`), summaries go out. The rules:
+
+- A request's cost is the sum over its upstream attempts of GPU-seconds x the price per
+  GPU-second of that attempt's GPU generation. GPU-seconds are the engine's own figure when
+  it reported one (ORCA `OrcaLoadReport.request_cost`, cncf/xds: xds/data/orca/v3/
+  orca_load_report.proto, or a usage extension), else the timing model's estimate:
+  uncached prompt tokens / prefill rate + output tokens x (decode step at the typical batch /
+  batch), the step shared by the batch that decodes together (profiles: filters/gpu.py).
+- A task is `task_id`, else `workflow_id`, else the request alone. It succeeds when its final
+  step succeeds: the step with `step == steps_in_task - 1` (0-based, as loadtest/workloads/
+  request.py numbers steps) or a record marked `final`; a task that says neither is judged by
+  its last request when it goes idle. A final step that fails leaves the task open (the client
+  may retry the step); an idle task whose final step never succeeded failed.
+- Every dollar lands in exactly one bucket: useful (ok requests of succeeded tasks), or waste:
+  `retries` (failed attempts inside requests that ended ok), `failed_requests` (requests that
+  ended in an error), `abandoned_streams` (the client went away mid-response) and
+  `failed_tasks` (ok requests of tasks that failed: step 3 of 5 fails, steps 1-2 are waste).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from filters.gpu import GPUS, UNKNOWN, GpuTable, normalise_gpu_name
+
+__all__ = [
+    "ABANDONED_OUTCOMES",
+    "DEFAULT_DECODE_BATCH",
+    "DEFAULT_PRICES",
+    "IDLE_TIMEOUT_S",
+    "MAX_OPEN_TASKS",
+    "NO_WORK_OUTCOMES",
+    "OK_OUTCOME",
+    "AttemptLike",
+    "CostFigures",
+    "CostLedger",
+    "LedgerSummary",
+    "PriceTable",
+    "RecordLike",
+    "TaskResult",
+    "TimingModel",
+    "WasteBreakdown",
+    "task_key_of",
+]
+
+# Defaults: the upper end of 2026 specialty-cloud on-demand $/GPU-hour (sources in
+# filters/gpu.py); "unknown" is priced like an H100 so an unnamed GPU is not free.
+DEFAULT_PRICES: dict[str, float] = {
+    **{name: p.price_per_gpu_hour for name, p in GPUS.items()},
+    "unknown": UNKNOWN.price_per_gpu_hour,
+}
+# Sequences decoding together in one step at a busy engine; a step's time is shared by them.
+# 32 sits between the profiles' b=1 and b=64 points and near vLLM's observed mean batch under
+# load; a fleet that knows better passes its own.
+DEFAULT_DECODE_BATCH = 32
+# Open tasks kept at once; beyond it the least recently active one is closed early (counted
+# in `evicted_tasks`), so a flood of one-off task ids cannot grow memory without bound.
+MAX_OPEN_TASKS = 100_000
+# A task with no request for this long is closed (agent think/tool time is seconds to minutes).
+IDLE_TIMEOUT_S = 600.0
+
+OK_OUTCOME = "ok"
+# The client went away: what was generated for it is thrown away.
+ABANDONED_OUTCOMES = frozenset({"client_disconnect", "abandoned"})
+# Attempts that never reached an engine cost no GPU time.
+NO_WORK_OUTCOMES = frozenset({"connect_error", "no_upstream", "rejected", "not_sent"})
+
+
+class AttemptLike(Protocol):
+    """One upstream try, as meshd/access_log.py's AttemptRecord has it."""
+
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def gpu(self) -> str | None: ...
+    @property
+    def outcome(self) -> str: ...
+    @property
+    def completion_tokens(self) -> int | None: ...
+    @property
+    def cached_tokens(self) -> int | None: ...
+    @property
+    def gpu_seconds(self) -> float | None: ...
+
+
+class RecordLike(Protocol):
+    """One request, as meshd/access_log.py's AccessRecord has it (filters/ may not import
+    meshd/, so the ledger names only the fields it reads)."""
+
+    @property
+    def ts(self) -> float: ...
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def tenant(self) -> str | None: ...
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def task_id(self) -> str | None: ...
+    @property
+    def workflow_id(self) -> str | None: ...
+    @property
+    def step(self) -> int | None: ...
+    @property
+    def steps_in_task(self) -> int | None: ...
+    @property
+    def final(self) -> bool | None: ...
+    @property
+    def gpu(self) -> str | None: ...
+    @property
+    def outcome(self) -> str: ...
+    @property
+    def prompt_tokens(self) -> int | None: ...
+    @property
+    def cached_tokens(self) -> int | None: ...
+    @property
+    def completion_tokens(self) -> int | None: ...
+    @property
+    def gpu_seconds(self) -> float | None: ...
+    @property
+    def attempts(self) -> tuple[AttemptLike, ...]: ...
+
+
+def task_key_of(record: RecordLike) -> str:
+    """The task a record belongs to: its task id, else its workflow id, else itself."""
+    if record.task_id:
+        return "task:" + record.task_id
+    if record.workflow_id:
+        return "workflow:" + record.workflow_id
+    return "request:" + record.request_id
+
+
+class PriceTable:
+    """$ per GPU-hour by generation: DEFAULT_PRICES with overrides (a name not in the table is
+    added; lookups go through filters.gpu.normalise_gpu_name, so "NVIDIA H100 80GB HBM3"
+    finds H100, and an unlisted GPU costs "unknown"). Raises ValueError for a price <= 0."""
+
+    def __init__(self, overrides: Mapping[str, float] | None = None) -> None:
+        prices = dict(DEFAULT_PRICES)
+        for name, value in (overrides or {}).items():
+            price = float(value)
+            if not price > 0:
+                raise ValueError(f"price of {name!r} must be > 0 $/GPU-hour, got {value!r}")
+            prices["unknown" if name == "unknown" else normalise_gpu_name(name)] = price
+        self._prices = prices
+
+    def per_hour(self, gpu: str | None) -> float:
+        return self._prices.get(normalise_gpu_name(gpu), self._prices["unknown"])
+
+    def per_second(self, gpu: str | None) -> float:
+        return self.per_hour(gpu) / 3600.0
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self._prices)
+
+
+@dataclass(frozen=True, slots=True)
+class TimingModel:
+    """GPU-seconds a request would have used, from its tokens and the GPU's profile."""
+
+    gpus: GpuTable = field(default_factory=GpuTable)
+    decode_batch: int = DEFAULT_DECODE_BATCH
+
+    def gpu_seconds(
+        self, gpu: str | None, prompt_tokens: int, cached_tokens: int, completion_tokens: int
+    ) -> float:
+        profile = self.gpus.get(gpu)
+        prefill = max(0, prompt_tokens - max(0, cached_tokens)) / profile.prefill_tokens_per_s
+        batch = max(1, self.decode_batch)
+        decode = max(0, completion_tokens) * profile.decode_step_s(batch) / batch
+        return prefill + decode
+
+
+@dataclass(frozen=True, slots=True)
+class WasteBreakdown:
+    """Wasted dollars by kind (each dollar in one kind only)."""
+
+    retries: float = 0.0
+    failed_requests: float = 0.0
+    abandoned_streams: float = 0.0
+    failed_tasks: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.retries + self.failed_requests + self.abandoned_streams + self.failed_tasks
+
+
+@dataclass(frozen=True, slots=True)
+class CostFigures:
+    """Totals for one slice (everything, a tenant, a model) and the ratios that matter.
+
+    cost_usd counts every dollar, waste included, so cost_per_successful_task is spend /
+    succeeded tasks, as loadtest/bench/results.py computes it for a bench pass. Tokens are
+    prompt + completion tokens of every request (what a per-token bill counts). Pending is
+    the cost of ok requests whose task is still open (neither useful nor waste yet)."""
+
+    requests: int = 0
+    ok_requests: int = 0
+    tasks_succeeded: int = 0
+    tasks_failed: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    gpu_seconds: float = 0.0
+    cost_usd: float = 0.0
+    useful_usd: float = 0.0
+    pending_usd: float = 0.0
+    waste: WasteBreakdown = WasteBreakdown()
+
+    @property
+    def tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+    @property
+    def cost_per_successful_task(self) -> float | None:
+        return self.cost_usd / self.tasks_succeeded if self.tasks_succeeded else None
+
+    @property
+    def cost_per_token(self) -> float | None:
+        return self.cost_usd / self.tokens if self.tokens else None
+
+    @property
+    def cost_per_request(self) -> float | None:
+        return self.cost_usd / self.requests if self.requests else None
+
+    @property
+    def success_per_dollar(self) -> float | None:
+        return self.tasks_succeeded / self.cost_usd if self.cost_usd > 0 else None
+
+    @property
+    def waste_ratio(self) -> float | None:
+        return self.waste.total / self.cost_usd if self.cost_usd > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerSummary:
+    total: CostFigures
+    by_tenant: dict[str, CostFigures]
+    by_model: dict[str, CostFigures]
+    open_tasks: int
+    evicted_tasks: int
+    estimated_requests: int  # requests whose GPU-seconds came from the timing model
+
+    # The headline figures of the whole ledger, for callers that want one number.
+    @property
+    def cost_per_successful_task(self) -> float | None:
+        return self.total.cost_per_successful_task
+
+    @property
+    def success_per_dollar(self) -> float | None:
+        return self.total.success_per_dollar
+
+
+@dataclass(frozen=True, slots=True)
+class TaskResult:
+    """A closed task: how it ended and what it cost. `reason`: final_ok (its final step
+    succeeded), idle (closed after IDLE_TIMEOUT_S), evicted (MAX_OPEN_TASKS), flushed."""
+
+    key: str
+    tenant: str
+    model: str
+    succeeded: bool
+    requests: int
+    cost_usd: float
+    wasted_usd: float
+    first_ts: float
+    last_ts: float
+    reason: str
+
+
+@dataclass(slots=True)
+class _Figures:
+    """Mutable twin of CostFigures while records arrive."""
+
+    requests: int = 0
+    ok_requests: int = 0
+    tasks_succeeded: int = 0
+    tasks_failed: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    gpu_seconds: float = 0.0
+    cost_usd: float = 0.0
+    useful_usd: float = 0.0
+    pending_usd: float = 0.0
+    retries: float = 0.0
+    failed_requests: float = 0.0
+    abandoned_streams: float = 0.0
+    failed_tasks: float = 0.0
+
+    def freeze(self) -> CostFigures:
+        return CostFigures(
+            requests=self.requests,
+            ok_requests=self.ok_requests,
+            tasks_succeeded=self.tasks_succeeded,
+            tasks_failed=self.tasks_failed,
+            input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens,
+            gpu_seconds=self.gpu_seconds,
+            cost_usd=self.cost_usd,
+            useful_usd=self.useful_usd,
+            pending_usd=self.pending_usd,
+            waste=WasteBreakdown(
+                self.retries, self.failed_requests, self.abandoned_streams, self.failed_tasks
+            ),
+        )
+
+
+@dataclass(slots=True)
+class _OpenTask:
+    tenant: str
+    model: str
+    first_ts: float
+    last_ts: float
+    requests: int = 0
+    cost_usd: float = 0.0
+    wasted_usd: float = 0.0
+    last_ok: bool = False
+    knows_final: bool = False  # some record said steps_in_task or final
+    # Cost of ok requests, by (tenant, model), not yet useful or waste.
+    pending: dict[tuple[str, str], float] = field(default_factory=dict)
+
+
+class CostLedger:
+    """Feed it access records (`record`), read `summary()`; closed tasks come back from
+    `record`, `close_idle` and `close_all` as TaskResult for callers that list them.
+
+    Records should arrive roughly in `ts` order (a log is); idle closing uses the newest ts
+    seen. Memory: one small entry per open task, at most `max_open_tasks`."""
+
+    def __init__(
+        self,
+        prices: PriceTable | None = None,
+        timing: TimingModel | None = None,
+        *,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_open_tasks: int = MAX_OPEN_TASKS,
+    ) -> None:
+        if max_open_tasks < 1:
+            raise ValueError(f"max_open_tasks must be >= 1, got {max_open_tasks}")
+        if not idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
+        self.prices = prices or PriceTable()
+        self.timing = timing or TimingModel()
+        self.idle_timeout_s = idle_timeout_s
+        self.max_open_tasks = max_open_tasks
+        self._open: OrderedDict[str, _OpenTask] = OrderedDict()  # least recently active first
+        self._total = _Figures()
+        self._tenants: dict[str, _Figures] = {}
+        self._models: dict[str, _Figures] = {}
+        self._evicted = 0
+        self._estimated = 0
+        self._now = float("-inf")
+
+    # -- cost of one request ----------------------------------------------------------
+
+    def attempt_costs(self, record: RecordLike) -> list[tuple[float, float, bool]]:
+        """(gpu_seconds, usd, estimated) per attempt; the last is the final attempt. A record
+        without attempts is one attempt on its own GPU with its own figures."""
+        prompt = record.prompt_tokens or 0
+        if not record.attempts:
+            seconds, estimated = record.gpu_seconds, False
+            if seconds is None:
+                estimated = record.outcome not in NO_WORK_OUTCOMES
+                seconds = (
+                    self.timing.gpu_seconds(
+                        record.gpu, prompt, record.cached_tokens or 0, record.completion_tokens or 0
+                    )
+                    if estimated
+                    else 0.0
+                )
+            return [(seconds, seconds * self.prices.per_second(record.gpu), estimated)]
+        out = []
+        last = len(record.attempts) - 1
+        earlier_tokens = sum(a.completion_tokens or 0 for a in record.attempts[:last])
+        for i, a in enumerate(record.attempts):
+            gpu = a.gpu or record.gpu
+            seconds = a.gpu_seconds
+            estimated = False
+            if seconds is None and a.outcome in NO_WORK_OUTCOMES:
+                seconds = 0.0
+            elif seconds is None:
+                estimated = True
+                if i == last:
+                    cached = (
+                        a.cached_tokens if a.cached_tokens is not None else record.cached_tokens
+                    )
+                    tokens = a.completion_tokens
+                    if tokens is None:  # the rest of what the client got
+                        tokens = max(0, (record.completion_tokens or 0) - earlier_tokens)
+                else:
+                    cached, tokens = a.cached_tokens, a.completion_tokens
+                seconds = self.timing.gpu_seconds(gpu, prompt, cached or 0, tokens or 0)
+            out.append((seconds, seconds * self.prices.per_second(gpu), estimated))
+        return out
+
+    # -- feeding ----------------------------------------------------------------------
+
+    def record(self, record: RecordLike) -> list[TaskResult]:
+        """Account one request; returns the tasks this closed (its own, idle or evicted)."""
+        closed = self.close_idle(record.ts)
+        self._now = max(self._now, record.ts)
+        tenant = record.tenant or "-"
+        model = record.model or "-"
+        costs = self.attempt_costs(record)
+        if any(e for _, _, e in costs):
+            self._estimated += 1
+        seconds = sum(s for s, _, _ in costs)
+        usd = sum(c for _, c, _ in costs)
+        ok = record.outcome == OK_OUTCOME
+        final_usd = costs[-1][1]
+        # Buckets decided now: the request's fate is known; only ok work waits for its task.
+        if ok:
+            immediate = {"retries": usd - final_usd}
+        elif record.outcome in ABANDONED_OUTCOMES:
+            immediate = {"abandoned_streams": usd}
+        else:
+            immediate = {"failed_requests": usd}
+        for figures in self._slices(tenant, model):
+            figures.requests += 1
+            figures.ok_requests += ok
+            figures.input_tokens += record.prompt_tokens or 0
+            figures.output_tokens += record.completion_tokens or 0
+            figures.gpu_seconds += seconds
+            figures.cost_usd += usd
+            for bucket, value in immediate.items():
+                setattr(figures, bucket, getattr(figures, bucket) + value)
+            if ok:
+                figures.pending_usd += final_usd
+
+        key = task_key_of(record)
+        task = self._open.get(key)
+        if task is None:
+            task = _OpenTask(tenant, model, record.ts, record.ts)
+            self._open[key] = task
+        else:
+            self._open.move_to_end(key)
+        task.last_ts = max(task.last_ts, record.ts)
+        task.requests += 1
+        task.cost_usd += usd
+        task.wasted_usd += usd - final_usd if ok else usd
+        task.last_ok = ok
+        if ok:
+            task.pending[(tenant, model)] = task.pending.get((tenant, model), 0.0) + final_usd
+        is_final = bool(record.final) or (
+            record.step is not None
+            and record.steps_in_task is not None
+            and record.step >= record.steps_in_task - 1
+        )
+        task.knows_final = task.knows_final or is_final or record.steps_in_task is not None
+        lone = key.startswith("request:")
+        if (is_final and ok) or lone:
+            task.model = model  # a task's model is the one its final step ran on
+            closed.append(self._close(key, succeeded=ok, reason="final_ok" if ok else "final"))
+        while len(self._open) > self.max_open_tasks:
+            oldest = next(iter(self._open))
+            self._evicted += 1
+            closed.append(self._close_judged(oldest, "evicted"))
+        return closed
+
+    def record_all(self, records: Iterable[RecordLike]) -> list[TaskResult]:
+        closed: list[TaskResult] = []
+        for r in records:
+            closed += self.record(r)
+        return closed
+
+    def close_idle(self, now: float) -> list[TaskResult]:
+        """Close tasks with no request for idle_timeout_s before `now`."""
+        closed = []
+        while self._open:
+            key, task = next(iter(self._open.items()))
+            if task.last_ts + self.idle_timeout_s > now:
+                break
+            closed.append(self._close_judged(key, "idle"))
+        return closed
+
+    def close_all(self) -> list[TaskResult]:
+        """Close every open task as if idle (the end of a log)."""
+        return [self._close_judged(k, "flushed") for k in list(self._open)]
+
+    # -- reading ----------------------------------------------------------------------
+
+    def summary(self) -> LedgerSummary:
+        return LedgerSummary(
+            total=self._total.freeze(),
+            by_tenant={k: v.freeze() for k, v in sorted(self._tenants.items())},
+            by_model={k: v.freeze() for k, v in sorted(self._models.items())},
+            open_tasks=len(self._open),
+            evicted_tasks=self._evicted,
+            estimated_requests=self._estimated,
+        )
+
+    # -- internals --------------------------------------------------------------------
+
+    def _slices(self, tenant: str, model: str) -> tuple[_Figures, _Figures, _Figures]:
+        return (
+            self._total,
+            self._tenants.setdefault(tenant, _Figures()),
+            self._models.setdefault(model, _Figures()),
+        )
+
+    def _close_judged(self, key: str, reason: str) -> TaskResult:
+        task = self._open[key]
+        # A task that announced its final step succeeds only through `record` (final ok);
+        # one that never said how long it is is judged by its last request.
+        succeeded = (not task.knows_final) and task.last_ok
+        return self._close(key, succeeded=succeeded, reason=reason)
+
+    def _close(self, key: str, *, succeeded: bool, reason: str) -> TaskResult:
+        task = self._open.pop(key)
+        for (tenant, model), usd in task.pending.items():
+            for figures in self._slices(tenant, model):
+                figures.pending_usd -= usd
+                if succeeded:
+                    figures.useful_usd += usd
+                else:
+                    figures.failed_tasks += usd
+        if not succeeded:
+            task.wasted_usd += sum(task.pending.values())
+        # The task is counted once, under its own tenant and its final step's model.
+        for figures in (
+            self._total,
+            self._tenants.setdefault(task.tenant, _Figures()),
+            self._models.setdefault(task.model, _Figures()),
+        ):
+            if succeeded:
+                figures.tasks_succeeded += 1
+            else:
+                figures.tasks_failed += 1
+        return TaskResult(
+            key=key,
+            tenant=task.tenant,
+            model=task.model,
+            succeeded=succeeded,
+            requests=task.requests,
+            cost_usd=task.cost_usd,
+            wasted_usd=task.wasted_usd,
+            first_ts=task.first_ts,
+            last_ts=task.last_ts,
+            reason=reason,
+        )

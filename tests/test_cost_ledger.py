@@ -1,0 +1,187 @@
+"""filters/cost_ledger.py on a crafted log whose answer is worked out by hand below."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from filters.cost_ledger import (
+    DEFAULT_PRICES,
+    CostLedger,
+    PriceTable,
+    TimingModel,
+    task_key_of,
+)
+from filters.gpu import GPUS
+from meshd.access_log import AccessRecord, AttemptRecord
+
+# Round prices: H100 $3.60/h = $0.001 per GPU-second, A100 $1.80/h = $0.0005 per GPU-second.
+PRICES = PriceTable({"H100": 3.6, "A100": 1.8})
+
+
+def rec(ts: float, rid: str, outcome: str, gpu_s: float, **kw: object) -> AccessRecord:
+    fields: dict[str, object] = {
+        "prompt_tokens": 100,
+        "completion_tokens": 10,
+        "gpu": "H100",
+        **kw,
+    }
+    return AccessRecord(ts=ts, request_id=rid, outcome=outcome, gpu_seconds=gpu_s, **fields)  # type: ignore[arg-type]
+
+
+def crafted_log() -> list[AccessRecord]:
+    t1 = {"task_id": "T1", "tenant": "a", "steps_in_task": 5}
+    t2 = {"task_id": "T2", "tenant": "b", "steps_in_task": 3, "gpu": "A100"}
+    return [
+        # T1, 5 steps on H100: steps 0 and 1 succeed, step 2 times out, the agent gives up.
+        rec(0, "t1s0", "ok", 2.0, step=0, **t1),  # $0.002
+        AccessRecord(  # step 1: a stream broke after 1 GPU-s ($0.001 retry), then ok ($0.003)
+            ts=10,
+            request_id="t1s1",
+            outcome="ok",
+            gpu="H100",
+            prompt_tokens=100,
+            completion_tokens=10,
+            step=1,
+            attempts=(
+                AttemptRecord("http://a", "stream_broken", "reset", gpu="H100", gpu_seconds=1.0),
+                AttemptRecord("http://b", "ok", gpu="H100", gpu_seconds=3.0),
+            ),
+            **t1,  # type: ignore[arg-type]
+        ),
+        rec(20, "t1s2", "upstream_timeout", 4.0, step=2, **t1),  # $0.004 failed request
+        # T2, 3 steps on A100: step 1 is abandoned by the client, resent and succeeds.
+        rec(30, "t2s0", "ok", 2.0, step=0, **t2),  # $0.001
+        rec(40, "t2s1a", "client_disconnect", 2.0, step=1, **t2),  # $0.001 abandoned
+        rec(50, "t2s1b", "ok", 4.0, step=1, **t2),  # $0.002
+        rec(60, "t2s2", "ok", 2.0, step=2, **t2),  # $0.001, final step ok: T2 succeeds
+        rec(70, "lone-ok", "ok", 1.0, tenant="a"),  # $0.001, a task of its own
+        # At ts 1000 T1 has been idle > 600 s: closed as failed before this one counts.
+        rec(1000, "lone-bad", "http_500", 0.5, tenant="a"),  # $0.0005 failed request
+    ]
+
+
+def test_crafted_log_known_answer() -> None:
+    ledger = CostLedger(PRICES, idle_timeout_s=600)
+    closed = ledger.record_all(crafted_log())
+    assert [(c.key, c.succeeded, c.reason) for c in closed] == [
+        ("task:T2", True, "final_ok"),
+        ("request:lone-ok", True, "final_ok"),
+        ("task:T1", False, "idle"),
+        ("request:lone-bad", False, "final"),
+    ]
+    s = ledger.summary()
+    total = s.total
+    # Spend: T1 0.002 + 0.004 + 0.004, T2 0.001 + 0.001 + 0.002 + 0.001, lone 0.001 + 0.0005.
+    assert total.cost_usd == pytest.approx(0.0165)
+    assert total.gpu_seconds == pytest.approx(2 + 4 + 4 + 2 + 2 + 4 + 2 + 1 + 0.5)
+    assert total.waste.retries == pytest.approx(0.001)  # the broken stream of T1 step 1
+    assert total.waste.failed_requests == pytest.approx(0.004 + 0.0005)
+    assert total.waste.abandoned_streams == pytest.approx(0.001)
+    assert total.waste.failed_tasks == pytest.approx(0.002 + 0.003)  # T1 steps 0 and 1
+    assert total.useful_usd == pytest.approx(0.004 + 0.001)  # T2's ok steps, lone-ok
+    assert total.pending_usd == pytest.approx(0.0)
+    assert total.useful_usd + total.waste.total == pytest.approx(total.cost_usd)
+    assert (total.tasks_succeeded, total.tasks_failed) == (2, 2)
+    assert (total.requests, total.ok_requests) == (9, 6)
+    assert total.cost_per_successful_task == pytest.approx(0.0165 / 2)
+    assert total.cost_per_request == pytest.approx(0.0165 / 9)
+    assert total.cost_per_token == pytest.approx(0.0165 / (9 * 110))
+    assert total.success_per_dollar == pytest.approx(2 / 0.0165)
+    assert total.waste_ratio == pytest.approx(0.0115 / 0.0165)
+    a, b = s.by_tenant["a"], s.by_tenant["b"]
+    assert a.cost_usd == pytest.approx(0.0115) and b.cost_usd == pytest.approx(0.005)
+    assert (a.tasks_succeeded, a.tasks_failed, b.tasks_succeeded) == (1, 2, 1)
+    assert a.cost_per_successful_task == pytest.approx(0.0115)
+    assert b.waste.abandoned_streams == pytest.approx(0.001)
+    assert s.open_tasks == 0 and s.evicted_tasks == 0 and s.estimated_requests == 0
+
+
+def test_final_step_failure_keeps_task_open_until_retried() -> None:
+    ledger = CostLedger(PRICES)
+    base = {"task_id": "T", "steps_in_task": 2}
+    ledger.record(rec(0, "s0", "ok", 1.0, step=0, **base))
+    assert ledger.record(rec(1, "s1", "http_503", 1.0, step=1, **base)) == []
+    (done,) = ledger.record(rec(2, "s1b", "ok", 1.0, step=1, **base))
+    assert done.succeeded and done.requests == 3
+    assert done.wasted_usd == pytest.approx(0.001)
+    s = ledger.summary().total
+    assert s.waste.failed_requests == pytest.approx(0.001)
+    assert s.useful_usd == pytest.approx(0.002)
+
+
+def test_task_without_step_info_is_judged_by_last_request() -> None:
+    ledger = CostLedger(PRICES, idle_timeout_s=10)
+    ledger.record(rec(0, "w0", "ok", 1.0, workflow_id="W"))
+    ledger.record(rec(1, "w1", "ok", 1.0, workflow_id="W"))
+    assert ledger.summary().total.pending_usd == pytest.approx(0.002)
+    assert ledger.summary().open_tasks == 1
+    (done,) = ledger.close_all()
+    assert done.key == "workflow:W" and done.succeeded and done.reason == "flushed"
+
+
+def test_open_tasks_are_bounded() -> None:
+    ledger = CostLedger(PRICES, max_open_tasks=2)
+    for i in range(3):
+        ledger.record(rec(i, f"r{i}", "ok", 1.0, task_id=f"T{i}", steps_in_task=3, step=0))
+    s = ledger.summary()
+    assert s.open_tasks == 2 and s.evicted_tasks == 1
+    assert s.total.tasks_failed == 1  # T0 never reached its final step
+    assert s.total.waste.failed_tasks == pytest.approx(0.001)
+    with pytest.raises(ValueError):
+        CostLedger(max_open_tasks=0)
+
+
+def test_estimate_from_timing_model_by_hand() -> None:
+    # No reported GPU-seconds: 27,712 uncached prompt tokens on an H100 prefill in 1 s;
+    # 32 output tokens at a shared batch of 32 cost 32 x step(32) / 32 = one step at b=32,
+    # step(32) = 7.45 ms + (11.13 - 7.45) ms x 31/63.
+    ledger = CostLedger(PRICES, TimingModel(decode_batch=32))
+    r = AccessRecord(
+        ts=0,
+        request_id="e",
+        outcome="ok",
+        gpu="NVIDIA H100 80GB HBM3",
+        prompt_tokens=27_712 + 1000,
+        cached_tokens=1000,
+        completion_tokens=32,
+    )
+    ledger.record(r)
+    s = ledger.summary()
+    step = 0.00745 + (0.01113 - 0.00745) * 31 / 63
+    assert s.total.gpu_seconds == pytest.approx(1.0 + step)
+    assert s.total.cost_usd == pytest.approx((1.0 + step) * 0.001)
+    assert s.estimated_requests == 1
+    # A connect error never reached an engine: free. An unknown GPU is priced as "unknown".
+    ledger.record(
+        AccessRecord(
+            ts=1,
+            request_id="c",
+            outcome="ok",
+            gpu="L4",
+            prompt_tokens=0,
+            completion_tokens=0,
+            attempts=(AttemptRecord("http://x", "connect_error"), AttemptRecord("http://y", "ok")),
+        )
+    )
+    assert ledger.summary().total.waste.retries == 0.0
+
+
+def test_price_table_defaults_and_errors() -> None:
+    assert {k: DEFAULT_PRICES[k] for k in ("A100", "H100", "H200", "B200")} == {
+        k: GPUS[k].price_per_gpu_hour for k in ("A100", "H100", "H200", "B200")
+    }
+    prices = PriceTable({"b200-sxm": 6.0, "L40S": 1.0})
+    assert prices.per_hour("NVIDIA B200") == 6.0
+    assert prices.per_hour("L40S") == 1.0
+    assert prices.per_hour("mystery") == DEFAULT_PRICES["unknown"]
+    assert math.isclose(prices.per_second("H100"), DEFAULT_PRICES["H100"] / 3600)
+    with pytest.raises(ValueError):
+        PriceTable({"H100": 0})
+
+
+def test_task_key() -> None:
+    assert task_key_of(rec(0, "r", "ok", 1, task_id="t", workflow_id="w")) == "task:t"
+    assert task_key_of(rec(0, "r", "ok", 1, workflow_id="w")) == "workflow:w"
+    assert task_key_of(rec(0, "r", "ok", 1)) == "request:r"
