@@ -13,6 +13,10 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard filters/*.pyx)
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	# xds-protos bundles old copies of opentelemetry-proto's modules and the last package
+	# installed wins; reinstall opentelemetry-proto so OpenTelemetry's own (newer) ones do.
+	$(BIN)/python -m pip install -q --force-reinstall --no-deps \
+	    "opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
 install: $(STAMP)

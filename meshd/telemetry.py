@@ -109,6 +109,23 @@ ATTR_QUEUE_S = "meshd.queue_s"
 _KNOWN_FLAGS = 0x03
 
 
+def _check_otlp_protos() -> None:
+    """xds-protos bundles old copies of opentelemetry-proto's modules; installed after it,
+    they shadow the ones the OTLP exporter needs. Say so instead of an ImportError deep in
+    the exporter."""
+    from opentelemetry.proto.common.v1 import common_pb2
+
+    if not hasattr(common_pb2, "InstrumentationScope"):
+        import importlib.metadata
+
+        version = importlib.metadata.version("opentelemetry-proto")
+        raise RuntimeError(
+            "opentelemetry-proto's modules are shadowed by older copies (xds-protos ships "
+            "some); repair with: pip install --force-reinstall --no-deps "
+            f"opentelemetry-proto=={version}"
+        )
+
+
 def setup_tracing(
     service_name: str,
     endpoint: str | None,
@@ -138,6 +155,7 @@ def setup_tracing(
         resource=resource, sampler=ParentBased(TraceIdRatioBased(sampler_ratio))
     )
     if exporter is None and endpoint is not None:
+        _check_otlp_protos()
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         pairs = list(headers.items()) if isinstance(headers, Mapping) else list(headers or ())
