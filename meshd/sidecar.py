@@ -464,13 +464,14 @@ class Sidecar:
                 trusted=trusted,
                 inference=inference,
                 routing=routing,
-                block_hashes=block_hashes(
+            )
+            if routing_cfg.policy == "meshd":  # only the prefix-aware picker reads them
+                ctx.block_hashes = block_hashes(
                     inference.prompt_text,
                     inference.model,
                     routing_cfg.cache_salt,
                     routing_cfg.block_size_bytes,
-                ),
-            )
+                )
             return await self._forward(request, ctx, headers, body)
         finally:
             self._active -= 1
@@ -754,10 +755,6 @@ class Sidecar:
         url = attempt.route.url
         resp = web.StreamResponse(status=upstream.status, headers=headers)
         await resp.prepare(request)
-        transport = request.transport
-        if transport is not None:
-            sock = transport.get_extra_info("socket")
-            _nodelay(sock)
         scan = ctx.kind in ("completion", "chat") and upstream.header("content-encoding") is None
         scanner = SSEScanner() if scan else None
         first_token_at: float | None = None
@@ -884,14 +881,6 @@ def _bound(site: web.TCPSite) -> str:
     sockets = getattr(server, "sockets", None) or []
     host, port = sockets[0].getsockname()[:2]
     return f"{host}:{port}"
-
-
-def _nodelay(sock: Any) -> None:
-    import socket
-
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _describe(exc: BaseException) -> str:
