@@ -207,8 +207,143 @@ class RetrySettings(_Strict):
         return self
 
 
+class BreakerSettings(_Strict):
+    """The token-aware circuit breaker (filters/token_breaker.py): in-flight limits per
+    endpoint counted in tokens (prompt + expected output) and requests, and a failure
+    breaker per endpoint (closed / open / half-open)."""
+
+    enabled: bool = True
+    max_tokens_per_endpoint: int = Field(default=262_144, ge=1)
+    max_requests_per_endpoint: int = Field(default=256, ge=1)
+    max_pending_per_endpoint: int = Field(default=128, ge=1)
+    consecutive_failures: int = Field(default=5, ge=1)
+    error_rate: float = Field(default=0.5, gt=0, le=1)
+    error_window_s: float = Field(default=10.0, gt=0)
+    error_min_requests: int = Field(default=20, ge=1)
+    open_base_s: float = Field(default=5.0, gt=0)
+    open_max_s: float = Field(default=120.0, gt=0)
+    half_open_successes: int = Field(default=2, ge=1)
+    ttft_outlier_factor: float = Field(default=5.0, gt=1)
+    ttft_outlier_min_s: float = Field(default=1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _open_order(self) -> BreakerSettings:
+        if self.open_base_s > self.open_max_s:
+            raise ValueError("open_base_s must not exceed open_max_s")
+        return self
+
+
+class OutlierSettings(_Strict):
+    """Outlier ejection (filters/outlier.py), Envoy's semantics: consecutive 5xx or a
+    success rate far below the pool's takes an endpoint out for a growing while."""
+
+    enabled: bool = True
+    consecutive_5xx: int = Field(default=5, ge=1)
+    interval_s: float = Field(default=10.0, gt=0)
+    base_ejection_time_s: float = Field(default=30.0, gt=0)
+    max_ejection_time_s: float = Field(default=300.0, gt=0)
+    max_ejection_percent: float = Field(default=10.0, ge=0, le=100)
+    always_eject_one_host: bool = True
+
+    @model_validator(mode="after")
+    def _ejection_order(self) -> OutlierSettings:
+        if self.base_ejection_time_s > self.max_ejection_time_s:
+            raise ValueError("base_ejection_time_s must not exceed max_ejection_time_s")
+        return self
+
+
+class TenantSettings(_Strict):
+    weight: float = Field(default=1.0, gt=0)
+    max_priority: int = Field(default=9, ge=0, le=9)
+    max_queued: int | None = Field(default=None, ge=0)
+    max_in_flight: int | None = Field(default=None, ge=1)
+
+
+class AdmissionSettings(_Strict):
+    """Admission control with deadline-aware queueing (filters/admission.py), per pool:
+    up to `max_in_flight` requests go upstream at once, the rest wait in priority /
+    fair-share / deadline order, or get 429 with Retry-After."""
+
+    enabled: bool = True
+    max_in_flight: int = Field(default=512, ge=1)
+    max_queued: int = Field(default=1024, ge=0)
+    max_queued_per_tenant: int = Field(default=256, ge=0)
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+    tenants: dict[str, TenantSettings] = Field(default_factory=dict)
+
+
+class FailoverSettings(_Strict):
+    """Mid-stream failover (filters/failover.py): when an engine dies after tokens have
+    streamed, resume on another endpoint with the text already sent as the continuation."""
+
+    enabled: bool = True
+    max_resumes: int = Field(default=2, ge=0, le=10)
+
+
+class ThrottleSettings(_Strict):
+    """Client-side adaptive throttling (the SRE book's): refuse locally a share of requests
+    while the pool keeps refusing with 429/503."""
+
+    enabled: bool = True
+    k: float = Field(default=2.0, ge=1)
+    window_s: float = Field(default=120.0, gt=0)
+
+
 class Reliability(_Strict):
     retry: RetrySettings = RetrySettings()
+    breaker: BreakerSettings = BreakerSettings()
+    outlier: OutlierSettings = OutlierSettings()
+    admission: AdmissionSettings = AdmissionSettings()
+    failover: FailoverSettings = FailoverSettings()
+    throttle: ThrottleSettings = ThrottleSettings()
+
+
+class TracingSettings(_Strict):
+    """OpenTelemetry traces over OTLP/gRPC; no endpoint: trace ids still propagate."""
+
+    otlp_endpoint: str | None = None  # host:port or http(s)://host:port
+    insecure: bool = True
+    sample_ratio: float = Field(default=1.0, ge=0, le=1)
+    service_name: str = Field(default="meshd-sidecar", min_length=1)
+    headers: dict[str, str] = Field(default_factory=dict)
+
+
+class AccessLogSettings(_Strict):
+    """The JSON-lines access log that `meshd cost` reads (docs/access-log.md)."""
+
+    path: str | None = None
+    max_bytes: int | None = Field(default=100 * 1024 * 1024, ge=1)
+    backups: int = Field(default=5, ge=0)
+
+
+class Telemetry(_Strict):
+    tracing: TracingSettings = TracingSettings()
+    access_log: AccessLogSettings = AccessLogSettings()
+    # Dollars per GPU-hour by GPU name, over the built-in table (filters/cost_ledger.py).
+    prices_usd_per_gpu_hour: dict[str, float] = Field(default_factory=dict)
+
+
+class ControlPlaneTLS(_Strict):
+    ca_file: str | None = None  # verify the control plane against this CA
+    cert_file: str | None = None  # client certificate for mTLS
+    key_file: str | None = None
+
+    @model_validator(mode="after")
+    def _pair(self) -> ControlPlaneTLS:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (mTLS needs both)")
+        return self
+
+
+class ControlPlane(_Strict):
+    """The xDS control channel (`meshd control-plane`): engine state and prefix digests
+    for this sidecar's pools. Unset: routing uses only what this sidecar observes."""
+
+    # host:port of each control-plane replica; the sidecar uses one, fails over to the next.
+    addresses: tuple[str, ...] = ()
+    node_id: str = ""  # default: the host name
+    tls: ControlPlaneTLS | None = None  # None: plaintext (loopback or a trusted network)
+    stale_after_s: float = Field(default=10.0, gt=0)
 
 
 class Drain(_Strict):
@@ -224,6 +359,8 @@ class Config(_Strict):
     routing: Routing = Routing()
     transparent: Transparent = Transparent()
     reliability: Reliability = Reliability()
+    telemetry: Telemetry = Telemetry()
+    control_plane: ControlPlane = ControlPlane()
     drain: Drain = Drain()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -404,6 +541,59 @@ reliability:
     window_s: 10
     backoff_base_s: 0.025      # full-jitter exponential backoff; Retry-After honoured
     backoff_max_s: 1.0
+  breaker:                     # token-aware circuit breaker, per endpoint
+    enabled: true
+    max_tokens_per_endpoint: 262144   # prompt + expected output tokens in flight
+    max_requests_per_endpoint: 256
+    max_pending_per_endpoint: 128     # sent, no first token yet
+    consecutive_failures: 5    # open after this many failures in a row...
+    error_rate: 0.5            # ...or this error rate over error_window_s
+    error_window_s: 10
+    error_min_requests: 20
+    open_base_s: 5             # open for base x 2^k, up to open_max_s
+    open_max_s: 120
+    half_open_successes: 2
+    ttft_outlier_factor: 5     # a first token this many x slower than the median is a failure
+    ttft_outlier_min_s: 1
+  outlier:                     # Envoy's outlier ejection
+    enabled: true
+    consecutive_5xx: 5
+    interval_s: 10
+    base_ejection_time_s: 30
+    max_ejection_time_s: 300
+    max_ejection_percent: 10
+    always_eject_one_host: true
+  admission:                   # per pool: in-flight slots, then a priority/deadline queue
+    enabled: true
+    max_in_flight: 512
+    max_queued: 1024           # 429 with Retry-After beyond
+    max_queued_per_tenant: 256
+    queue_timeout_s: 30        # longest wait of a request with no deadline
+    tenants: {}                # e.g. {batch: {weight: 0.5, max_priority: 3}}
+  failover:                    # resume a broken stream on another endpoint
+    enabled: true
+    max_resumes: 2
+  throttle:                    # client-side adaptive throttling (SRE book)
+    enabled: true
+    k: 2.0
+    window_s: 120
+telemetry:
+  tracing:
+    otlp_endpoint: null        # e.g. otel-collector:4317
+    insecure: true
+    sample_ratio: 1.0
+    service_name: meshd-sidecar
+    headers: {}
+  access_log:
+    path: null                 # JSON lines for `meshd cost`
+    max_bytes: 104857600
+    backups: 5
+  prices_usd_per_gpu_hour: {}  # e.g. {H100: 2.5}
+control_plane:
+  addresses: []                # host:port of each `meshd control-plane` replica
+  node_id: ""                  # default: the host name
+  tls: null                    # {ca_file, cert_file, key_file} for mTLS
+  stale_after_s: 10
 drain:
   grace_period_s: 30           # SIGTERM: streams get this long to finish
 log_level: info

@@ -178,6 +178,7 @@ class Sidecar:
         self._admin_runner: web.AppRunner | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._transparent: Any = None
+        self._feed: Any = None  # meshd.control_feed.ControlFeed when control_plane is set
         self.addresses: dict[str, str] = {}
 
     @property
@@ -271,6 +272,11 @@ class Sidecar:
         await admin_site.start()
         self.addresses["admin"] = _bound(admin_site)
         self._reaper = asyncio.create_task(self._reap())
+        if cfg.control_plane.addresses:
+            from meshd.control_feed import ControlFeed
+
+            self._feed = ControlFeed(cfg, self.routers, self.metrics)
+            await self._feed.start()
 
     async def drain_and_stop(self, on_closed: Callable[[], None] | None = None) -> None:
         """Stop accepting, let requests finish up to the grace period, then close.
@@ -291,6 +297,8 @@ class Sidecar:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        if self._feed is not None:
+            await self._feed.close()
         if self._session is not None:
             await self._session.close()
         if self._upstream is not None:
