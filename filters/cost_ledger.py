@@ -102,6 +102,8 @@ class RecordLike(Protocol):
     @property
     def model(self) -> str | None: ...
     @property
+    def pool(self) -> str | None: ...
+    @property
     def task_id(self) -> str | None: ...
     @property
     def workflow_id(self) -> str | None: ...
@@ -259,7 +261,9 @@ class LedgerSummary:
 @dataclass(frozen=True, slots=True)
 class TaskResult:
     """A closed task: how it ended and what it cost. `reason`: final_ok (its final step
-    succeeded), idle (closed after IDLE_TIMEOUT_S), evicted (MAX_OPEN_TASKS), flushed."""
+    succeeded), idle (closed after IDLE_TIMEOUT_S), evicted (MAX_OPEN_TASKS), flushed.
+    `settled_usd` is the cost of its ok requests that this close decided: useful when it
+    succeeded, `failed_tasks` waste when not. `pool` is its latest step's pool."""
 
     key: str
     tenant: str
@@ -271,6 +275,8 @@ class TaskResult:
     first_ts: float
     last_ts: float
     reason: str
+    pool: str = "-"
+    settled_usd: float = 0.0
 
 
 @dataclass(slots=True)
@@ -314,6 +320,7 @@ class _Figures:
 class _OpenTask:
     tenant: str
     model: str
+    pool: str
     first_ts: float
     last_ts: float
     requests: int = 0
@@ -400,13 +407,18 @@ class CostLedger:
 
     # -- feeding ----------------------------------------------------------------------
 
-    def record(self, record: RecordLike) -> list[TaskResult]:
-        """Account one request; returns the tasks this closed (its own, idle or evicted)."""
+    def record(
+        self, record: RecordLike, costs: list[tuple[float, float, bool]] | None = None
+    ) -> list[TaskResult]:
+        """Account one request; returns the tasks this closed (its own, idle or evicted).
+        `costs`: the record's `attempt_costs`, when the caller has computed them already."""
         closed = self.close_idle(record.ts)
         self._now = max(self._now, record.ts)
         tenant = record.tenant or "-"
         model = record.model or "-"
-        costs = self.attempt_costs(record)
+        pool = record.pool or "-"
+        if costs is None:
+            costs = self.attempt_costs(record)
         if any(e for _, _, e in costs):
             self._estimated += 1
         seconds = sum(s for s, _, _ in costs)
@@ -435,11 +447,12 @@ class CostLedger:
         key = task_key_of(record)
         task = self._open.get(key)
         if task is None:
-            task = _OpenTask(tenant, model, record.ts, record.ts)
+            task = _OpenTask(tenant, model, pool, record.ts, record.ts)
             self._open[key] = task
         else:
             self._open.move_to_end(key)
         task.last_ts = max(task.last_ts, record.ts)
+        task.pool = pool  # the pool of its latest step
         task.requests += 1
         task.cost_usd += usd
         task.wasted_usd += usd - final_usd if ok else usd
@@ -519,8 +532,9 @@ class CostLedger:
                     figures.useful_usd += usd
                 else:
                     figures.failed_tasks += usd
+        settled = sum(task.pending.values())
         if not succeeded:
-            task.wasted_usd += sum(task.pending.values())
+            task.wasted_usd += settled
         # The task is counted once, under its own tenant and its final step's model.
         for figures in (
             self._total,
@@ -542,4 +556,6 @@ class CostLedger:
             first_ts=task.first_ts,
             last_ts=task.last_ts,
             reason=reason,
+            pool=task.pool,
+            settled_usd=settled,
         )

@@ -5,6 +5,10 @@ there are any, and publishes EndpointState and PrefixDigest to every control pla
 The decisions are in filters/vllm_metrics.py and filters/kv_digest.py; this file is I/O.
 Nothing here may crash the agent: an engine that stops answering is published unhealthy,
 a control plane that is down is retried with backoff, each on its own.
+
+Traces (OTLP, when --otlp-endpoint is set): a span per tick that published something (the
+scrape, the state and digest it sent), a span per KV-event replay and per new epoch; quiet
+ticks make none, so an idle engine costs a span per heartbeat.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from filters.vllm_metrics import (
     MetricsTracker,
     parse_engine_metrics,
 )
+from meshd import telemetry
 from xds.client import Backoff, Publisher
 from xds.resources import ENDPOINT_STATE_TYPE, PREFIX_DIGEST_TYPE, EndpointState, PrefixDigest
 
@@ -72,6 +77,9 @@ class AgentConfig:
     nvml: bool = True
     gpu_indices: tuple[int, ...] = ()
     backoff: Backoff = field(default_factory=lambda: Backoff(base_s=0.1, max_s=5.0))
+    otlp_endpoint: str | None = None  # host:port of an OTLP/gRPC collector; None: no spans
+    trace_sample_ratio: float = 1.0
+    service_name: str = "meshd-agent"
 
 
 @dataclass(slots=True)
@@ -198,8 +206,17 @@ class EngineAgent:
     """The agent of one engine. `start()`, then `close()`; `state` and `tracker` are its
     current view (tests and /metrics read them)."""
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, *, tracer_provider: Any = None) -> None:
+        """tracer_provider: an OpenTelemetry TracerProvider (tests pass one); else one is
+        made for config.otlp_endpoint, else no spans."""
         self.config = config
+        self._own_provider = tracer_provider is None and config.otlp_endpoint is not None
+        if self._own_provider:
+            tracer_provider = telemetry.setup_tracing(
+                config.service_name, config.otlp_endpoint, config.trace_sample_ratio
+            )
+        self._provider = tracer_provider
+        self._tracer = tracer_provider.get_tracer("meshd.agent") if tracer_provider else None
         self.stats = AgentStats()
         self.epoch = self._new_epoch()
         self.metrics = MetricsTracker()
@@ -242,6 +259,8 @@ class EngineAgent:
         if self._session is not None:
             await self._session.close()
         self._zmq.destroy(linger=0)
+        if self._own_provider:
+            await asyncio.get_running_loop().run_in_executor(None, self._provider.shutdown)
 
     async def __aenter__(self) -> EngineAgent:
         await self.start()
@@ -264,6 +283,13 @@ class EngineAgent:
     # -- epochs ---------------------------------------------------------------------------
 
     def new_epoch(self, why: str) -> None:
+        if self._tracer is not None:
+            attrs = {
+                telemetry.ATTR_ENGINE: self.config.name,
+                telemetry.ATTR_EPOCH: self.epoch,
+                telemetry.ATTR_REASON: why,
+            }
+            self._tracer.start_span(telemetry.SPAN_AGENT_EPOCH, attributes=attrs).end()
         self.epoch = self._new_epoch()
         self.stats.epochs += 1
         self.metrics = MetricsTracker()
@@ -320,6 +346,7 @@ class EngineAgent:
 
     async def tick(self) -> None:
         """One scrape, and the publishes it calls for."""
+        started_ns = time.time_ns()
         m = await self._scrape()
         now = time.monotonic()
         self.stats.scrapes += 1
@@ -341,14 +368,48 @@ class EngineAgent:
         self._was_healthy = healthy
         self.healthy = healthy
         self.state = self._build_state(m, healthy)
-        if (
+        published = (
             self.state != self._published_state
             or now - self._published_at >= self.config.heartbeat_s
-        ):
+        )
+        if published:
             self._offer(ENDPOINT_STATE_TYPE, self.state.encode())
             self._published_state, self._published_at = self.state, now
-        self.publish_digest(now)
+        digest = self.publish_digest(now)
+        if self._tracer is not None and (published or digest is not None):
+            self._trace_tick(started_ns, published, digest)
         await self._notify()
+
+    def _trace_tick(self, started_ns: int, published: bool, digest: Digest | None) -> None:
+        assert self._tracer is not None and self.state is not None
+        st = self.state
+        attrs: dict[str, Any] = {
+            telemetry.ATTR_ENGINE: self.config.name,
+            telemetry.ATTR_POOL: st.pool,
+            telemetry.ATTR_EPOCH: self.epoch,
+            telemetry.ATTR_HEALTHY: st.healthy,
+            telemetry.ATTR_STATE_PUBLISHED: published,
+        }
+        if st.model:
+            attrs[telemetry.GEN_AI_REQUEST_MODEL] = st.model
+        for key, v in (
+            (telemetry.ATTR_REQUESTS_RUNNING, st.requests_running),
+            (telemetry.ATTR_REQUESTS_WAITING, st.requests_waiting),
+            (telemetry.ATTR_KV_USAGE, st.kv_usage),
+        ):
+            if v is not None:
+                attrs[key] = v
+        if digest is not None:
+            attrs[telemetry.ATTR_DIGEST_SEQ] = digest.seq
+            attrs[telemetry.ATTR_DIGEST_FULL] = digest.full
+            attrs[telemetry.ATTR_DIGEST_ADDED] = len(digest.added)
+            attrs[telemetry.ATTR_DIGEST_REMOVED] = len(digest.removed)
+        span = self._tracer.start_span(
+            telemetry.SPAN_AGENT_PUBLISH, start_time=started_ns, attributes=attrs
+        )
+        if not st.healthy:
+            span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, "engine unhealthy"))
+        span.end()
 
     def publish_digest(self, now: float) -> Digest | None:
         d = self.tracker.digest(now)
@@ -424,6 +485,14 @@ class EngineAgent:
             self.tracker.abandon_gap()
             return
         self.stats.replays += 1
+        span = None
+        if self._tracer is not None:
+            span = self._tracer.start_span(
+                telemetry.SPAN_AGENT_KV_REPLAY,
+                attributes={telemetry.ATTR_ENGINE: cfg.name, telemetry.ATTR_REPLAY_FROM: start_seq},
+            )
+        replayed = 0
+        lost = False
         dealer = self._zmq.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(cfg.kv_events_replay)
@@ -444,10 +513,18 @@ class EngineAgent:
                     break
                 with contextlib.suppress(KVEventError):
                     self.tracker.feed(seq, frames[3], time.monotonic())
+                    replayed += 1
         finally:
             dealer.close(linger=0)
             if self.tracker.end_replay():
+                lost = True
                 log.warning("engine %s: KV events from %d lost; digest reset", cfg.name, start_seq)
+            if span is not None:
+                span.set_attribute(telemetry.ATTR_REPLAYED, replayed)
+                span.set_attribute(telemetry.ATTR_REPLAY_LOST, lost)
+                if lost:
+                    span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, "gap lost"))
+                span.end()
 
 
 def _to_resource(d: Digest) -> PrefixDigest:
@@ -501,6 +578,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--gpu-memory-gib", type=float, help="total GPU memory when NVML cannot tell")
     p.add_argument("--gpu-index", type=int, action="append", default=[], help="NVML indices")
     p.add_argument("--no-nvml", action="store_true")
+    p.add_argument("--otlp-endpoint", metavar="HOST:PORT", help="export traces over OTLP/gRPC")
+    p.add_argument(
+        "--trace-sample-ratio", type=float, default=1.0, help="share of traces kept (0..1)"
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
 
@@ -529,6 +610,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         memory_total_bytes=int(mem * 2**30) if mem is not None else None,
         nvml=not args.no_nvml,
         gpu_indices=tuple(args.gpu_index),
+        otlp_endpoint=args.otlp_endpoint,
+        trace_sample_ratio=args.trace_sample_ratio,
     )
 
 

@@ -1,19 +1,114 @@
 """Prometheus metrics of the data plane, in a registry per sidecar (so several
-sidecars in one test process keep apart). Served by the admin listener."""
+sidecars in one test process keep apart). Served by the admin listener; every name is in
+README.md's metrics table, and tests check that the Grafana dashboard uses only these.
+
+Per-request figures (latency, tokens, cache hits, cost, tasks) are written by
+meshd/observe.py; the sidecar counts what only its control flow knows (attempts, retries,
+breaker, admission, failover)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = [
+    "BREAKER_CLOSED",
+    "BREAKER_HALF_OPEN",
+    "BREAKER_OPEN",
+    "DataPlaneMetrics",
+    "GpuSecondsProvisioned",
+]
 
 # TTFT of LLM streams spans milliseconds (cache hit, short prompt) to minutes
 # (100k-token prefill behind a queue).
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
+# Time between two output tokens: a decode step is ~5-50 ms at a healthy batch; seconds
+# mean the engine stalled (preemption, a long prefill in the batch).
+_INTER_TOKEN_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+# Waits in the admission queue are bounded by the request deadline: ms to a minute.
+_QUEUE_WAIT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+# meshd_breaker_state values.
+BREAKER_CLOSED = 0
+BREAKER_HALF_OPEN = 1
+BREAKER_OPEN = 2
+
+
+class _Histogram(Histogram):
+    """A histogram whose trailing labels may be left out of a positional `labels()` call
+    (they read ""): the per-model/tenant labels were added after the sidecar's own calls
+    `ttft.labels(pool, endpoint)` and `request_duration.labels(kind, pool)` were written,
+    and those keep working until meshd/observe.py makes them."""
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Any:
+        missing = len(self._labelnames) - len(labelvalues)
+        if labelvalues and missing > 0:
+            labelvalues = (*labelvalues, *([""] * missing))
+        return super().labels(*labelvalues, **labelkwargs)
+
+
+class GpuSecondsProvisioned(Collector):
+    """meshd_gpu_provisioned_seconds_total{pool,gpu}: GPUs the pool has x the time it had
+    them, advanced at scrape time from `set_gpus` calls (a counter of time that nobody has
+    to tick). `now` is monotonic seconds, as everywhere in meshd."""
+
+    NAME = "meshd_gpu_provisioned_seconds"
+    LABELS = ("pool", "gpu")
+
+    def __init__(self, clock: Any) -> None:
+        self._clock = clock
+        # (pool, gpu) -> [gpus now, seconds accumulated, since]
+        self._pools: dict[tuple[str, str], list[float]] = {}
+
+    def set_gpus(self, pool: str, gpu: str, count: float, now: float | None = None) -> None:
+        now = self._clock() if now is None else now
+        entry = self._pools.get((pool, gpu))
+        if entry is None:
+            self._pools[(pool, gpu)] = [float(count), 0.0, now]
+            return
+        entry[1] += entry[0] * max(0.0, now - entry[2])
+        entry[0], entry[2] = float(count), now
+
+    def value(self, pool: str, gpu: str, now: float | None = None) -> float:
+        now = self._clock() if now is None else now
+        count, seconds, since = self._pools.get((pool, gpu), (0.0, 0.0, now))
+        return seconds + count * max(0.0, now - since)
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        now = self._clock()
+        family = CounterMetricFamily(
+            self.NAME,
+            "GPU-seconds provisioned: GPUs of the pool's endpoints x time (utilisation = "
+            "meshd_gpu_busy_seconds_total / this)",
+            labels=self.LABELS,
+        )
+        for (pool, gpu), _ in sorted(self._pools.items()):
+            family.add_metric([pool, gpu], self.value(pool, gpu, now))
+        yield family
+
+    def describe(self) -> Iterable[CounterMetricFamily]:
+        yield CounterMetricFamily(self.NAME, "GPU-seconds provisioned", labels=self.LABELS)
 
 
 class DataPlaneMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    """Every metric of one sidecar. Label values that come from clients (model, tenant) are
+    bounded by meshd/observe.py (BoundedLabels) before they get here; `endpoint` is the
+    engine URL, bounded by the pools' endpoints."""
+
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, clock: Any = time.monotonic
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -40,18 +135,26 @@ class DataPlaneMetrics:
             ["pool"],
             registry=r,
         )
-        self.request_duration = Histogram(
+        self.request_duration = _Histogram(
             "meshd_request_duration_seconds",
-            "Time from request accepted to the last byte sent to the client",
-            ["kind", "pool"],
+            "End-to-end latency: request accepted to the last byte sent to the client",
+            ["kind", "pool", "model", "tenant", "endpoint"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = _Histogram(
             "meshd_time_to_first_token_seconds",
             "Time from request accepted to the first token event relayed",
-            ["pool", "endpoint"],
+            ["pool", "endpoint", "model", "tenant"],
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "meshd_inter_token_latency_seconds",
+            "Mean time between output tokens of one upstream attempt (first token to end, "
+            "over tokens - 1), observed once per attempt with two tokens or more",
+            ["pool", "endpoint", "model", "tenant"],
+            buckets=_INTER_TOKEN_BUCKETS,
             registry=r,
         )
         self.stream_tokens = Counter(
@@ -78,5 +181,150 @@ class DataPlaneMetrics:
             "meshd_client_disconnects",
             "Requests whose client went away before the response finished",
             ["pool"],
+            registry=r,
+        )
+        # Reliability: breaker, outlier ejection, admission, throttle, failover.
+        self.breaker_state = Gauge(
+            "meshd_breaker_state",
+            "Circuit breaker state per endpoint: 0 closed, 1 half-open, 2 open",
+            ["pool", "endpoint"],
+            registry=r,
+        )
+        self.breaker_transitions = Counter(
+            "meshd_breaker_transitions",
+            "Circuit breaker state changes, by the state entered",
+            ["pool", "endpoint", "to"],
+            registry=r,
+        )
+        self.breaker_rejections = Counter(
+            "meshd_breaker_rejections",
+            "Attempts not sent because the breaker refused them, by reason",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.outlier_ejected = Gauge(
+            "meshd_outlier_ejected",
+            "1 while the endpoint is ejected by outlier detection, else 0",
+            ["pool", "endpoint"],
+            registry=r,
+        )
+        self.outlier_ejections = Counter(
+            "meshd_outlier_ejections",
+            "Outlier ejections, by the signal that caused them",
+            ["pool", "endpoint", "reason"],
+            registry=r,
+        )
+        self.admission_queue_depth = Gauge(
+            "meshd_admission_queue_depth",
+            "Requests waiting in the admission queue now",
+            ["pool"],
+            registry=r,
+        )
+        self.admission_queue_wait = Histogram(
+            "meshd_admission_queue_wait_seconds",
+            "Time requests spent in the admission queue before admission or rejection",
+            ["pool"],
+            buckets=_QUEUE_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.admission_rejections = Counter(
+            "meshd_admission_rejections",
+            "Requests refused by admission control, by reason",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.throttled_requests = Counter(
+            "meshd_throttled_requests",
+            "Requests delayed or refused by the client-side throttle",
+            ["pool"],
+            registry=r,
+        )
+        self.stream_resumes = Counter(
+            "meshd_stream_resumes",
+            "Mid-stream failovers, by outcome (resumed, refused, failed)",
+            ["pool", "outcome"],
+            registry=r,
+        )
+        self.tokens_in_flight = Gauge(
+            "meshd_tokens_in_flight",
+            "Tokens (prompt + expected completion) of requests in flight now",
+            ["pool"],
+            registry=r,
+        )
+        # Tokens and the prefix cache: hit rate = hit / prompt; prediction quality = hit /
+        # predicted (both by endpoint, on the attempt that served the request).
+        self.prompt_tokens = Counter(
+            "meshd_prompt_tokens",
+            "Input tokens of finished requests (engine usage, else meshd's estimate)",
+            ["pool", "endpoint"],
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "meshd_completion_tokens",
+            "Output tokens relayed to clients (every attempt of a resumed stream)",
+            ["pool", "endpoint"],
+            registry=r,
+        )
+        self.prefix_cache_predicted_tokens = Counter(
+            "meshd_prefix_cache_predicted_tokens",
+            "Prompt tokens the picker expected the chosen endpoint to have cached",
+            ["pool", "endpoint"],
+            registry=r,
+        )
+        self.prefix_cache_hit_tokens = Counter(
+            "meshd_prefix_cache_hit_tokens",
+            "Prompt tokens the engine served from its prefix cache (usage cached_tokens)",
+            ["pool", "endpoint"],
+            registry=r,
+        )
+        # Cost (filters/cost_ledger.py). Cost per successful task over a window =
+        # rate(meshd_task_cost_usd_total) / rate(meshd_tasks_total{outcome="success"}).
+        self.gpu_busy_seconds = Counter(
+            "meshd_gpu_busy_seconds",
+            "GPU-seconds requests used (engine-reported, else the timing model's estimate)",
+            ["pool", "gpu"],
+            registry=r,
+        )
+        self.gpu_provisioned_seconds = GpuSecondsProvisioned(clock)
+        r.register(self.gpu_provisioned_seconds)
+        self.cost_usd = Counter(
+            "meshd_cost_usd",
+            "Dollars spent on requests as they finish: GPU-seconds x the GPU's price",
+            ["pool", "gpu"],
+            registry=r,
+        )
+        self.waste_usd = Counter(
+            "meshd_waste_usd",
+            "Dollars wasted, by kind: retries, failed_requests, abandoned_streams, "
+            "failed_tasks (each dollar in one kind)",
+            ["pool", "kind"],
+            registry=r,
+        )
+        self.tasks = Counter(
+            "meshd_tasks",
+            "Tasks closed (task id, else workflow id, else the request alone), by outcome: "
+            "success or failure",
+            ["pool", "outcome"],
+            registry=r,
+        )
+        self.task_cost_usd = Counter(
+            "meshd_task_cost_usd",
+            "Dollars spent by closed tasks (every request of the task, waste included)",
+            ["pool", "outcome"],
+            registry=r,
+        )
+        self.cost_per_successful_task = Gauge(
+            "meshd_cost_per_successful_task_usd",
+            "All dollars spent / tasks succeeded, since the sidecar started",
+            registry=r,
+        )
+        self.successful_tasks_per_usd = Gauge(
+            "meshd_successful_tasks_per_usd",
+            "Tasks succeeded per dollar spent, since the sidecar started",
+            registry=r,
+        )
+        self.access_log_dropped = Counter(
+            "meshd_access_log_dropped_records",
+            "Access-log records dropped because the writer's queue was full",
             registry=r,
         )

@@ -22,7 +22,15 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, TraceFlags, TraceState
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
 
 from filters.routing_headers import TraceContext
 
@@ -46,6 +54,8 @@ __all__ = [
     "SPAN_PICK",
     "SPAN_QUEUE",
     "SPAN_STREAM",
+    "Status",
+    "StatusCode",
     "context_from_trace",
     "genai_request_attributes",
     "genai_response_attributes",
@@ -72,6 +82,8 @@ GEN_AI_CONVERSATION_ID = "gen_ai.conversation.id"
 # General semconv (stable): the failure class of an operation, and the peer.
 ERROR_TYPE = "error.type"
 SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+HTTP_RESPONSE_STATUS_CODE = "http.response.status_code"
 
 # meshd's route kinds (filters/request.py PATH_KINDS) as GenAI operation names.
 OPERATION_BY_KIND: dict[str, str] = {
@@ -90,8 +102,11 @@ SPAN_PICK = "meshd.pick"
 SPAN_ATTEMPT = "meshd.upstream"
 SPAN_STREAM = "meshd.stream"
 EVENT_FIRST_TOKEN = "meshd.first_token"
+EVENT_RESUME = "meshd.resume"  # a mid-stream failover (outcome: resumed, refused, failed)
 ATTR_TENANT = "meshd.tenant"
 ATTR_TASK_ID = "meshd.task_id"
+ATTR_WORKFLOW_ID = "meshd.workflow_id"
+ATTR_REQUEST_ID = "meshd.request_id"
 ATTR_POOL = "meshd.pool"
 ATTR_ENDPOINT = "meshd.endpoint"
 ATTR_GPU = "meshd.gpu"
@@ -99,11 +114,49 @@ ATTR_PREDICTED_CACHED_TOKENS = "meshd.pick.predicted_cached_tokens"
 ATTR_PREDICTED_TTFT_S = "meshd.pick.predicted_ttft_s"
 ATTR_RUNNER_UP = "meshd.pick.runner_up"
 ATTR_RUNNER_UP_REASON = "meshd.pick.runner_up_reason"
+ATTR_PICK_REASON = "meshd.pick.reason"
+ATTR_CANDIDATES = "meshd.pick.candidates"
 ATTR_ATTEMPT = "meshd.attempt"
+ATTR_ATTEMPTS = "meshd.attempts"
 ATTR_RETRY_REASON = "meshd.attempt.retry_reason"
 ATTR_OUTCOME = "meshd.outcome"
 ATTR_COST_USD = "meshd.cost_usd"
+ATTR_GPU_SECONDS = "meshd.gpu_seconds"
 ATTR_QUEUE_S = "meshd.queue_s"
+ATTR_TTFT_S = "meshd.ttft_s"
+ATTR_TOKENS_SENT = "meshd.tokens_sent"
+ATTR_REASON = "meshd.reason"
+
+# The engine agent (meshd/agent.py).
+SPAN_AGENT_PUBLISH = "meshd.agent.publish"  # a scrape that published state and/or digest
+SPAN_AGENT_KV_REPLAY = "meshd.agent.kv_replay"
+SPAN_AGENT_EPOCH = "meshd.agent.new_epoch"
+ATTR_ENGINE = "meshd.engine"
+ATTR_EPOCH = "meshd.epoch"
+ATTR_HEALTHY = "meshd.healthy"
+ATTR_STATE_PUBLISHED = "meshd.state_published"
+ATTR_REQUESTS_RUNNING = "meshd.requests_running"
+ATTR_REQUESTS_WAITING = "meshd.requests_waiting"
+ATTR_KV_USAGE = "meshd.kv_usage"
+ATTR_DIGEST_SEQ = "meshd.digest.seq"
+ATTR_DIGEST_FULL = "meshd.digest.full"
+ATTR_DIGEST_ADDED = "meshd.digest.added"
+ATTR_DIGEST_REMOVED = "meshd.digest.removed"
+ATTR_REPLAY_FROM = "meshd.replay.from_seq"
+ATTR_REPLAYED = "meshd.replay.batches"
+ATTR_REPLAY_LOST = "meshd.replay.lost"
+
+# The control plane (xds/): a span per accepted publish and per response pushed to a stream.
+SPAN_XDS_PUBLISH = "meshd.xds.publish"
+SPAN_XDS_PUSH = "meshd.xds.push"
+ATTR_XDS_NODE = "meshd.xds.node"
+ATTR_XDS_TYPE_URL = "meshd.xds.type_url"
+ATTR_XDS_VERSION = "meshd.xds.version"
+ATTR_XDS_NONCE = "meshd.xds.nonce"
+ATTR_XDS_RESOURCES = "meshd.xds.resources"  # resources in the message
+ATTR_XDS_REMOVED = "meshd.xds.removed"
+ATTR_XDS_DELTA = "meshd.xds.delta"  # delta xDS (else state of the world)
+ATTR_XDS_NACK = "meshd.xds.nack"  # the client's error_detail, on the push it refused
 
 
 _KNOWN_FLAGS = 0x03

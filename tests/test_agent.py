@@ -242,3 +242,50 @@ def test_cli_flags() -> None:
     assert c.control_planes == ("cp-a:18000", "cp-b:18000")
     assert c.address == "10.0.0.5:8000" and c.interval_s == 0.1
     assert c.memory_total_bytes == 80 * 2**30 and c.gpu == "H100"
+
+
+async def test_publishing_ticks_are_traced() -> None:
+    from otlp_receiver import OtlpReceiver
+
+    from meshd import telemetry
+
+    receiver = OtlpReceiver().start()
+    provider = telemetry.setup_tracing("meshd-agent", receiver.endpoint, 1.0)
+    engine = SimEngine(
+        EngineSpec(name=NAME, time_scale=50.0, kv_events_endpoint="tcp://127.0.0.1:*")
+    )
+    await engine.start()
+    plane = ControlPlane()
+    port = await plane.start("127.0.0.1", 0)
+    agent = EngineAgent(agent_config(engine, port), tracer_provider=provider)
+    try:
+        await agent.start()
+        await until(lambda: agent.state is not None and agent.state.healthy, agent.wait_until)
+        async with aiohttp.ClientSession() as s:
+            body = {"model": engine.spec.model, "prompt": "traced words " * 30, "max_tokens": 5}
+            async with s.post(engine.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+        await until(lambda: len(agent.tracker.blocks) > 3, agent.wait_until)
+        scrapes = agent.stats.scrapes
+        await until(lambda: agent.stats.scrapes > scrapes + 1, agent.wait_until)
+        agent.new_epoch("test asked")
+    finally:
+        await agent.close()
+        await plane.stop(0)
+        await engine.stop()
+    assert provider.force_flush(10_000)
+    receiver.wait_for(3)
+    provider.shutdown()
+    receiver.stop()
+    by = receiver.by_name()
+    publishes = by[telemetry.SPAN_AGENT_PUBLISH]
+    # Quiet ticks make no span: fewer spans than scrapes.
+    assert 1 <= len(publishes) < agent.stats.scrapes
+    healthy = [s for s in publishes if s.attributes[telemetry.ATTR_HEALTHY]]
+    assert healthy and all(s.attributes[telemetry.ATTR_ENGINE] == NAME for s in publishes)
+    assert healthy[0].attributes[telemetry.ATTR_POOL] == "p"
+    digests = [s for s in publishes if telemetry.ATTR_DIGEST_SEQ in s.attributes]
+    assert any(s.attributes[telemetry.ATTR_DIGEST_ADDED] > 0 for s in digests)
+    (epoch,) = by[telemetry.SPAN_AGENT_EPOCH]
+    assert epoch.attributes[telemetry.ATTR_REASON] == "test asked"
+    assert all(s.end_ns >= s.start_ns for s in publishes)
