@@ -477,7 +477,11 @@ class StreamSplicer:
     def synthesize_end(self, finish_reason: str = "length") -> bytes:
         """End the stream without a continuation (max_tokens already reached): a final
         chunk with `finish_reason`, usage if the client asked for it, and [DONE]."""
-        base: dict[str, Any] = {"id": self.response_id, "created": self.created}
+        base: dict[str, Any] = {}
+        if self.response_id is not None:
+            base["id"] = self.response_id
+        if self.created is not None:
+            base["created"] = self.created
         if self.model is not None:
             base["model"] = self.model
         if self.kind == "chat":

@@ -28,6 +28,9 @@ class AdaptiveThrottleConfig:
     k: float = 2.0  # the SRE book's multiplier; lower is more aggressive
     window_s: float = 120.0  # "the last two minutes"
     slots: int = 24  # 5 s buckets
+    # Departure from the book: no local rejection until the window holds this many
+    # requests, so one refusal at start-up (1 request, 0 accepts: p = 0.5) is not a verdict.
+    min_requests: int = 20
 
     def __post_init__(self) -> None:
         if not self.k > 0:
@@ -55,6 +58,8 @@ class AdaptiveThrottle:
 
     def p_reject(self, now: float) -> float:
         requests = self._requests.total(now)
+        if requests < self.config.min_requests:
+            return 0.0
         accepts = self._accepts.total(now)
         return max(0.0, (requests - self.config.k * accepts) / (requests + 1))
 

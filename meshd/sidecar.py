@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,16 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from filters.admission import AdmissionConfig, AdmissionItem, Admit, Reject, TenantPolicy
+from filters.failover import (
+    FailoverUnsupported,
+    StreamKind,
+    StreamRecorder,
+    StreamSplicer,
+    continuation_body,
+    remaining_tokens,
+)
+from filters.guard import GuardConfig, GuardEvents, PoolGuard, Screened, Throttled
 from filters.hotpath import (
     IMPLEMENTATION,
     RoutingHeaders,
@@ -37,6 +47,7 @@ from filters.hotpath import (
     block_hashes,
     parse_routing_headers,
 )
+from filters.outlier import OutlierConfig
 from filters.picker import PickerConfig, PickRequest
 from filters.pool_router import EndpointSpec, PoolRouter, Route, make_router
 from filters.request import (
@@ -47,10 +58,13 @@ from filters.request import (
     parse_inference_request,
 )
 from filters.retry_budget import RetryBudget, RetryBudgetConfig, parse_retry_after
+from filters.throttle import AdaptiveThrottleConfig
+from filters.token_breaker import Limits, TokenBreakerConfig
 from meshd import __version__
 from meshd.config import Config, ConfigError, load_config
 from meshd.errors import error_response, sse_error_event
-from meshd.metrics import DataPlaneMetrics
+from meshd.metrics import BREAKER_CLOSED, BREAKER_HALF_OPEN, BREAKER_OPEN, DataPlaneMetrics
+from meshd.observe import AttemptTrace, RequestObserver, RequestTrace
 from meshd.upstream import (
     UpstreamClosedError,
     UpstreamConnectError,
@@ -101,14 +115,24 @@ _MAX_USAGE_PARSE_BYTES = 1 << 20
 
 @dataclass(slots=True, eq=False)
 class _Attempt:
-    """One try of a request on one endpoint, and what the router is told about it."""
+    """One try of a request on one endpoint, and what the router, the guard and the trace
+    are told about it (once, by Sidecar._settle)."""
 
     router: PoolRouter
     route: Route
     rid: int
     pick: PickRequest
+    guard: PoolGuard | None
+    trace: AttemptTrace
     ok: bool = False
+    status: int = 0
+    local_failure: bool = False  # no connection, reset, timeout, broken stream
+    cancelled: bool = False  # the client left: no verdict on the endpoint
+    outcome: str = ""
     cached_tokens: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    first_token_at: float | None = None
     settled: bool = False
 
 
@@ -122,6 +146,24 @@ class RequestContext:
     routing: RoutingHeaders | None = None
     block_hashes: list[int] = field(default_factory=list)
     request_id: str = ""
+    obs: RequestTrace | None = None
+    body: bytes = b""
+    upstream_headers: list[tuple[str, str]] = field(default_factory=list)
+    deadline: float = math.inf  # loop clock: the whole request, all tries
+    pick: PickRequest | None = None
+    tokens: int = 0  # expected prompt + output tokens (the token breaker's unit)
+    item_id: int | None = None  # admission item while admitted
+    tried: set[str] = field(default_factory=set)
+
+    @property
+    def trace(self) -> RequestTrace:
+        assert self.obs is not None, "the request has not begun"
+        return self.obs
+
+
+_BREAKER_CODES = {"closed": BREAKER_CLOSED, "half-open": BREAKER_HALF_OPEN, "open": BREAKER_OPEN}
+# A stream longer than this is relayed without keeping a copy, so it cannot be resumed.
+_MAX_RESUME_BYTES = 4 << 20
 
 
 class Sidecar:
@@ -167,6 +209,13 @@ class Sidecar:
             )
             for pool in config.pools
         }
+        guard_config = _guard_config(config)
+        self.guards = {
+            pool.name: PoolGuard(guard_config, [ep.url for ep in pool.endpoints])
+            for pool in config.pools
+        }
+        self._waiters: dict[Hashable, asyncio.Future[Reject | None]] = {}
+        self.observer = RequestObserver.from_config(config, self.metrics)
         self._rng = random.Random()
         self._trusted_nets = config.trust.networks()
         self._active = 0
@@ -305,6 +354,7 @@ class Sidecar:
             await self._upstream.close()
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
+        await self.observer.aclose()
 
     async def _reap(self) -> None:
         loop = asyncio.get_running_loop()
@@ -320,6 +370,10 @@ class Sidecar:
                 else:
                     continue
                 w.upstream.close()
+            mono = time.monotonic()
+            for pool, guard in self.guards.items():
+                self._apply_guard(pool, guard.tick(mono))
+            self.observer.tick(now)
 
     # -- client requests -------------------------------------------------------
 
@@ -562,91 +616,344 @@ class Sidecar:
         headers: list[tuple[str, str]],
         body: bytes,
     ) -> web.StreamResponse:
-        assert self._upstream is not None
+        upstream_headers = self._upstream_headers(headers, ctx)
+        ctx.obs = self.observer.begin(
+            ctx.kind, ctx.pool, ctx.inference, ctx.routing, ctx.request_id, ctx.started
+        )
+        ctx.body = body
+        ctx.upstream_headers = upstream_headers
+        ctx.deadline = ctx.started + self.config.upstream.request_timeout_s
+        now = time.monotonic()
+        guard = self.guards[ctx.pool]
+        if ctx.inference is not None and ctx.routing is not None:
+            ctx.pick = PickRequest.build(
+                ctx.inference, ctx.routing, now, block_hashes=ctx.block_hashes
+            )
+            ctx.tokens = guard.expected_tokens(
+                ctx.inference.model, ctx.pick.prompt_tokens, ctx.inference.max_tokens
+            )
+            refused = await self._admit(ctx, guard)
+            if refused is not None:
+                return refused
+        else:
+            ctx.pick = PickRequest(model="")
+        try:
+            return await self._attempts(request, ctx)
+        finally:
+            if ctx.item_id is not None:
+                now = time.monotonic()
+                guard.release(ctx.item_id, now)
+                self._apply_guard(ctx.pool, guard.pump(now))
+
+    # -- admission -----------------------------------------------------------------------
+
+    async def _admit(self, ctx: RequestContext, guard: PoolGuard) -> web.Response | None:
+        """Throttle, then admit or queue: None when the request may go upstream now."""
+        pick, routing = ctx.pick, ctx.routing
+        assert pick is not None and routing is not None
+        ctx.item_id = next(self._attempt_ids)
+        item = AdmissionItem(
+            ctx.item_id,
+            tenant=pick.tenant,
+            priority=pick.priority,
+            deadline=pick.deadline_s,
+            cost=float(max(1, ctx.tokens)),
+            task_id=routing.task_id or routing.workflow_id,
+        )
+        decision = guard.gate(item, time.monotonic(), self._rng)
+        if isinstance(decision, Admit):
+            return None
+        ctx_item, ctx.item_id = ctx.item_id, None  # not admitted: nothing to release
+        if isinstance(decision, Throttled):
+            self.metrics.throttled_requests.labels(ctx.pool).inc()
+            return self._refuse(ctx, 503, decision.message, decision.code, retry_after_s=1)
+        if isinstance(decision, Reject):
+            return self._refuse_admission(ctx, decision)
+        loop = asyncio.get_running_loop()
+        queued_at = loop.time()
+        ctx.item_id = ctx_item
+        refusal = await self._wait_turn(ctx, guard, item)
+        self.metrics.admission_queue_wait.labels(ctx.pool).observe(loop.time() - queued_at)
+        if refusal is None:
+            ctx.trace.admitted(queued_at, loop.time())
+            return None
+        ctx.item_id = None
+        ctx.trace.admitted(queued_at, loop.time(), outcome=refusal.code)
+        return self._refuse_admission(ctx, refusal)
+
+    def _refuse_admission(self, ctx: RequestContext, r: Reject) -> web.Response:
+        self.metrics.admission_rejections.labels(ctx.pool, r.reason).inc()
+        return self._refuse(
+            ctx, 429, r.message, r.code, retry_after_s=max(1, math.ceil(r.retry_after_s))
+        )
+
+    async def _wait_turn(
+        self, ctx: RequestContext, guard: PoolGuard, item: AdmissionItem
+    ) -> Reject | None:
+        """Wait in the admission queue: None once dispatched, else the refusal."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Reject | None] = loop.create_future()
+        self._waiters[item.id] = fut
+        self.metrics.admission_queue_depth.labels(ctx.pool).set(guard.queued)
+        cfg = self.config.reliability.admission
+        limit = min(cfg.queue_timeout_s, ctx.deadline - loop.time())
+        if item.deadline is not None:
+            limit = min(limit, item.deadline - time.monotonic())
+        try:
+            async with asyncio.timeout(max(0.0, limit)):
+                return await fut
+        except TimeoutError:
+            # Still queued: drop it. Otherwise the pump dispatched it to a waiter that had
+            # just gone (and released the slot) or refused it; either way we stop here.
+            guard.cancel(item.id)
+            late = item.deadline is not None and time.monotonic() >= item.deadline
+            return Reject(
+                item,
+                "deadline" if late else "overload",
+                "the deadline passed while the request was queued"
+                if late
+                else f"the request waited reliability.admission.queue_timeout_s "
+                f"({cfg.queue_timeout_s:g} s) for a free slot in pool {ctx.pool!r}",
+                1.0,
+            )
+        except asyncio.CancelledError:
+            # Dispatched just as the client left: give the slot back.
+            if (
+                not guard.cancel(item.id)
+                and fut.done()
+                and not fut.cancelled()
+                and fut.result() is None
+            ):
+                guard.release(item.id, time.monotonic())
+            raise
+        finally:
+            self._waiters.pop(item.id, None)
+            self.metrics.admission_queue_depth.labels(ctx.pool).set(guard.queued)
+
+    def _apply_guard(self, pool: str, ev: GuardEvents) -> None:
+        """Wake dispatched waiters, answer refused ones, publish breaker and ejection state."""
+        guard = self.guards[pool]
+        while True:
+            released = False
+            for item in ev.dispatch:
+                fut = self._waiters.get(item.id)
+                if fut is None or fut.done():
+                    guard.release(item.id, time.monotonic())  # its waiter is gone
+                    released = True
+                else:
+                    fut.set_result(None)
+            for r in ev.rejected:
+                fut = self._waiters.get(r.item.id)
+                if fut is not None and not fut.done():
+                    fut.set_result(r)
+            m = self.metrics
+            for tr in ev.breaker:
+                m.breaker_state.labels(pool, tr.endpoint).set(_BREAKER_CODES[tr.new])
+                m.breaker_transitions.labels(pool, tr.endpoint, tr.new).inc()
+                log.info("breaker %s -> %s for %s (%s)", tr.old, tr.new, tr.endpoint, tr.reason)
+            for oe in ev.outlier:
+                ejected = oe.action == "eject"
+                m.outlier_ejected.labels(pool, oe.endpoint).set(1 if ejected else 0)
+                if ejected:
+                    m.outlier_ejections.labels(pool, oe.endpoint, oe.reason).inc()
+                    log.warning("ejected %s from pool %s (%s)", oe.endpoint, pool, oe.reason)
+            if not released:
+                break
+            ev = guard.pump(time.monotonic())
+        m.admission_queue_depth.labels(pool).set(guard.queued)
+        m.tokens_in_flight.labels(pool).set(guard.tokens_in_flight())
+
+    # -- attempts ------------------------------------------------------------------------
+
+    def _start_attempt(self, ctx: RequestContext, route: Route, reason: str) -> _Attempt:
+        assert ctx.pick is not None
+        router = self.routers[ctx.pool]
+        guard = self.guards[ctx.pool] if ctx.inference is not None else None
+        trace = ctx.trace.attempt(route.url, None, asyncio.get_running_loop().time(), reason=reason)
+        attempt = _Attempt(router, route, next(self._attempt_ids), ctx.pick, guard, trace)
+        now = time.monotonic()
+        router.started(route, attempt.rid, ctx.pick, now)
+        if guard is not None:
+            guard.started(route.url, attempt.rid, ctx.tokens, now, model=ctx.pick.model)
+        ctx.tried.add(route.url)
+        return attempt
+
+    def _settle(self, attempt: _Attempt, outcome: str, error: str | None = None) -> None:
+        """Tell the router, the guard and the trace how an attempt ended (once)."""
+        if attempt.settled:
+            return
+        attempt.settled = True
+        now = time.monotonic()
+        route = attempt.route
+        if outcome == "connect_error":
+            attempt.router.connect_failed(route, attempt.rid, now, error or outcome)
+        else:
+            attempt.router.finished(
+                route,
+                attempt.rid,
+                attempt.pick,
+                now,
+                ok=attempt.ok,
+                cached_tokens=attempt.cached_tokens,
+            )
+        if attempt.guard is not None:
+            attempt.guard.finished(
+                route.url,
+                attempt.rid,
+                now,
+                status=attempt.status or None,
+                local_failure=attempt.local_failure,
+                cancelled=attempt.cancelled,
+                completion_tokens=attempt.completion_tokens if attempt.ok else None,
+            )
+        attempt.trace.end(
+            outcome,
+            attempt.status,
+            attempt.cached_tokens,
+            attempt.prompt_tokens,
+            attempt.completion_tokens,
+            asyncio.get_running_loop().time(),
+            error=error,
+        )
+
+    def _screen(self, ctx: RequestContext, routes: list[Route]) -> Screened[Route]:
+        guard = self.guards[ctx.pool]
+        assert ctx.pick is not None
+        screened = guard.screen(routes, ctx.tokens, ctx.pick.priority, time.monotonic())
+        for _, why in screened.skipped:
+            self.metrics.breaker_rejections.labels(ctx.pool, why).inc()
+        return screened
+
+    async def _attempts(self, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
+        assert self._upstream is not None and ctx.pick is not None
         loop = asyncio.get_running_loop()
         up_cfg = self.config.upstream
-        router = self.routers[ctx.pool]
-        upstream_headers = self._upstream_headers(headers, ctx)
-        deadline = ctx.started + up_cfg.request_timeout_s
+        pick = ctx.pick
         now = time.monotonic()
-        if ctx.inference is not None and ctx.routing is not None:
-            pick = PickRequest.build(ctx.inference, ctx.routing, now, block_hashes=ctx.block_hashes)
-        else:
-            pick = PickRequest(model="")
-        routes = router.order(pick, now)
+        routes = self.routers[ctx.pool].order(pick, now)
+        ctx.trace.picked(routes, loop.time())
         retry = self.retry_budgets[ctx.pool]
         retry.deposit(now)
         failures: list[str] = []
-        for n, route in enumerate(routes, start=1):
-            if n > up_cfg.max_attempts:
+        reason = ""
+        made = 0
+        while made < up_cfg.max_attempts:
+            candidates = [r for r in routes if r.url not in ctx.tried]
+            if not candidates:
                 break
+            if ctx.inference is not None:
+                screened = self._screen(ctx, candidates)
+                if screened.full and self.guards[ctx.pool].admission is None:
+                    return self._refuse(
+                        ctx,
+                        503,
+                        f"every endpoint of pool {ctx.pool!r} is at its in-flight limits "
+                        "(reliability.breaker); retry shortly",
+                        "overloaded",
+                        retry_after_s=1,
+                    )
+                if screened.full and ctx.item_id is not None:
+                    # Every endpoint is at its in-flight limits: back into the queue until
+                    # a slot frees, then ask again.
+                    guard = self.guards[ctx.pool]
+                    guard.requeue(ctx.item_id, time.monotonic())
+                    item_id, ctx.item_id = ctx.item_id, None
+                    assert ctx.routing is not None
+                    refusal = await self._wait_turn(
+                        ctx,
+                        guard,
+                        AdmissionItem(
+                            item_id,
+                            tenant=pick.tenant,
+                            priority=pick.priority,
+                            deadline=pick.deadline_s,
+                        ),
+                    )
+                    if refusal is not None:
+                        return self._refuse_admission(ctx, refusal)
+                    ctx.item_id = item_id
+                    continue
+                if not screened.routes:
+                    failures += [f"{url}: {why}" for url, why in screened.skipped]
+                    break
+                route = screened.routes[0]
+            else:
+                route = candidates[0]
+            made += 1
             url = route.url
-            attempt = _Attempt(router, route, next(self._attempt_ids), pick)
-            router.started(route, attempt.rid, pick, time.monotonic())
+            attempt = self._start_attempt(ctx, route, reason)
             try:
-                budget = min(up_cfg.first_byte_timeout_s, deadline - loop.time())
+                budget = min(up_cfg.first_byte_timeout_s, ctx.deadline - loop.time())
                 try:
                     async with asyncio.timeout(budget):
                         upstream = await self._upstream.request(
-                            url, request.method, request.rel_url.raw_path_qs, upstream_headers, body
+                            url,
+                            request.method,
+                            request.rel_url.raw_path_qs,
+                            attempt.trace.inject_headers(ctx.upstream_headers),
+                            ctx.body,
                         )
                 except (UpstreamConnectError, UpstreamClosedError) as exc:
                     # No connection, or the engine closed it before answering (the pool has
                     # already retried a stale keep-alive one): try the next endpoint.
                     reason = str(exc)
-                    router.connect_failed(route, attempt.rid, time.monotonic(), reason)
-                    attempt.settled = True
+                    attempt.local_failure = True
+                    self._settle(attempt, "connect_error", reason)
                     self.metrics.upstream_attempts.labels(ctx.pool, url, "connect_error").inc()
                     failures.append(f"{url}: {reason}")
-                    delay = self._retry_delay(ctx, n, len(routes), None, deadline, "connect_error")
+                    delay = self._retry_delay(ctx, made, len(routes), None, "connect_error")
                     if delay is None:
                         break
                     await asyncio.sleep(delay)
                     continue
                 except TimeoutError:
+                    attempt.local_failure = True
+                    self._settle(attempt, "timeout")
                     self.metrics.upstream_attempts.labels(ctx.pool, url, "timeout").inc()
-                    self._finish(ctx, "timeout")
-                    return self._reject(
+                    return self._refuse(
+                        ctx,
                         504,
                         f"{url} sent no response headers within "
                         f"upstream.first_byte_timeout_s ({up_cfg.first_byte_timeout_s:g} s)",
                         "upstream_timeout",
                     )
                 except UpstreamError as exc:  # a protocol error; the message names the url
+                    attempt.local_failure = True
+                    self._settle(attempt, "upstream_error", str(exc))
                     self.metrics.upstream_attempts.labels(ctx.pool, url, "error").inc()
-                    self._finish(ctx, "upstream_error")
-                    return self._reject(502, f"upstream failed: {exc}", "upstream_error")
+                    return self._refuse(ctx, 502, f"upstream failed: {exc}", "upstream_error")
                 status = upstream.status
+                attempt.status = status
                 self.metrics.upstream_attempts.labels(ctx.pool, url, str(status)).inc()
                 attempt.ok = status < 500
                 if retry.retryable(status, False, False):
                     # Refused before the first byte (429/502/503/504): another endpoint may
                     # serve it, within the retry budget; otherwise the answer goes through.
                     after = parse_retry_after(upstream.header("retry-after") or "")
-                    delay = self._retry_delay(ctx, n, len(routes), after, deadline, str(status))
+                    delay = self._retry_delay(ctx, made, len(routes), after, str(status))
                     if delay is not None:
                         attempt.ok = False
                         upstream.close()
+                        self._settle(attempt, f"http_{status}")
                         failures.append(f"{url}: HTTP {status}")
+                        reason = f"http_{status}"
                         await asyncio.sleep(delay)
                         continue
-                return await self._relay(request, ctx, attempt, upstream, deadline)
+                return await self._relay(request, ctx, attempt, upstream)
+            except asyncio.CancelledError:
+                attempt.cancelled = True
+                self._settle(attempt, "client_disconnect")
+                raise
             finally:
                 if not attempt.settled:
-                    router.finished(
-                        route,
-                        attempt.rid,
-                        pick,
-                        time.monotonic(),
-                        ok=attempt.ok,
-                        cached_tokens=attempt.cached_tokens,
-                    )
-        self._finish(ctx, "no_upstream")
+                    self._settle(attempt, attempt.outcome or "ok")
         detail = "; ".join(failures) or "no endpoint available"
-        return self._reject(
-            502,
+        return self._refuse(
+            ctx,
+            502 if made else 503,
             f"no endpoint of pool {ctx.pool!r} accepted the request: {detail}",
-            "upstream_unavailable",
+            "upstream_unavailable" if made else "no_healthy_upstream",
+            **({} if made else {"retry_after_s": 1}),
         )
 
     def _retry_delay(
@@ -655,7 +962,6 @@ class Sidecar:
         attempts_made: int,
         routes: int,
         retry_after_s: float | None,
-        deadline: float,
         reason: str,
     ) -> float | None:
         """Seconds to wait before the next attempt, or None when there is none: no other
@@ -665,7 +971,7 @@ class Sidecar:
             return None
         retry = self.retry_budgets[ctx.pool]
         delay = retry.backoff(attempts_made, self._rng, retry_after_s)
-        if delay == math.inf or asyncio.get_running_loop().time() + delay >= deadline:
+        if delay == math.inf or asyncio.get_running_loop().time() + delay >= ctx.deadline:
             return None
         if not retry.withdraw(time.monotonic(), attempts_made):
             self.metrics.retry_budget_exhausted.labels(ctx.pool).inc()
@@ -694,10 +1000,9 @@ class Sidecar:
         ctx: RequestContext,
         attempt: _Attempt,
         upstream: UpstreamResponse,
-        deadline: float,
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
-        watch = _Watch(upstream, loop.time(), deadline)
+        watch = _Watch(upstream, loop.time(), ctx.deadline)
         self._watches.add(watch)
         headers = self._response_headers(upstream, ctx, attempt.route.url)
         is_sse = upstream.content_type == "text/event-stream"
@@ -706,9 +1011,11 @@ class Sidecar:
                 return await self._relay_whole(ctx, attempt, upstream, headers, watch)
             return await self._relay_stream(request, ctx, attempt, upstream, headers, watch)
         except asyncio.CancelledError:
-            attempt.ok = False
             # The client went away (aiohttp cancels the handler): drop the
             # upstream connection now so the engine stops generating.
+            attempt.ok = False
+            attempt.cancelled = True
+            self._settle(attempt, "client_disconnect")
             self.metrics.client_disconnects.labels(ctx.pool).inc()
             self._finish(ctx, "client_disconnect")
             raise
@@ -735,20 +1042,28 @@ class Sidecar:
                 chunks.append(chunk)
         except (UpstreamError, ConnectionError) as exc:
             attempt.ok = False
-            outcome = "timeout" if watch.expired else "upstream_failed"
-            self._finish(ctx, outcome)
+            attempt.local_failure = True
             if watch.expired:
-                return self._reject(504, _expired_message(watch, self.config), "upstream_timeout")
-            return self._reject(
+                self._settle(attempt, "timeout")
+                return self._refuse(
+                    ctx, 504, _expired_message(watch, self.config), "upstream_timeout"
+                )
+            self._settle(attempt, "stream_broken", _describe(exc))
+            return self._refuse(
+                ctx,
                 502,
                 f"the upstream failed while sending its response: {_describe(exc)}",
                 "upstream_error",
             )
         body = b"".join(chunks)
-        if ctx.inference is not None and upstream.status == 200:
-            attempt.cached_tokens = _cached_tokens_of(body)
-        self._finish(ctx, "ok" if upstream.status < 500 else "upstream_5xx")
-        return web.Response(body=body, status=upstream.status, headers=headers)
+        status = upstream.status
+        usage = None
+        if ctx.inference is not None and status == 200:
+            usage = _usage_of(body)
+            _take_usage(attempt, usage)
+        self._settle(attempt, "ok" if status < 400 else f"http_{status}")
+        self._finish(ctx, "ok" if status < 500 else "upstream_5xx", status, usage)
+        return web.Response(body=body, status=status, headers=headers)
 
     async def _relay_stream(
         self,
@@ -759,55 +1074,168 @@ class Sidecar:
         headers: list[tuple[str, str]],
         watch: _Watch,
     ) -> web.StreamResponse:
+        """Relay SSE chunk by chunk. When failover may resume the stream, only whole events
+        reach the client (a partial one is held until its end arrives) and what was sent
+        is kept, so a continuation can be built from it if the engine dies."""
         loop = asyncio.get_running_loop()
-        url = attempt.route.url
         resp = web.StreamResponse(status=upstream.status, headers=headers)
         await resp.prepare(request)
+        inference = ctx.inference
         scan = ctx.kind in ("completion", "chat") and upstream.header("content-encoding") is None
         scanner = SSEScanner() if scan else None
-        first_token_at: float | None = None
+        fo = self.config.reliability.failover
+        resumable = (
+            fo.enabled
+            and fo.max_resumes > 0
+            and scanner is not None
+            and inference is not None
+            and inference.n == 1
+            and upstream.status == 200
+        )
+        sent: list[bytes] | None = [] if resumable else None
+        sent_bytes = 0
+        held = b""
+        splicer: StreamSplicer | None = None
+        resumes = 0
+        cur, cur_up, cur_watch = attempt, upstream, watch
+        extra: list[tuple[_Attempt, UpstreamResponse, _Watch]] = []
+        tokens_before = 0
         failure: tuple[int, str, str] | None = None
+        usage: dict[str, Any] | None = None
         try:
-            while chunk := await upstream.read():
-                watch.last_activity = now = loop.time()
-                if scanner is not None:
-                    try:
-                        if scanner.feed(chunk) and first_token_at is None:
-                            first_token_at = now
-                            attempt.router.first_token(attempt.route, attempt.rid, time.monotonic())
-                    except ValueError as exc:
-                        log.warning("stopped scanning a stream from %s: %s", url, exc)
-                        scanner = None
+            while True:
+                failure = None
                 try:
-                    await resp.write(chunk)
-                except ConnectionError:
-                    # The client went away between two chunks.
-                    attempt.ok = False
-                    self.metrics.client_disconnects.labels(ctx.pool).inc()
-                    self._finish(ctx, "client_disconnect")
-                    return resp
-        except (UpstreamError, ConnectionError) as exc:
-            if watch.expired:
-                failure = (504, _expired_message(watch, self.config), "upstream_timeout")
-            else:
-                failure = (
-                    502,
-                    f"the upstream stream broke: {_describe(exc)}",
-                    "upstream_stream_broken",
+                    while chunk := await cur_up.read():
+                        cur_watch.last_activity = loop.time()
+                        if splicer is not None:
+                            chunk = splicer.feed(chunk)
+                        elif sent is not None:
+                            if held:
+                                chunk, held = held + chunk, b""
+                            cut = _event_end(chunk)
+                            if cut < len(chunk):
+                                chunk, held = chunk[:cut], chunk[cut:]
+                        if not chunk:
+                            continue
+                        if sent is not None:
+                            sent.append(chunk)
+                            sent_bytes += len(chunk)
+                            if sent_bytes > _MAX_RESUME_BYTES:
+                                sent = None  # too long to resume: relay as it comes
+                                chunk, held = chunk + held, b""
+                        if scanner is not None:
+                            try:
+                                if scanner.feed(chunk) and cur.first_token_at is None:
+                                    self._first_token(cur)
+                            except ValueError as exc:
+                                log.warning(
+                                    "stopped scanning a stream from %s: %s", cur.route.url, exc
+                                )
+                                scanner = None
+                                sent = None
+                        try:
+                            await resp.write(chunk)
+                        except ConnectionError:
+                            # The client went away between two chunks.
+                            cur.ok = False
+                            cur.cancelled = True
+                            self._settle(cur, "client_disconnect")
+                            self.metrics.client_disconnects.labels(ctx.pool).inc()
+                            self._finish(ctx, "client_disconnect")
+                            return resp
+                except (UpstreamError, ConnectionError) as exc:
+                    if cur_watch.expired:
+                        failure = (
+                            504,
+                            _expired_message(cur_watch, self.config),
+                            "upstream_timeout",
+                        )
+                    else:
+                        failure = (
+                            502,
+                            f"the upstream stream broke: {_describe(exc)}",
+                            "upstream_stream_broken",
+                        )
+                if failure is None:
+                    tail = held + (splicer.close() if splicer is not None else b"")
+                    held = b""
+                    if tail:
+                        if scanner is not None:
+                            with contextlib.suppress(ValueError):
+                                scanner.feed(tail)
+                        with contextlib.suppress(ConnectionError):
+                            await resp.write(tail)
+                    if scanner is not None and not scanner.done and scanner.error is None:
+                        failure = (
+                            502,
+                            "the upstream closed the stream before [DONE]",
+                            "upstream_stream_truncated",
+                        )
+                if scanner is not None:
+                    cur.completion_tokens = scanner.tokens - tokens_before
+                if failure is None:
+                    break
+                cur.ok = False
+                cur.local_failure = True
+                self._settle(
+                    cur,
+                    {
+                        "upstream_timeout": "timeout",
+                        "upstream_stream_truncated": "stream_truncated",
+                    }.get(failure[2], "stream_broken"),
+                    failure[1],
                 )
-        if failure is None and scanner is not None and not scanner.done and scanner.error is None:
-            failure = (
-                502,
-                "the upstream closed the stream before [DONE]",
-                "upstream_stream_truncated",
-            )
-        if failure is not None:
-            attempt.ok = False
-        if scanner is not None:
-            self.metrics.stream_tokens.labels(ctx.pool).inc(scanner.tokens)
-            attempt.cached_tokens = _usage_cached_tokens(scanner.usage)
-        if first_token_at is not None:
-            self.metrics.ttft.labels(ctx.pool, url).observe(first_token_at - ctx.started)
+                if sent is None or resumes >= fo.max_resumes:
+                    break
+                held = b""  # the partial event never reached the client
+                resumed = await self._resume(ctx, request, sent)
+                if isinstance(resumed, str):
+                    outcome = "refused" if not resumed.startswith("no ") else "failed"
+                    self.metrics.stream_resumes.labels(ctx.pool, outcome).inc()
+                    ctx.trace.resumed(outcome, loop.time(), reason=resumed)
+                    log.info("could not resume a stream from %s: %s", cur.route.url, resumed)
+                    break
+                if isinstance(resumed, bytes):  # nothing left to generate: end it here
+                    self.metrics.stream_resumes.labels(ctx.pool, "resumed").inc()
+                    ctx.trace.resumed("resumed", loop.time(), reason="nothing left to generate")
+                    if scanner is not None:
+                        with contextlib.suppress(ValueError):
+                            scanner.feed(resumed)
+                    with contextlib.suppress(ConnectionError):
+                        await resp.write(resumed)
+                    failure = None
+                    break
+                resumes += 1
+                self.metrics.stream_resumes.labels(ctx.pool, "resumed").inc()
+                cur, cur_up, splicer = resumed
+                ctx.trace.resumed("resumed", loop.time(), tokens_sent=splicer.tokens_sent)
+                cur_watch = _Watch(cur_up, loop.time(), ctx.deadline)
+                self._watches.add(cur_watch)
+                extra.append((cur, cur_up, cur_watch))
+                tokens_before = scanner.tokens if scanner is not None else 0
+            if scanner is not None:
+                self.metrics.stream_tokens.labels(ctx.pool).inc(scanner.tokens)
+                found = splicer.usage if splicer is not None and splicer.usage else scanner.usage
+                if isinstance(found, dict):
+                    usage = found
+                    _take_usage(cur, usage)
+                    if splicer is not None:  # this attempt made only the continuation
+                        cur.completion_tokens = scanner.tokens - tokens_before
+            if failure is None:
+                cur.ok = True
+                self._settle(cur, "ok")
+        finally:
+            for a, up, w in extra:
+                self._watches.discard(w)
+                if up.at_eof() and w.expired is None:
+                    up.release()
+                else:
+                    up.close()
+                if not a.settled:  # the client left mid-continuation
+                    a.ok = False
+                    a.cancelled = True
+                    self._settle(a, "client_disconnect")
         try:
             if failure is not None:
                 await resp.write(sse_error_event(*failure))
@@ -816,14 +1244,108 @@ class Sidecar:
             self.metrics.client_disconnects.labels(ctx.pool).inc()
             self._finish(ctx, "client_disconnect")
             return resp
-        self._finish(ctx, "ok" if failure is None else failure[2])
+        self._finish(ctx, "ok" if failure is None else failure[2], 200, usage)
         return resp
 
-    def _finish(self, ctx: RequestContext, outcome: str) -> None:
-        self.metrics.requests.labels(ctx.kind, ctx.pool, outcome).inc()
-        self.metrics.request_duration.labels(ctx.kind, ctx.pool).observe(
-            asyncio.get_running_loop().time() - ctx.started
+    def _first_token(self, attempt: _Attempt) -> None:
+        now = time.monotonic()
+        attempt.first_token_at = now
+        attempt.router.first_token(attempt.route, attempt.rid, now)
+        if attempt.guard is not None:
+            attempt.guard.first_token(
+                attempt.rid, now, predicted_ttft_s=attempt.route.predicted_ttft_s
+            )
+        attempt.trace.first_token(asyncio.get_running_loop().time())
+
+    async def _resume(
+        self, ctx: RequestContext, request: web.Request, sent: list[bytes]
+    ) -> tuple[_Attempt, UpstreamResponse, StreamSplicer] | bytes | str:
+        """Continue a broken stream on another endpoint: the attempt, its upstream and the
+        splicer for its events; or bytes that end the stream (nothing left to generate);
+        or why it cannot be resumed (a refusal, or "no ..." when no endpoint took it)."""
+        assert self._upstream is not None and ctx.inference is not None and ctx.pick is not None
+        kind: StreamKind = "chat" if ctx.kind == "chat" else "completion"
+        try:
+            doc = json.loads(ctx.body)
+        except ValueError:
+            return "the request body is not JSON"
+        recorder = StreamRecorder(kind)
+        recorder.feed(b"".join(sent))
+        if recorder.refusal is not None:
+            return recorder.refusal
+        if recorder.finished:
+            return "the stream had already finished"
+        usage = recorder.usage or {}
+        prompt_tokens = usage.get("prompt_tokens")
+        splicer = StreamSplicer.after(
+            recorder,
+            include_usage=ctx.inference.include_usage,
+            prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) else None,
         )
+        try:
+            body = continuation_body(kind, doc, recorder.text, recorder.tokens)
+        except FailoverUnsupported as exc:
+            if (
+                remaining_tokens(kind, doc, recorder.tokens) is not None
+                and (remaining_tokens(kind, doc, recorder.tokens) or 0) <= 0
+            ):
+                return splicer.synthesize_end()
+            return str(exc)
+        now = time.monotonic()
+        if not self.retry_budgets[ctx.pool].withdraw(now, 1):
+            self.metrics.retry_budget_exhausted.labels(ctx.pool).inc()
+            return "no retry budget left to resume the stream"
+        data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        routes = [r for r in self.routers[ctx.pool].order(ctx.pick, now) if r.url not in ctx.tried]
+        loop = asyncio.get_running_loop()
+        for route in self._screen(ctx, routes).routes[:2]:
+            attempt = self._start_attempt(ctx, route, "resume")
+            try:
+                async with asyncio.timeout(
+                    min(self.config.upstream.first_byte_timeout_s, ctx.deadline - loop.time())
+                ):
+                    up = await self._upstream.request(
+                        route.url,
+                        "POST",
+                        request.rel_url.raw_path_qs,
+                        attempt.trace.inject_headers(ctx.upstream_headers),
+                        data,
+                    )
+            except asyncio.CancelledError:
+                attempt.cancelled = True
+                self._settle(attempt, "client_disconnect")
+                raise
+            except (UpstreamError, TimeoutError) as exc:
+                attempt.local_failure = True
+                outcome = (
+                    "connect_error" if isinstance(exc, UpstreamConnectError) else "upstream_error"
+                )
+                self._settle(attempt, outcome, _describe(exc))
+                continue
+            attempt.status = up.status
+            if up.status != 200 or up.content_type != "text/event-stream":
+                up.close()
+                self._settle(attempt, f"http_{up.status}")
+                continue
+            attempt.ok = True
+            return attempt, up, splicer
+        return "no other endpoint accepted the continuation"
+
+    def _refuse(
+        self, ctx: RequestContext, status: int, message: str, code: str, **kw: Any
+    ) -> web.Response:
+        self._finish(ctx, code, status)
+        return self._reject(status, message, code, **kw)
+
+    def _finish(
+        self,
+        ctx: RequestContext,
+        outcome: str,
+        status: int = 0,
+        usage: dict[str, Any] | None = None,
+    ) -> None:
+        if ctx.obs is not None:
+            ctx.obs.finish(outcome, usage, asyncio.get_running_loop().time(), status=status)
 
     # -- admin -------------------------------------------------------------------
 
@@ -863,6 +1385,93 @@ class Sidecar:
         )
 
 
+def _guard_config(config: Config) -> GuardConfig:
+    rel = config.reliability
+    b, o, a, t = rel.breaker, rel.outlier, rel.admission, rel.throttle
+    return GuardConfig(
+        throttle=AdaptiveThrottleConfig(k=t.k, window_s=t.window_s) if t.enabled else None,
+        admission=AdmissionConfig(
+            max_in_flight=a.max_in_flight,
+            max_queued=a.max_queued,
+            max_queued_per_tenant=a.max_queued_per_tenant,
+            tenants={
+                name: TenantPolicy(
+                    weight=tp.weight,
+                    max_priority=tp.max_priority,
+                    max_queued=tp.max_queued,
+                    max_in_flight=tp.max_in_flight,
+                )
+                for name, tp in a.tenants.items()
+            },
+        )
+        if a.enabled
+        else None,
+        breaker=TokenBreakerConfig(
+            endpoint_limits=Limits(
+                max_tokens=b.max_tokens_per_endpoint,
+                max_requests=b.max_requests_per_endpoint,
+                max_pending=b.max_pending_per_endpoint,
+            ),
+            consecutive_failures=b.consecutive_failures,
+            error_rate=b.error_rate,
+            error_window_s=b.error_window_s,
+            error_min_requests=b.error_min_requests,
+            open_base_s=b.open_base_s,
+            open_max_s=b.open_max_s,
+            half_open_successes=b.half_open_successes,
+            ttft_outlier_factor=b.ttft_outlier_factor,
+            ttft_outlier_min_s=b.ttft_outlier_min_s,
+        )
+        if b.enabled
+        else None,
+        outlier=OutlierConfig(
+            consecutive_5xx=o.consecutive_5xx,
+            interval_s=o.interval_s,
+            base_ejection_time_s=o.base_ejection_time_s,
+            max_ejection_time_s=o.max_ejection_time_s,
+            max_ejection_percent=o.max_ejection_percent,
+            always_eject_one_host=o.always_eject_one_host,
+        )
+        if o.enabled
+        else None,
+    )
+
+
+def _event_end(chunk: bytes) -> int:
+    """Where the last complete SSE event in `chunk` ends (0: none is complete). An event
+    ends at a blank line: LF LF, CR CR, or CRLF CRLF (whose tail is LF CR LF)."""
+    if chunk.endswith(b"\n\n"):
+        return len(chunk)
+    end = 0
+    for sep in (b"\n\n", b"\r\r", b"\n\r\n"):
+        i = chunk.rfind(sep)
+        if i >= 0:
+            end = max(end, i + len(sep))
+    return end
+
+
+def _usage_of(body: bytes) -> dict[str, Any] | None:
+    """The `usage` object of a whole JSON response, if small enough to parse."""
+    if len(body) > _MAX_USAGE_PARSE_BYTES:
+        return None
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def _take_usage(attempt: _Attempt, usage: dict[str, Any] | None) -> None:
+    if usage is None:
+        return
+    attempt.cached_tokens = _usage_cached_tokens(usage)
+    for name in ("prompt_tokens", "completion_tokens"):
+        v = usage.get(name)
+        if isinstance(v, int) and not isinstance(v, bool):
+            setattr(attempt, name, v)
+
+
 def _usage_cached_tokens(usage: Any) -> int | None:
     """usage.prompt_tokens_details.cached_tokens (vLLM with --enable-prompt-tokens-details)."""
     if not isinstance(usage, dict):
@@ -872,16 +1481,6 @@ def _usage_cached_tokens(usage: Any) -> int | None:
         return None
     cached = details.get("cached_tokens")
     return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
-
-
-def _cached_tokens_of(body: bytes) -> int | None:
-    if len(body) > _MAX_USAGE_PARSE_BYTES:
-        return None
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return None
-    return _usage_cached_tokens(doc.get("usage")) if isinstance(doc, dict) else None
 
 
 def _bound(site: web.TCPSite) -> str:

@@ -50,7 +50,7 @@ async def test_bench_through_meshd_sidecar(tmp_path: Path, kind: str) -> None:
     report, path = await run_bench(config, requests, log=logged.append)
     (result,) = report.results
     assert result.status == "ok", (result.reason, logged)
-    assert (result.succeeded, result.failed, result.not_sent) == (10, 0, 0)
+    assert (result.succeeded, result.failed, result.not_sent) == (10, 0, 0), result.failures
     assert result.tasks.planned == 7 and result.tasks.succeeded == 7
     assert result.cost_per_successful_task is not None and result.cost_usd > 0
     assert result.ttft.n == 10 and 0 < result.ttft.p50 <= result.e2e.p50

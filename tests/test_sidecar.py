@@ -91,11 +91,26 @@ async def test_backend_crash_mid_stream_ends_with_an_sse_error_event(backends, s
 
 async def test_stream_closed_without_done_is_reported(backends, sidecar):
     b = await backends()
-    s = await sidecar(sidecar_config([b.url]))
+    s = await sidecar(sidecar_config([b.url], reliability={"failover": {"enabled": False}}))
     async with aiohttp.ClientSession() as http:
         req = {"model": "tiny", "prompt": "no-done", "max_tokens": 2, "stream": True}
         events = sse_events(await (await post(http, url(s, "/v1/completions"), req)).read())
     assert events[-1]["error"]["code"] == "upstream_stream_truncated"
+
+
+async def test_stream_cut_after_its_last_token_is_ended_by_failover(backends, sidecar):
+    # Every token max_tokens allowed reached the client before the engine closed without
+    # a finish: failover has nothing left to generate and ends the stream itself.
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url]))
+    async with aiohttp.ClientSession() as http:
+        req = {"model": "tiny", "prompt": "no-done", "max_tokens": 2, "stream": True}
+        events = sse_events(await (await post(http, url(s, "/v1/completions"), req)).read())
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["id"] == "cmpl-test"
+    assert "created" not in events[-2]
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "w0 w1"
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -376,7 +391,11 @@ async def test_retries_stay_within_the_budget_when_every_engine_refuses(backends
     s = await sidecar(
         sidecar_config(
             [a.url, b.url],
-            reliability={"retry": {"ratio": 0.2, "min_retries_per_s": 0.1, "window_s": 10}},
+            # The client-side throttle would answer most of these itself.
+            reliability={
+                "retry": {"ratio": 0.2, "min_retries_per_s": 0.1, "window_s": 10},
+                "throttle": {"enabled": False},
+            },
         )
     )
     async with aiohttp.ClientSession() as http:
@@ -386,3 +405,61 @@ async def test_retries_stay_within_the_budget_when_every_engine_refuses(backends
     attempts = len(a.requests) + len(b.requests)
     # 20 requests; the budget allows 0.2 x 20 + 0.1 x 10 = 5 retries at most.
     assert 20 < attempts <= 25, attempts
+
+
+async def test_stream_broken_mid_way_resumes_on_another_endpoint(backends, sidecar):
+    # Both engines crash after two tokens of a prompt that is exactly "crash"; the
+    # continuation's prompt is "crash" + the text already sent, so the second engine
+    # finishes it. The client sees one stream: one id, no error, corrected usage.
+    a, b = await backends("a"), await backends("b")
+    s = await sidecar(sidecar_config([a.url, b.url]))
+    async with aiohttp.ClientSession() as http:
+        req = {
+            "model": "tiny",
+            "prompt": "crash",
+            "max_tokens": 10,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        resp = await post(http, url(s, "/v1/completions"), req)
+        events = sse_events(await asyncio.wait_for(resp.read(), 5))
+    assert events[-1] == "[DONE]"
+    assert not any(isinstance(e, dict) and "error" in e for e in events)
+    assert {e["id"] for e in events[:-1]} == {"cmpl-test"}
+    texts = [e["choices"][0]["text"] for e in events[:-1] if e["choices"]]
+    assert texts[:2] == ["w0", " w1"] and len(texts) == 10
+    (usage,) = [e["usage"] for e in events[:-1] if e.get("usage")]
+    assert usage["completion_tokens"] == 10
+    crashed, resumed = (a, b) if a.requests[0].body["prompt"] == "crash" else (b, a)
+    assert len(crashed.requests) == 1
+    cont = resumed.requests[-1].body
+    assert cont["prompt"] == "crashw0 w1" and cont["max_tokens"] == 8
+    async with aiohttp.ClientSession() as http:
+        metrics = await (await http.get(url(s, "/metrics", "admin"))).text()
+    assert 'meshd_stream_resumes_total{outcome="resumed",pool="default"} 1.0' in metrics
+
+
+async def test_failing_engine_trips_its_breaker_and_traffic_moves(backends, sidecar):
+    a, b = await backends("a"), await backends("b")
+    a.refuse_with = 500
+    s = await sidecar(
+        sidecar_config(
+            [a.url, b.url],
+            routing={"policy": "round-robin"},
+            reliability={"breaker": {"consecutive_failures": 2, "open_base_s": 60}},
+        )
+    )
+    async with aiohttp.ClientSession() as http:
+        statuses = []
+        for _ in range(12):
+            resp = await post(http, url(s, "/v1/completions"), {"model": "tiny", "prompt": "x"})
+            statuses.append(resp.status)
+        # Only the first tries reached the failing engine: its breaker opened after two.
+        assert len(a.requests) == 2
+        assert statuses.count(200) >= 10
+        # The gauge follows at the next reaper sweep.
+        want = f'meshd_breaker_state{{endpoint="{a.url}",pool="default"}} 2.0'
+        deadline = asyncio.get_running_loop().time() + 5
+        while want not in (metrics := await (await http.get(url(s, "/metrics", "admin"))).text()):
+            assert asyncio.get_running_loop().time() < deadline, metrics
+            await asyncio.sleep(0.05)

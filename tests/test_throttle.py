@@ -32,12 +32,20 @@ def test_fresh_throttle_allows() -> None:
 
 
 def test_probability_matches_the_sre_formula() -> None:
-    t = AdaptiveThrottle()
+    t = AdaptiveThrottle(AdaptiveThrottleConfig(min_requests=0))
     _load(t, 0.0, requests=10, accepts=3)
     assert t.p_reject(1.0) == pytest.approx((10 - 2 * 3) / (10 + 1))
-    t2 = AdaptiveThrottle(AdaptiveThrottleConfig(k=1.5))
+    t2 = AdaptiveThrottle(AdaptiveThrottleConfig(k=1.5, min_requests=0))
     _load(t2, 0.0, requests=10, accepts=3)
     assert t2.p_reject(1.0) == pytest.approx((10 - 1.5 * 3) / 11)
+
+
+def test_no_rejection_below_the_minimum_volume() -> None:
+    t = AdaptiveThrottle(AdaptiveThrottleConfig(min_requests=20))
+    _load(t, 0.0, requests=19, accepts=0)
+    assert t.p_reject(1.0) == 0.0
+    _load(t, 1.0, requests=1, accepts=0)
+    assert t.p_reject(2.0) == pytest.approx(20 / 21)
 
 
 def test_no_rejection_while_accepts_keep_up() -> None:
