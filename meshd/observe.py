@@ -208,14 +208,13 @@ class RequestObserver:
             gpus=gpus,
             **kw,
         )
-        now = time.monotonic()
         for pool in config.pools:
             counts: dict[str, int] = {}
             for ep in pool.endpoints:
                 gpu = normalise_gpu_name(ep.gpu)
                 counts[gpu] = counts.get(gpu, 0) + 1
             for gpu, n in counts.items():
-                metrics.gpu_provisioned_seconds.set_gpus(pool.name, gpu, n, now)
+                metrics.gpu_provisioned_seconds.set_gpus(pool.name, gpu, n)
         return observer
 
     # -- per request ----------------------------------------------------------------------
