@@ -10,11 +10,11 @@ client's traffic but lags, the local figures are current but see only ours.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["EndpointState", "ReportedState"]
+__all__ = ["BlockDigest", "EndpointState", "ReportedBlocks", "ReportedState"]
 
 # Calibration (observed / predicted TTFT): EWMA weight of a new sample, and clamps that
 # keep one pathological sample (a GC pause, a network blip) from swinging the model.
@@ -64,6 +64,72 @@ class ReportedState:
         if self.kv_block_size is None or self.kv_capacity_blocks is None:
             return None
         return self.kv_block_size * self.kv_capacity_blocks
+
+
+class BlockDigest(Protocol):
+    """One digest of an engine's cached KV blocks, as the control plane carries it
+    (xds.resources.PrefixDigest, which filters/ must not import, has this shape): full (the
+    whole set) or cumulative since the full digest `base_seq`."""
+
+    @property
+    def epoch(self) -> str: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def base_seq(self) -> int: ...
+    @property
+    def full(self) -> bool: ...
+    @property
+    def added(self) -> Sequence[int]: ...
+    @property
+    def removed(self) -> Sequence[int]: ...
+
+
+@dataclass(slots=True)
+class ReportedBlocks:
+    """The block hashes one engine holds, rebuilt from its digests.
+
+    A digest that is not full applies only on top of the full digest it names (same epoch,
+    `base_seq`); any other is ignored until the next full one, so the set may lag but never
+    claims a block on a base it did not see. `apply` returns the blocks that left the set
+    (what a PrefixIndex must forget), or None when the digest was ignored.
+    """
+
+    epoch: str | None = None
+    base_seq: int = -1
+    seq: int = -1
+    base: frozenset[int] = frozenset()
+    blocks: frozenset[int] = frozenset()
+    applied_at: float = float("-inf")
+    ignored: int = 0
+
+    def apply(self, digest: BlockDigest, now: float) -> frozenset[int] | None:
+        same_epoch = digest.epoch == self.epoch
+        if digest.full:
+            if same_epoch and digest.seq <= self.seq:
+                self.ignored += 1  # an older full digest (a replica lagging behind)
+                return None
+            new = frozenset(digest.added)
+            self.base, self.base_seq = new, digest.seq
+        elif same_epoch and digest.base_seq == self.base_seq and digest.seq > self.seq:
+            new = (self.base - frozenset(digest.removed)) | frozenset(digest.added)
+        else:
+            self.ignored += 1
+            return None
+        gone = self.blocks - new
+        self.epoch, self.seq, self.blocks, self.applied_at = digest.epoch, digest.seq, new, now
+        return gone
+
+    def prefix_blocks(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of a chained hash sequence the engine holds (chained
+        hashes: the first miss ends the match)."""
+        blocks = self.blocks
+        n = 0
+        for h in hashes:
+            if h not in blocks:
+                break
+            n += 1
+        return n
 
 
 @dataclass(slots=True)
@@ -142,6 +208,15 @@ class EndpointState:
     def report(self, state: ReportedState, now: float) -> None:
         self.reported = state
         self.reported_at = now
+        self._changed()
+        self.static_version += 1
+
+    def forget_report(self) -> None:
+        """The engine's report is gone (its resource removed): back to local observations."""
+        if self.reported is None:
+            return
+        self.reported = None
+        self.reported_at = float("-inf")
         self._changed()
         self.static_version += 1
 

@@ -9,6 +9,21 @@ Sans-I/O. The driver's protocol, per request::
         on a connect failure: router.connect_failed(r, rid, now, reason); next route
     router.first_token(r, rid, now)                 # streams only
     router.finished(r, rid, now, ok=..., cached_tokens=usage cached tokens or None)
+
+and, from the control plane (meshd/control_feed.py), whenever it has news::
+
+    router.report(url, reported_state_or_None, now, ttl_s=...)   # engine state; None: gone
+    router.apply_digest(url, digest_or_None, now)                 # engine's cached blocks
+
+A report stays in force for `ttl_s` after the call (the feed renews it while its control
+plane is connected), then the router goes back to what it observes itself. Every policy
+keeps an endpoint reported unhealthy or draining out of the order while the report is
+fresh (behind every other endpoint, for the balancer policies, as a resting one); the
+`meshd` policy also uses the rest of the report (load, KV usage, GPU, warm models) and
+the digests: a request whose block hashes are in an engine's digest gets those blocks
+as precise entries of the picker's PrefixIndex, which is how a digest steers it. That
+needs the request's hashes and the engine's to be computed the same way (the engine's own
+hashes: meshd/kv_events.py; text-block hashes match only a digest built from them).
 """
 
 from __future__ import annotations
@@ -18,7 +33,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from filters.balancer import EndpointBalancer
-from filters.endpoint_state import EndpointState
+from filters.endpoint_state import BlockDigest, EndpointState, ReportedBlocks, ReportedState
 from filters.picker import Choice, Picker, PickerConfig, PickRequest
 from filters.prefix_index import PrefixIndex
 
@@ -63,6 +78,42 @@ class PoolRouter(Protocol):
     ) -> None: ...
     def connect_failed(self, route: Route, rid: Hashable, now: float, reason: str) -> None: ...
     def snapshot(self, now: float) -> list[dict[str, object]]: ...
+    def report(
+        self, url: str, state: ReportedState | None, now: float, *, ttl_s: float
+    ) -> bool: ...
+    def apply_digest(self, url: str, digest: BlockDigest | None, now: float) -> bool: ...
+
+
+@dataclass(slots=True)
+class _Report:
+    state: ReportedState
+    at: float
+    ttl_s: float
+
+    def fresh(self, now: float) -> bool:
+        return now - self.at < self.ttl_s
+
+    def ineligible_reason(self, now: float) -> str | None:
+        if not self.fresh(now):
+            return None
+        if not self.state.healthy:
+            return "unhealthy"
+        return "draining" if self.state.draining else None
+
+
+def _report_view(state: ReportedState | None, at: float, ttl_s: float, now: float) -> object:
+    if state is None:
+        return None
+    return {
+        "age_s": round(now - at, 3),
+        "fresh": now - at < ttl_s,
+        "healthy": state.healthy,
+        "draining": state.draining,
+        "epoch": state.epoch,
+        "requests_running": state.requests_running,
+        "requests_waiting": state.requests_waiting,
+        "kv_usage": state.kv_usage,
+    }
 
 
 class BalancerRouter:
@@ -83,9 +134,28 @@ class BalancerRouter:
             unhealthy_after=unhealthy_after,
             cooldown_s=cooldown_s,
         )
+        self._reports: dict[str, _Report] = {}
 
     def order(self, req: PickRequest, now: float) -> list[Route]:
-        return [Route(url, self.policy) for url in self._balancer.order(now)]
+        urls = self._balancer.order(now)
+        if not self._reports:
+            return [Route(url, self.policy) for url in urls]
+        # Reported unhealthy or draining: to the back (stable, so the rest keep the order).
+        reasons = {u: r.ineligible_reason(now) for u, r in self._reports.items()}
+        urls.sort(key=lambda u: reasons.get(u) is not None)
+        return [Route(url, reasons.get(url) or self.policy) for url in urls]
+
+    def report(self, url: str, state: ReportedState | None, now: float, *, ttl_s: float) -> bool:
+        if url not in self._balancer.endpoints:
+            return False
+        if state is None:
+            self._reports.pop(url, None)
+        else:
+            self._reports[url] = _Report(state, now, ttl_s)
+        return True
+
+    def apply_digest(self, url: str, digest: BlockDigest | None, now: float) -> bool:
+        return False  # these policies do not look at prefixes
 
     def started(self, route: Route, rid: Hashable, req: PickRequest, now: float) -> None:
         self._balancer.on_start(route.url)
@@ -112,7 +182,14 @@ class BalancerRouter:
         self._balancer.on_connect_failure(route.url, now, reason)
 
     def snapshot(self, now: float) -> list[dict[str, object]]:
-        return self._balancer.snapshot(now)
+        out = self._balancer.snapshot(now)
+        for e in out:
+            r = self._reports.get(str(e["url"]))
+            why = None if r is None else r.ineligible_reason(now)
+            if why is not None:
+                e["healthy"], e["ineligible_reason"] = False, why
+            e["reported"] = None if r is None else _report_view(r.state, r.at, r.ttl_s, now)
+        return out
 
 
 class PickerRouter:
@@ -134,9 +211,14 @@ class PickerRouter:
         ]
         self._by_url = {s.url: s for s in self.states}
         self._last_error: dict[str, str] = {}
-        self.picker = Picker(config, index=PrefixIndex())
+        # track_blocks: a digest's removals find their blocks (PrefixIndex.remove).
+        self.picker = Picker(config, index=PrefixIndex(track_blocks=True))
+        self._digests: dict[str, ReportedBlocks] = {}  # endpoint name -> its blocks
+        self._digest_live: set[str] = set()  # names whose blocks are in the index now
 
     def order(self, req: PickRequest, now: float) -> list[Route]:
+        if self._digests:
+            self._materialize(req.block_hashes, now)
         choices = self.picker.pick(req, self.states, now)
         routes = [Route(c.url, c.reason, c.predicted_ttft_s, c.cached_tokens, c) for c in choices]
         if not routes:
@@ -175,6 +257,64 @@ class PickerRouter:
         state.connect_failure(now)
         self._last_error[route.url] = reason
 
+    # -- control plane ------------------------------------------------------------------
+
+    def report(self, url: str, state: ReportedState | None, now: float, *, ttl_s: float) -> bool:
+        s = self._by_url.get(url)
+        if s is None:
+            return False
+        if s.report_ttl_s != ttl_s:
+            s.report_ttl_s = ttl_s
+        if state is None:
+            s.forget_report()
+        else:
+            s.report(state, now)
+        return True
+
+    def apply_digest(self, url: str, digest: BlockDigest | None, now: float) -> bool:
+        s = self._by_url.get(url)
+        if s is None:
+            return False
+        index = self.picker.index
+        if digest is None:
+            blocks = self._digests.pop(s.name, None)
+            if blocks is not None and s.name in self._digest_live:
+                index.remove(s.name, blocks.blocks, now)
+            self._digest_live.discard(s.name)
+            return True
+        blocks = self._digests.setdefault(s.name, ReportedBlocks())
+        epoch = blocks.epoch
+        gone = blocks.apply(digest, now)
+        if gone is None:
+            return False
+        if epoch is not None and epoch != digest.epoch:
+            index.clear(s.name)  # a restarted engine holds nothing of the old epoch
+        elif gone and s.name in self._digest_live:
+            index.remove(s.name, gone, now)
+        return True
+
+    def _materialize(self, hashes: Sequence[int], now: float) -> None:
+        """Give each engine, as precise entries, the leading blocks of this request that its
+        digest holds (a digest is a set: the chain comes from the request). A digest whose
+        engine report went stale (the control plane lost) is taken back out of the index
+        until the report is fresh again: it may have been evicted since."""
+        index = self.picker.index
+        live = self._digest_live
+        for s in self.states:
+            blocks = self._digests.get(s.name)
+            if blocks is None:
+                continue
+            if s.fresh_report(now) is None:
+                if s.name in live:
+                    live.discard(s.name)
+                    index.remove(s.name, blocks.blocks, now)
+                continue
+            live.add(s.name)
+            if hashes:
+                k = blocks.prefix_blocks(hashes)
+                if k:
+                    index.store(s.name, hashes[:k], now)
+
     def snapshot(self, now: float) -> list[dict[str, object]]:
         return [
             {
@@ -188,6 +328,8 @@ class PickerRouter:
                 "consecutive_failures": s.consecutive_failures,
                 "ttft_calibration": round(s.ttft_ratio, 3),
                 "cached_blocks": self.picker.index.used_blocks(s.name),
+                "digest_blocks": len(d.blocks) if (d := self._digests.get(s.name)) else None,
+                "reported": _report_view(s.reported, s.reported_at, s.report_ttl_s, now),
                 "last_error": self._last_error.get(s.url),
             }
             for s in self.states

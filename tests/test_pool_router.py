@@ -93,3 +93,100 @@ async def test_sidecar_meshd_policy_gives_prefix_affinity_at_the_backend(backend
     async with aiohttp.ClientSession() as http, http.get(url(s, "/endpoints", "admin")) as r:
         pool = (await r.json())["pools"]["default"]
     assert sum(e["cached_blocks"] for e in pool) > 0
+
+
+# -- reports and digests from the control plane -----------------------------------------
+
+from dataclasses import dataclass  # noqa: E402
+
+from filters.endpoint_state import ReportedBlocks, ReportedState  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Digest:
+    epoch: str
+    seq: int
+    base_seq: int
+    full: bool
+    added: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+
+
+@pytest.mark.parametrize("policy", ["meshd", "round-robin", "least-request"])
+def test_reported_draining_or_unhealthy_is_kept_out_while_fresh(policy):
+    router = make_router(policy, [EndpointSpec(u, gpu="H100") for u in URLS])
+    assert router.report(URLS[0], ReportedState(draining=True), 0.0, ttl_s=5.0)
+    assert router.report(URLS[1], ReportedState(healthy=False), 0.0, ttl_s=5.0)
+    assert not router.report("http://nowhere:1", ReportedState(), 0.0, ttl_s=5.0)
+    for i in range(6):
+        assert router.order(_req(f"p{i} " * 30), 1.0)[0].url == URLS[2]
+    snap = {e["url"]: e for e in router.snapshot(1.0)}
+    assert snap[URLS[0]]["ineligible_reason"] == "draining"
+    assert snap[URLS[1]]["ineligible_reason"] == "unhealthy"
+    # Stale (ttl passed, not renewed): back to what the router observes itself.
+    firsts = {router.order(_req(f"q{i} " * 30), 6.0)[0].url for i in range(30)}
+    assert URLS[0] in firsts or URLS[1] in firsts
+    # Renewed, then gone (resource removed): forgotten at once.
+    router.report(URLS[0], ReportedState(draining=True), 6.0, ttl_s=5.0)
+    assert all(r.url != URLS[0] for r in router.order(_req("r " * 30), 6.5)[:1])
+    router.report(URLS[0], None, 6.6, ttl_s=5.0)
+    assert {e["url"]: e for e in router.snapshot(6.7)}[URLS[0]]["reported"] is None
+
+
+def test_digest_steers_and_its_removal_releases():
+    router = make_router("meshd", [EndpointSpec(u, gpu="H100") for u in URLS])
+    for u in URLS:
+        router.report(u, ReportedState(epoch="x"), 0.0, ttl_s=10.0)
+    system = "Shared instructions for the billing agent. " * 60
+    req = _req(system + "tail")
+    default = router.order(req, 0.0)[0].url
+    target = next(u for u in URLS if u != default)
+    hashes = tuple(req.block_hashes[:-1])  # the system prompt's blocks
+    assert router.apply_digest(target, Digest("x", 1, 1, True, hashes), 0.0)
+    r = router.order(req, 1.0)[0]
+    assert r.url == target and r.reason == "prefix-affinity"
+    assert r.cached_tokens and r.cached_tokens > 500
+    # A cumulative digest on a base this router never saw is ignored.
+    assert not router.apply_digest(target, Digest("x", 5, 4, False, (), hashes), 1.0)
+    assert router.order(req, 1.5)[0].url == target
+    # Removal (cumulative on the right base): the blocks leave the index.
+    assert router.apply_digest(target, Digest("x", 2, 1, False, (), hashes), 2.0)
+    snap = {e["url"]: e for e in router.snapshot(2.0)}
+    assert snap[target]["digest_blocks"] == 0 and snap[target]["cached_blocks"] == 0
+    assert router.order(req, 2.5)[0].url == default
+
+
+def test_digest_of_a_stale_report_leaves_the_index():
+    router = make_router("meshd", [EndpointSpec(u, gpu="H100") for u in URLS])
+    req = _req("Stale prefix system prompt. " * 60)
+    default = router.order(req, 0.0)[0].url
+    target = next(u for u in URLS if u != default)
+    router.report(target, ReportedState(epoch="x"), 0.0, ttl_s=2.0)
+    router.apply_digest(target, Digest("x", 1, 1, True, tuple(req.block_hashes)), 0.0)
+    assert router.order(req, 1.0)[0].url == target
+    # No renewal: the report goes stale at 2.0 and the digest stops counting.
+    assert router.order(req, 3.0)[0].url == default
+    assert {e["url"]: e for e in router.snapshot(3.0)}[target]["cached_blocks"] == 0
+    # Renewed (the control plane is back): it counts again.
+    router.report(target, ReportedState(epoch="x"), 4.0, ttl_s=2.0)
+    assert router.order(req, 4.5)[0].url == target
+
+
+def test_balancer_ignores_digests():
+    router = make_router("round-robin", [EndpointSpec(u) for u in URLS])
+    assert not router.apply_digest(URLS[0], Digest("x", 1, 1, True, (1, 2)), 0.0)
+
+
+def test_reported_blocks_follow_full_and_cumulative_digests():
+    b = ReportedBlocks()
+    assert b.apply(Digest("e1", 3, 3, True, (1, 2, 3)), 0.0) == frozenset()
+    assert b.prefix_blocks([1, 2, 9, 3]) == 2
+    assert b.apply(Digest("e1", 4, 3, False, (4,), (2,)), 1.0) == {2}
+    assert b.blocks == {1, 3, 4}
+    # Cumulative: relative to the full digest, not to the last one.
+    assert b.apply(Digest("e1", 5, 3, False, (5,), ()), 2.0) == {4}
+    assert b.blocks == {1, 2, 3, 5}
+    assert b.apply(Digest("e1", 2, 2, True, (9,)), 3.0) is None  # an older full digest
+    assert b.apply(Digest("e2", 0, 0, False, (7,)), 3.0) is None  # new epoch: wait for full
+    assert b.apply(Digest("e2", 0, 0, True, (7,)), 4.0) == {1, 2, 3, 5}
+    assert b.blocks == {7} and b.ignored == 2

@@ -19,6 +19,9 @@ def test_register_adds_control_plane() -> None:
     cli.register(parser.add_subparsers())
     args = parser.parse_args(["control-plane", "--listen", "127.0.0.1:0", "--max-unacked", "2"])
     assert args.func is cli.run and args.max_unacked == 2
+    assert args.resource_ttl_s == 30.0 and not args.no_eds
+    args = parser.parse_args(["control-plane", "--resource-ttl-s", "0", "--no-eds"])
+    assert args.resource_ttl_s == 0 and args.no_eds
 
 
 async def test_control_plane_process_serves_and_stops() -> None:
@@ -67,3 +70,22 @@ def test_stats_exported_to_prometheus() -> None:
     text = generate_latest(registry).decode()
     assert f'meshd_xds_nacks_total{{type_url="{T}"}} 2.0' in text
     assert 'detail="e1: not msgpack"' in text
+
+
+def test_eds_and_expiry_exported_to_prometheus() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from xds.metrics import ServerStatsCollector
+    from xds.resources import EndpointState
+    from xds.server import ControlPlane
+
+    plane = ControlPlane()
+    plane.publish(T, {"a": EndpointState("10.0.0.1:1", pool="p").encode()})
+    plane.publish(T, {"b": EndpointState("engine-b:1", pool="p").encode()})
+    plane.stats.expired = 3
+    registry = CollectorRegistry()
+    registry.register(ServerStatsCollector(plane.stats, plane.eds))
+    text = generate_latest(registry).decode()
+    assert "meshd_xds_eds_pools 1.0" in text
+    assert "meshd_xds_eds_skipped_engines 1.0" in text
+    assert "meshd_xds_expired_resources_total 3.0" in text

@@ -4,6 +4,7 @@ subscriber that never reads, and mTLS refusing a wrong client certificate."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import random
@@ -242,3 +243,61 @@ async def test_mtls_refuses_wrong_client_certificate() -> None:
         assert plane.stats.streams_total == 1  # only the good client got a stream
     finally:
         await plane.stop(0)
+
+
+# -- replicas and subscriptions by name -----------------------------------------------------
+
+
+async def test_failover_to_another_replica_resumes_with_changes_only(cp: ControlPlane) -> None:
+    other = ControlPlane()
+    await other.start("127.0.0.1", 0)
+    try:
+        for plane in (cp, other):
+            plane.cache.update(T, {"e1": state("e1"), "e2": state("e2")})
+        updates: list[Update] = []
+        sub = Subscriber(
+            [f"127.0.0.1:{cp.port}", f"127.0.0.1:{other.port}"],
+            {T: None},
+            backoff=FAST,
+            on_update=updates.append,
+            rng=random.Random(1),
+        )
+        sub.start()
+        try:
+            await asyncio.wait_for(sub.wait_until(lambda: len(sub.entries(T)) == 2), 10)
+            assert sub.target == f"127.0.0.1:{cp.port}"
+            other.cache.set(T, "e2", state("e2", 5))  # only the replica we fail over to
+            updates.clear()
+            await cp.stop(0)
+            await asyncio.wait_for(sub.wait_until(lambda: running(sub, "e2") == 5), 10)
+            assert sub.connected and sub.target == f"127.0.0.1:{other.port}"
+            assert sub.stats.failovers == 1 and sub.stats.disconnects == 1
+            # Versions are content hashes: the other replica sent only what differs.
+            assert [set(u.changed) for u in updates] == [{"e2"}]
+        finally:
+            await sub.close()
+    finally:
+        await other.stop(0)
+
+
+async def test_a_type_with_no_names_is_not_asked_as_a_wildcard(cp: ControlPlane) -> None:
+    from xds.resources import PREFIX_DIGEST_TYPE, PrefixDigest
+
+    def digest(n: str) -> bytes:
+        return PrefixDigest(n, "", 0, 0, True, 16, added=(1, 2)).encode()
+
+    cp.cache.update(T, {"e1": state("e1")})
+    cp.cache.update(PREFIX_DIGEST_TYPE, {"e1": digest("e1"), "e2": digest("e2")})
+    sub = Subscriber(f"127.0.0.1:{cp.port}", {T: None, PREFIX_DIGEST_TYPE: ()}, backoff=FAST)
+    sub.start()
+    try:
+        await asyncio.wait_for(sub.wait_until(lambda: "e1" in sub.entries(T)), 10)
+        assert [i.type_url for i in cp.streams()] == [T]
+        assert not sub.entries(PREFIX_DIGEST_TYPE)
+        await sub.subscribe(PREFIX_DIGEST_TYPE, ["e1"])
+        await asyncio.wait_for(sub.wait_until(lambda: "e1" in sub.entries(PREFIX_DIGEST_TYPE)), 10)
+        (info,) = [i for i in cp.streams() if i.type_url == PREFIX_DIGEST_TYPE]
+        assert not info.wildcard and info.names == {"e1"}
+        assert set(sub.entries(PREFIX_DIGEST_TYPE)) == {"e1"}
+    finally:
+        await sub.close()

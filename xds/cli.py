@@ -43,6 +43,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(default %(default)s)",
     )
     p.add_argument(
+        "--resource-ttl-s",
+        type=float,
+        default=30.0,
+        help="remove an engine's resources after this long without a publish from its agent "
+        "(agents heartbeat every 2 s by default; 0: never) (default %(default)s)",
+    )
+    p.add_argument(
+        "--no-eds",
+        action="store_true",
+        help="do not serve the pools as Envoy ClusterLoadAssignments (EDS)",
+    )
+    p.add_argument(
         "--admin",
         default="127.0.0.1:15014",
         metavar="HOST:PORT",
@@ -75,7 +87,7 @@ async def _start_admin(address: str, plane: ControlPlane) -> web.AppRunner:
     from xds.metrics import ServerStatsCollector
 
     registry = CollectorRegistry()
-    registry.register(ServerStatsCollector(plane.stats))
+    registry.register(ServerStatsCollector(plane.stats, plane.eds))
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -103,11 +115,12 @@ def run(args: argparse.Namespace) -> int:
         max_unacked_per_type=args.max_unacked,
         keepalive_time_s=args.keepalive_time_s,
         keepalive_timeout_s=args.keepalive_timeout_s,
+        resource_ttl_s=args.resource_ttl_s if args.resource_ttl_s > 0 else None,
     )
     tls = _tls(args)
 
     async def serve() -> None:
-        plane = ControlPlane(limits=limits)
+        plane = ControlPlane(limits=limits, eds=not args.no_eds)
         admin = await _start_admin(args.admin, plane)
         bound = await plane.start(host.strip("[]") or "0.0.0.0", int(port), tls)
         print(f"meshd control plane on {host}:{bound}", flush=True)

@@ -5,7 +5,9 @@ publisher an engine agent writes its resources with.
 The subscriber ACKs a response it applied and NACKs one in which any resource fails to
 decode (the whole response is then ignored, as Envoy does), reconnects with jittered
 exponential backoff and resumes with `initial_resource_versions`, so the control plane
-sends only what changed while it was away.
+sends only what changed while it was away. Given several control-plane replicas it uses
+one at a time and moves to the next when a session ends or fails; resource versions are
+content hashes (xds/cache.py), so resuming on another replica also sends only what differs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -79,6 +81,8 @@ class SubscriberStats:
     last_nack: str = ""
     connects: int = 0
     disconnects: int = 0
+    failovers: int = 0  # moves to another replica
+    connect_failures: int = 0  # sessions that never connected
 
 
 @dataclass(slots=True)
@@ -90,25 +94,32 @@ class _Interest:
 class Subscriber:
     """Subscribes (delta ADS) to resource types and keeps their latest decoded state.
 
-    `subscriptions` maps a type URL to the names wanted, or None for all (wildcard).
-    Start with `start()`; `close()` stops it. The state survives disconnections.
+    `target`: host:port of the control plane, or a sequence of replicas (tried in turn).
+    `subscriptions` maps a type URL to the names wanted, or None for all (wildcard); a type
+    with no names is asked for only once `subscribe` gives it some. Start with `start()`;
+    `close()` stops it. The state survives disconnections.
     """
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         subscriptions: Mapping[str, Iterable[str] | None],
         *,
         node_id: str = "meshd",
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Iterable[tuple[str, Any]] = (),
         backoff: Backoff | None = None,
+        connect_timeout_s: float = 5.0,
         decoders: Mapping[str, Callable[[bytes], Any]] = DECODERS,
         on_update: Callable[[Update], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
-        self.target = target
+        self.targets: tuple[str, ...] = (target,) if isinstance(target, str) else tuple(target)
+        if not self.targets:
+            raise ValueError("at least one control-plane address")
+        self._target_index = 0
+        self.connect_timeout_s = connect_timeout_s
         self.node_id = node_id
         self._credentials = credentials
         self._channel_options = [
@@ -137,6 +148,11 @@ class Subscriber:
         self._closed = False
 
     # -- state ----------------------------------------------------------------------------
+
+    @property
+    def target(self) -> str:
+        """The replica in use (or tried next)."""
+        return self.targets[self._target_index]
 
     @property
     def connected(self) -> bool:
@@ -183,11 +199,19 @@ class Subscriber:
         if interest is None:
             interest = self._interest[type_url] = _Interest(wildcard=False)
             self._state.setdefault(type_url, {})
-            await self._send(self._initial_request(type_url))
-            return
+        asked = interest.wildcard or bool(interest.names)
+        new = names - interest.names
         interest.names |= names
+        if not new:
+            return
+        if not asked:
+            # The type's first request on this stream: with the node and whatever we hold.
+            req = self._initial_request(type_url)
+            if req is not None:
+                await self._send(req)
+            return
         await self._send(
-            pb.DeltaDiscoveryRequest(type_url=type_url, resource_names_subscribe=sorted(names))
+            pb.DeltaDiscoveryRequest(type_url=type_url, resource_names_subscribe=sorted(new))
         )
 
     async def unsubscribe(self, type_url: str, names: Iterable[str]) -> None:
@@ -237,6 +261,10 @@ class Subscriber:
                 raise
             except aio.AioRpcError as exc:
                 log.info("control plane %s: %s %s", self.target, exc.code().name, exc.details())
+            except TimeoutError:
+                log.info(
+                    "control plane %s: no connection in %.1f s", self.target, self.connect_timeout_s
+                )
             except Exception:
                 log.exception("subscriber session to %s failed", self.target)
             finally:
@@ -250,11 +278,24 @@ class Subscriber:
                     )
                 with contextlib.suppress(RuntimeError):
                     await self._notify()
+            if not got_response:
+                self.stats.connect_failures += 1
             attempt = 0 if got_response else attempt + 1
-            await asyncio.sleep(self.backoff.delay(attempt, self._rng))
+            n = len(self.targets)
+            if n > 1:
+                self._target_index = (self._target_index + 1) % n
+                self.stats.failovers += 1
+                log.info("trying control-plane replica %s", self.target)
+            # One backoff step per round of replicas: a dead replica costs the next one only
+            # the short first delay.
+            await asyncio.sleep(self.backoff.delay(attempt // n, self._rng))
 
-    def _initial_request(self, type_url: str) -> pb.DeltaDiscoveryRequest:
+    def _initial_request(self, type_url: str) -> pb.DeltaDiscoveryRequest | None:
+        """The type's first request on a stream (None while it wants nothing: an empty
+        first request would mean the wildcard)."""
         interest = self._interest[type_url]
+        if not interest.wildcard and not interest.names:
+            return None
         req = pb.DeltaDiscoveryRequest(type_url=type_url)
         req.node.CopyFrom(base_pb2.Node(id=self.node_id))
         subscribe = sorted(interest.names) + ([WILDCARD] if interest.wildcard else [])
@@ -282,12 +323,22 @@ class Subscriber:
             )
             call = method()
             self._call = call
-            async with self._write_lock:
-                for t in list(self._interest):
-                    await call.write(self._initial_request(t))
-            # The control plane sends its headers as a stream opens (not with its first
-            # response, which may never come for an empty subscription).
-            await call.wait_for_connection()
+
+            async def open_stream() -> None:
+                async with self._write_lock:
+                    for t in list(self._interest):
+                        req = self._initial_request(t)
+                        if req is not None:
+                            await call.write(req)
+                # The control plane sends its headers as a stream opens (not with its first
+                # response, which may never come for an empty subscription).
+                await call.wait_for_connection()
+
+            try:
+                await asyncio.wait_for(open_stream(), self.connect_timeout_s)
+            except TimeoutError:
+                call.cancel()
+                raise
             got_response = True
             self._connected = True
             self.stats.connects += 1

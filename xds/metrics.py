@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
+from xds.eds import EdsView
 from xds.server import ServerStats
 
 __all__ = ["ServerStatsCollector"]
@@ -18,8 +19,9 @@ MAX_DETAIL_CHARS = 200
 
 
 class ServerStatsCollector(Collector):
-    def __init__(self, stats: ServerStats) -> None:
+    def __init__(self, stats: ServerStats, eds: EdsView | None = None) -> None:
         self.stats = stats
+        self.eds = eds
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily]:
         s = self.stats
@@ -41,9 +43,25 @@ class ServerStatsCollector(Collector):
         yield CounterMetricFamily(
             "meshd_xds_publishes_rejected", "Publishes refused", value=s.publishes_rejected
         )
+        yield CounterMetricFamily(
+            "meshd_xds_expired_resources",
+            "Engines' resources removed for want of publishes (resource TTL)",
+            value=s.expired,
+        )
         info = InfoMetricFamily(
             "meshd_xds_last_nack", "The last NACK's error detail", labels=["type_url"]
         )
         for type_url, detail in sorted(s.last_nack.items()):
             info.add_metric([type_url], {"detail": detail[:MAX_DETAIL_CHARS]})
         yield info
+        if self.eds is not None:
+            yield GaugeMetricFamily(
+                "meshd_xds_eds_pools",
+                "Pools served as ClusterLoadAssignment",
+                len(self.eds.pools()),
+            )
+            yield GaugeMetricFamily(
+                "meshd_xds_eds_skipped_engines",
+                "Engines left out of EDS (address not IP:port)",
+                len(self.eds.skipped),
+            )

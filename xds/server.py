@@ -14,13 +14,21 @@ contents when the client has ACKed or NACKed the previous one (at most
 slow subscriber's updates coalesce to the latest per resource and it never delays others.
 A NACK is logged and counted; nothing is re-sent for it, a resource goes out again only
 when its version changes.
+
+Besides meshd's own types the cache holds the EDS view (xds/eds.py): one
+ClusterLoadAssignment per pool, derived from the EndpointStates, for Envoy. With
+`resource_ttl_s` set, an engine whose agent has published nothing for that long (agents
+heartbeat their EndpointState every couple of seconds) has all its resources removed, so
+a dead agent's last report does not linger as if current.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +40,7 @@ from envoy.service.discovery.v3 import discovery_pb2 as pb
 from grpc import aio
 
 from xds.cache import SnapshotCache
+from xds.eds import EdsView
 from xds.resources import DECODERS, ResourceError
 
 __all__ = [
@@ -68,6 +77,9 @@ class ServerLimits:
     min_client_ping_interval_s: float = 10.0  # clients pinging more often are refused
     # Reject publishes of types the control plane cannot validate.
     accepted_types: frozenset[str] = frozenset(DECODERS)
+    # Remove an engine's published resources once nothing was published under its name
+    # for this long (None: keep them until removed).
+    resource_ttl_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +114,7 @@ class ServerStats:
     publishes: int = 0
     publishes_rejected: int = 0
     last_publish_error: str = ""
+    expired: int = 0  # engines whose resources went for want of publishes (resource_ttl_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,14 +401,24 @@ class ControlPlane:
     """
 
     def __init__(
-        self, cache: SnapshotCache | None = None, limits: ServerLimits | None = None
+        self,
+        cache: SnapshotCache | None = None,
+        limits: ServerLimits | None = None,
+        *,
+        eds: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`eds`: also serve the pools as ClusterLoadAssignments (xds/eds.py)."""
         self.cache = cache if cache is not None else SnapshotCache()
         self.limits = limits or ServerLimits()
         self.stats = ServerStats()
+        self.eds = EdsView(self.cache) if eds else None
+        self._clock = clock
         self._server: aio.Server | None = None
         self._streams: set[_Stream] = set()
         self._events = asyncio.Condition()
+        self._published_at: dict[str, float] = {}  # resource name -> last publish
+        self._sweeper: asyncio.Task[None] | None = None
         self.port = 0
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -439,12 +462,19 @@ class ControlPlane:
             raise OSError(f"control plane cannot bind {address}")
         await server.start()
         self._server, self.port = server, bound
+        if self.limits.resource_ttl_s is not None and self._sweeper is None:
+            self._sweeper = asyncio.ensure_future(self._sweep_loop(self.limits.resource_ttl_s))
         log.info(
             "control plane listening on %s:%d (%s)", host, bound, "mTLS" if tls else "plaintext"
         )
         return bound
 
     async def stop(self, grace: float | None = None) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
@@ -474,7 +504,39 @@ class ControlPlane:
     ) -> frozenset[str]:
         """Validate then apply a batch (all or nothing); returns the names changed."""
         self.validate(type_url, resources)
+        now = self._clock()
+        for name in resources:
+            self._published_at[name] = now
         return self.cache.update(type_url, resources, removed)
+
+    def expire(self, now: float) -> list[str]:
+        """Remove every resource of the engines that published nothing for
+        `resource_ttl_s`; returns their names."""
+        ttl = self.limits.resource_ttl_s
+        if ttl is None:
+            return []
+        silent = [n for n, at in self._published_at.items() if now - at >= ttl]
+        if not silent:
+            return []
+        for name in silent:
+            del self._published_at[name]
+        removed: set[str] = set()
+        for type_url in sorted(self.limits.accepted_types):
+            removed |= self.cache.update(type_url, {}, removed=silent)
+        if removed:
+            self.stats.expired += len(removed)
+            log.warning(
+                "no publish for %.1f s from %d engine(s), removed: %s",
+                ttl,
+                len(removed),
+                sorted(removed)[:20],
+            )
+        return sorted(removed)
+
+    async def _sweep_loop(self, ttl_s: float) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, ttl_s / 4))
+            self.expire(self._clock())
 
     async def _publish_stream(
         self,

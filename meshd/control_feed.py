@@ -1,0 +1,391 @@
+"""The sidecar's subscription to the control plane: engines' EndpointState and PrefixDigest
+(delta ADS, xds/client.py) into the pools' routers (filters/pool_router.py).
+
+Which engines are ours: EndpointState is subscribed with the wildcard (an engine's
+resource name is chosen by its agent) and an engine counts when its `address` is the
+host:port of one of a pool's endpoint URLs; its PrefixDigest is then subscribed by name.
+
+Static stability: the feed never sits on the request path. While a stream to a replica is
+open the reports are renewed every `refresh_s` (the control plane holds the engines'
+latest state; it removes an engine whose agent went quiet); once the stream is lost the
+reports age and, `control_plane.stale_after_s` later, go stale: the routers fall back to
+what the sidecar observes itself, and digests leave the prefix index. Meanwhile the
+subscriber reconnects with jittered backoff, moving through `control_plane.addresses`.
+
+Its health is in `health()` (for /readyz detail) and in the sidecar's metrics registry
+(`ControlFeedCollector`, names below).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from filters.endpoint_state import ReportedState
+from filters.pool_router import PoolRouter
+from meshd.config import Config, ConfigError
+from meshd.metrics import DataPlaneMetrics
+from xds.client import Backoff, Subscriber, Update
+from xds.resources import ENDPOINT_STATE_TYPE, PREFIX_DIGEST_TYPE, EndpointState, PrefixDigest
+
+__all__ = ["ControlFeed", "ControlFeedCollector", "FeedStats", "channel_credentials"]
+
+log = logging.getLogger("meshd.control_feed")
+
+# Renew reports this often (at most) while connected: well inside stale_after_s.
+MAX_REFRESH_S = 1.0
+
+
+def channel_credentials(config: Config) -> grpc.ChannelCredentials | None:
+    """TLS (and, with a client certificate, mTLS) credentials from `control_plane.tls`;
+    None for plaintext. A file that cannot be read is a ConfigError naming its key."""
+    tls = config.control_plane.tls
+    if tls is None:
+        return None
+
+    def read(key: str, path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError([f"control_plane.tls.{key}: cannot read {path}: {exc}"]) from None
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read("ca_file", tls.ca_file),
+        private_key=read("key_file", tls.key_file),
+        certificate_chain=read("cert_file", tls.cert_file),
+    )
+
+
+def _host_port(url: str) -> str:
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{parts.port}"
+
+
+def _address_key(address: str) -> str:
+    """An EndpointState address ("host:port", maybe with a scheme) in _host_port's form."""
+    if "://" not in address:
+        address = "http://" + address
+    try:
+        return _host_port(address)
+    except ValueError:
+        return address
+
+
+@dataclass(slots=True)
+class FeedStats:
+    """What the feed applied (the subscriber's own counters are in `Subscriber.stats`)."""
+
+    updates: Counter[str] = field(default_factory=Counter)  # resources applied, by type
+    removals: Counter[str] = field(default_factory=Counter)
+    unmatched: int = 0  # EndpointStates of engines that are none of our endpoints
+    digests_ignored: int = 0  # digests whose base this sidecar never saw
+    refreshes: int = 0
+
+
+class ControlFeed:
+    """Feeds the control plane's engine state into the sidecar's routers (one per pool)."""
+
+    def __init__(
+        self,
+        config: Config,
+        routers: Mapping[str, PoolRouter],
+        metrics: DataPlaneMetrics,
+        *,
+        backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        cp = config.control_plane
+        if not cp.addresses:
+            raise ConfigError(["control_plane.addresses: at least one address is needed"])
+        self.stale_after_s = cp.stale_after_s
+        self.refresh_s = min(MAX_REFRESH_S, cp.stale_after_s / 4)
+        self.routers = routers
+        self.metrics = metrics
+        self.stats = FeedStats()
+        self._clock = clock
+        # "host:port" -> [(pool, endpoint url)] of the routers to tell.
+        self._targets: dict[str, list[tuple[str, str]]] = {}
+        for pool in config.pools:
+            if pool.name not in routers:
+                continue
+            for ep in pool.endpoints:
+                self._targets.setdefault(_host_port(ep.url), []).append((pool.name, ep.url))
+        self._engines: dict[str, list[tuple[str, str]]] = {}  # resource name -> its targets
+        self._reports: dict[str, ReportedState] = {}  # resource name -> last state
+        self._digest_names: set[str] = set()
+        self._sub = Subscriber(
+            cp.addresses,
+            {ENDPOINT_STATE_TYPE: None, PREFIX_DIGEST_TYPE: ()},
+            node_id=cp.node_id or socket.gethostname(),
+            credentials=channel_credentials(config),
+            backoff=backoff or Backoff(base_s=0.25, max_s=10.0),
+            on_update=self._on_update,
+            clock=clock,
+        )
+        self._pending_digests: set[str] = set()
+        self._digests_wanted = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._collector: ControlFeedCollector | None = None
+
+    @property
+    def subscriber(self) -> Subscriber:
+        return self._sub
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start subscribing; returns at once (the control plane may be down)."""
+        self._collector = ControlFeedCollector(self)
+        with contextlib.suppress(ValueError):  # a second feed on one registry: no metrics
+            self.metrics.registry.register(self._collector)
+        self._sub.start()
+        self._tasks = [
+            asyncio.ensure_future(self._refresh_loop()),
+            asyncio.ensure_future(self._digest_loop()),
+        ]
+        log.info(
+            "following the control plane at %s (stale after %.1f s)",
+            ", ".join(self._sub.targets),
+            self.stale_after_s,
+        )
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        await self._sub.close()
+        if self._collector is not None:
+            with contextlib.suppress(KeyError):
+                self.metrics.registry.unregister(self._collector)
+            self._collector = None
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Return once `predicate()` holds, re-checked after every response applied and
+        every connect or disconnect (updates reach the routers inside the response)."""
+        await self._sub.wait_until(predicate)
+
+    # -- health ---------------------------------------------------------------------------
+
+    def engines(self) -> dict[str, list[str]]:
+        """Resource name -> the endpoint URLs it reports for."""
+        return {n: [u for _, u in t] for n, t in self._engines.items()}
+
+    def health(self) -> dict[str, Any]:
+        """For /readyz detail: a stale control plane does not make the sidecar unready
+        (it routes on its own observations), but it is said here."""
+        sub = self._sub
+        age = sub.last_update_age_s
+        stale_for = sub.stale_for_s
+        return {
+            "connected": sub.connected,
+            "target": sub.target,
+            "replicas": list(sub.targets),
+            "stale": stale_for > self.stale_after_s,
+            "unconfirmed_for_s": round(stale_for, 3),
+            "last_update_age_s": None if age is None else round(age, 3),
+            "engines": len(self._engines),
+            "connects": sub.stats.connects,
+            "disconnects": sub.stats.disconnects,
+            "failovers": sub.stats.failovers,
+            "nacks": sub.stats.nacks,
+            "last_nack": sub.stats.last_nack or None,
+        }
+
+    # -- updates --------------------------------------------------------------------------
+
+    def _on_update(self, update: Update) -> None:
+        now = self._clock()
+        if update.type_url == ENDPOINT_STATE_TYPE:
+            for name, entry in update.changed.items():
+                if isinstance(entry.value, EndpointState):
+                    self._on_state(name, entry.value, now)
+            for name in update.removed:
+                self._on_state(name, None, now)
+        elif update.type_url == PREFIX_DIGEST_TYPE:
+            for name, entry in update.changed.items():
+                if isinstance(entry.value, PrefixDigest):
+                    self._on_digest(name, entry.value, now)
+            for name in update.removed:
+                self._on_digest(name, None, now)
+
+    def _on_state(self, name: str, state: EndpointState | None, now: float) -> None:
+        old = self._engines.get(name, [])
+        new = [] if state is None else self._targets.get(_address_key(state.address), [])
+        if state is None:
+            self.stats.removals[ENDPOINT_STATE_TYPE] += 1
+        elif not new:
+            self.stats.unmatched += 1
+        for pool, url in old:
+            if (pool, url) not in new:  # moved to another address, or gone
+                self.routers[pool].report(url, None, now, ttl_s=self.stale_after_s)
+                self.routers[pool].apply_digest(url, None, now)
+        if not new:
+            self._engines.pop(name, None)
+            self._reports.pop(name, None)
+            self._want_digest(name, False)
+            return
+        self._engines[name] = new
+        assert state is not None
+        reported = self._reports[name] = state.to_reported()
+        for pool, url in new:
+            self.routers[pool].report(url, reported, now, ttl_s=self.stale_after_s)
+        self.stats.updates[ENDPOINT_STATE_TYPE] += 1
+        self._want_digest(name, True)
+
+    def _on_digest(self, name: str, digest: PrefixDigest | None, now: float) -> None:
+        targets = self._engines.get(name)
+        if not targets:
+            return
+        if digest is None:
+            self.stats.removals[PREFIX_DIGEST_TYPE] += 1
+        for pool, url in targets:
+            if not self.routers[pool].apply_digest(url, digest, now) and digest is not None:
+                self.stats.digests_ignored += 1
+        if digest is not None:
+            self.stats.updates[PREFIX_DIGEST_TYPE] += 1
+
+    def _want_digest(self, name: str, wanted: bool) -> None:
+        if wanted == (name in self._digest_names):
+            return
+        if wanted:
+            self._digest_names.add(name)
+        else:
+            self._digest_names.discard(name)
+        self._pending_digests.add(name)
+        self._digests_wanted.set()
+
+    async def _digest_loop(self) -> None:
+        """(Un)subscribe PrefixDigests as engines become ours or stop being ours (the
+        update callback is synchronous; the requests go out from here)."""
+        while True:
+            await self._digests_wanted.wait()
+            self._digests_wanted.clear()
+            pending, self._pending_digests = self._pending_digests, set()
+            add = sorted(n for n in pending if n in self._digest_names)
+            drop = sorted(n for n in pending if n not in self._digest_names)
+            if add:
+                await self._sub.subscribe(PREFIX_DIGEST_TYPE, add)
+            if drop:
+                await self._sub.unsubscribe(PREFIX_DIGEST_TYPE, drop)
+
+    async def _refresh_loop(self) -> None:
+        """While connected, the control plane vouches for the state we hold: renew it."""
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            if not self._sub.connected:
+                continue
+            now = self._clock()
+            for name, reported in self._reports.items():
+                for pool, url in self._engines.get(name, ()):
+                    self.routers[pool].report(url, reported, now, ttl_s=self.stale_after_s)
+            self.stats.refreshes += 1
+
+
+def _family(
+    kind: type[CounterMetricFamily] | type[GaugeMetricFamily],
+    name: str,
+    doc: str,
+    labels: Iterable[str],
+    rows: Iterable[tuple[list[str], float]],
+) -> CounterMetricFamily | GaugeMetricFamily:
+    family = kind(name, doc, labels=list(labels))
+    for values, v in rows:
+        family.add_metric(values, v)
+    return family
+
+
+class ControlFeedCollector(Collector):
+    """The feed's health as Prometheus metrics, read on scrape:
+
+    - meshd_control_plane_connected (gauge): 1 while a stream to a replica is open
+    - meshd_control_plane_replica_info (gauge, label `target`): 1 for the replica in use
+    - meshd_control_plane_unconfirmed_seconds (gauge): how long the state has gone
+      unconfirmed (0 while connected)
+    - meshd_control_plane_stale (gauge): 1 once that is over stale_after_s
+    - meshd_control_plane_last_update_age_seconds (gauge; NaN before the first update)
+    - meshd_control_plane_engines (gauge): engines reporting for this sidecar's endpoints
+    - meshd_control_plane_connects_total, _disconnects_total, _failovers_total,
+      _nacks_total (counters)
+    - meshd_control_plane_updates_total (counter, label `type`: endpoint_state,
+      prefix_digest): resources applied
+    """
+
+    def __init__(self, feed: ControlFeed) -> None:
+        self.feed = feed
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        feed, sub = self.feed, self.feed.subscriber
+        unconfirmed = sub.stale_for_s
+        age = sub.last_update_age_s
+        yield GaugeMetricFamily(
+            "meshd_control_plane_connected",
+            "1 while a stream to a control-plane replica is open",
+            value=1.0 if sub.connected else 0.0,
+        )
+        yield _family(
+            GaugeMetricFamily,
+            "meshd_control_plane_replica_info",
+            "The control-plane replica in use (1) or tried next",
+            ["target"],
+            [([sub.target], 1.0)],
+        )
+        yield GaugeMetricFamily(
+            "meshd_control_plane_unconfirmed_seconds",
+            "Seconds the engine state has gone unconfirmed by a control plane (0: connected)",
+            value=unconfirmed,
+        )
+        yield GaugeMetricFamily(
+            "meshd_control_plane_stale",
+            "1 once the engine state is older than control_plane.stale_after_s",
+            value=1.0 if unconfirmed > feed.stale_after_s else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "meshd_control_plane_last_update_age_seconds",
+            "Seconds since the last response from the control plane",
+            value=math.nan if age is None else age,
+        )
+        yield GaugeMetricFamily(
+            "meshd_control_plane_engines",
+            "Engines reporting for this sidecar's endpoints",
+            value=len(feed.engines()),
+        )
+        s = sub.stats
+        for name, doc, value in (
+            ("connects", "Streams opened to a control-plane replica", s.connects),
+            ("disconnects", "Streams to a control-plane replica lost", s.disconnects),
+            ("failovers", "Moves to another control-plane replica", s.failovers),
+            ("nacks", "Control-plane responses refused (malformed resources)", s.nacks),
+        ):
+            yield CounterMetricFamily(f"meshd_control_plane_{name}", doc, value=value)
+        yield _family(
+            CounterMetricFamily,
+            "meshd_control_plane_updates",
+            "Resources from the control plane applied to the routers, by type",
+            ["type"],
+            [
+                (["endpoint_state"], feed.stats.updates[ENDPOINT_STATE_TYPE]),
+                (["prefix_digest"], feed.stats.updates[PREFIX_DIGEST_TYPE]),
+            ],
+        )

@@ -1,0 +1,303 @@
+"""The Envoy-consumable view of the engines: one `ClusterLoadAssignment` (EDS) per pool,
+derived from the EndpointState resources in the SnapshotCache and kept in the same cache
+under the EDS type URL, so any Envoy that asks for the pool by name over ADS (SotW or
+delta; envoy/eds.yaml) balances with it.
+
+Per engine, one `LbEndpoint`:
+
+- address: the engine's `address` (an IP and a port: Envoy does not resolve names that EDS
+  gives it; an engine published under a host name is left out and counted in `skipped`);
+- health_status: UNHEALTHY when the engine fails its health check, DRAINING when it is
+  draining (Envoy sends neither new requests), else HEALTHY;
+- load_balancing_weight: capacity x headroom, see `weight`;
+- locality: sub_zone = the GPU generation, so a locality-aware Envoy config can keep
+  traffic on one generation; metadata `filter_metadata["meshd"]`: engine, pool, model,
+  GPU, GPU count, memory and KV capacity, epoch, draining, and the weight's inputs.
+
+Only what moves slowly goes into the view: weights are quantised (`WEIGHT_STEPS`) and the
+per-request figures (running requests, tokens in flight) stay out of the metadata, so an
+engine whose load moves within a step does not make every Envoy re-read its pool. Pure
+state (a cache watcher), no I/O.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from envoy.config.core.v3 import address_pb2, base_pb2, health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from google.protobuf import struct_pb2
+
+from filters.gpu import GPUS, UNKNOWN
+from xds.cache import SnapshotCache
+from xds.resources import ENDPOINT_STATE_TYPE, EndpointState, ResourceError, decode_endpoint_state
+
+__all__ = [
+    "CLA_TYPE",
+    "METADATA_NAMESPACE",
+    "EdsEntry",
+    "EdsView",
+    "encode_assignment",
+    "entry_for",
+    "weight",
+]
+
+log = logging.getLogger("meshd.xds.eds")
+
+CLA_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+METADATA_NAMESPACE = "meshd"
+# Weight per GPU at full headroom, for a GPU of the reference ("unknown": A100) speed.
+WEIGHT_PER_GPU = 10
+# Headroom is rounded up to a multiple of 1 / WEIGHT_STEPS before it scales the weight.
+WEIGHT_STEPS = 10
+MAX_WEIGHT = 1_000_000  # Envoy's sum over a locality must stay below 2**32
+
+
+def weight(state: EndpointState) -> int:
+    """`load_balancing_weight`: capacity x headroom, at least 1.
+
+    capacity = GPUs x the GPU's prefill speed relative to the reference GPU (filters/gpu.py)
+    x WEIGHT_PER_GPU; headroom = free KV fraction / (1 + requests waiting per running
+    slot taken), rounded up to a step. An idle H100 weighs 32, one at 75 % KV usage 10.
+    """
+    profile = GPUS.get(state.gpu or "", UNKNOWN)
+    speed = profile.prefill_tokens_per_s / UNKNOWN.prefill_tokens_per_s
+    capacity = max(1, state.gpu_count) * speed * WEIGHT_PER_GPU
+    kv_free = 1.0 - (state.kv_usage or 0.0)
+    queue = state.requests_waiting / max(1, state.requests_running)
+    headroom = kv_free / (1.0 + queue)
+    stepped = math.ceil(max(0.0, headroom) * WEIGHT_STEPS - 1e-9) / WEIGHT_STEPS
+    return max(1, min(MAX_WEIGHT, round(capacity * stepped)))
+
+
+@dataclass(frozen=True, slots=True)
+class EdsEntry:
+    """What of one engine goes into its pool's assignment (equal entries: no update)."""
+
+    engine: str
+    pool: str
+    host: str
+    port: int
+    health: int  # envoy.config.core.v3.HealthStatus
+    weight: int
+    gpu: str
+    gpu_count: int
+    model: str
+    epoch: str
+    memory_total_bytes: int | None
+    kv_capacity_tokens: int | None
+    draining: bool
+    # The serialized LbEndpoint, framed as field 2 of LocalityLbEndpoints (lb_endpoints).
+    lb_endpoint: bytes = field(default=b"", compare=False, repr=False)
+
+
+def _split_address(address: str) -> tuple[str, int] | None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return host, int(port)
+
+
+def entry_for(name: str, state: EndpointState) -> EdsEntry | None:
+    """The engine's EDS entry, or None when its address is not IP:port."""
+    hp = _split_address(state.address)
+    if hp is None:
+        return None
+    if not state.healthy:
+        health = health_check_pb2.UNHEALTHY
+    elif state.draining:
+        health = health_check_pb2.DRAINING
+    else:
+        health = health_check_pb2.HEALTHY
+    kv_cap = (
+        state.kv_block_size * state.kv_capacity_blocks
+        if state.kv_block_size is not None and state.kv_capacity_blocks is not None
+        else None
+    )
+    entry = EdsEntry(
+        engine=name,
+        pool=state.pool,
+        host=hp[0],
+        port=hp[1],
+        health=health,
+        weight=weight(state),
+        gpu=state.gpu or "unknown",
+        gpu_count=state.gpu_count,
+        model=state.model,
+        epoch=state.epoch,
+        memory_total_bytes=state.memory_total_bytes,
+        kv_capacity_tokens=kv_cap,
+        draining=state.draining,
+    )
+    return entry
+
+
+def _with_bytes(entry: EdsEntry) -> EdsEntry:
+    return replace(entry, lb_endpoint=_len_field(2, _lb_endpoint(entry)))
+
+
+def _lb_endpoint(e: EdsEntry) -> bytes:
+    lb = endpoint_components_pb2.LbEndpoint()
+    sa = lb.endpoint.address.socket_address
+    sa.address, sa.port_value = e.host, e.port
+    sa.protocol = address_pb2.SocketAddress.TCP
+    lb.health_status = e.health
+    lb.load_balancing_weight.value = e.weight
+    meta = struct_pb2.Struct()
+    meta.update(
+        {
+            "engine": e.engine,
+            "pool": e.pool,
+            "model": e.model,
+            "gpu": e.gpu,
+            "gpu_count": e.gpu_count,
+            "epoch": e.epoch,
+            "draining": e.draining,
+            "weight": e.weight,
+        }
+    )
+    if e.memory_total_bytes is not None:
+        meta["memory_total_bytes"] = e.memory_total_bytes
+    if e.kv_capacity_tokens is not None:
+        meta["kv_capacity_tokens"] = e.kv_capacity_tokens
+    lb.metadata.filter_metadata[METADATA_NAMESPACE].CopyFrom(meta)
+    out: bytes = lb.SerializeToString(deterministic=True)
+    return out
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _len_field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def encode_assignment(pool: str, entries: Iterable[EdsEntry]) -> bytes:
+    """The pool's serialized ClusterLoadAssignment: one locality per GPU generation
+    (sub_zone), engines by name; the bytes ClusterLoadAssignment.SerializeToString gives.
+
+    EdsView assembles it from each engine's LbEndpoint as serialized when that engine's
+    entry changed, so a change in a pool of a hundred engines costs a join, not a hundred
+    encodings: a publish with the view on went from 1,089 us to 65 us (8.5 us with it off),
+    1000 engines in pools of 100, each change moving a weight (the bench's engine bodies,
+    2-core dev box).
+    """
+    by_gpu: dict[str, list[EdsEntry]] = {}
+    for e in sorted(entries, key=lambda e: e.engine):
+        by_gpu.setdefault(e.gpu, []).append(e if e.lb_endpoint else _with_bytes(e))
+    return _encode(pool, [(gpu, by_gpu[gpu]) for gpu in sorted(by_gpu)])
+
+
+def _encode(pool: str, groups: Iterable[tuple[str, Iterable[EdsEntry]]]) -> bytes:
+    parts = [_len_field(1, pool.encode())]  # cluster_name
+    for gpu, entries in groups:
+        locality = base_pb2.Locality(sub_zone=gpu).SerializeToString()
+        body = _len_field(1, locality) + b"".join([e.lb_endpoint for e in entries])
+        parts.append(_len_field(2, body))  # endpoints
+    return b"".join(parts)
+
+
+class EdsView:
+    """Keeps one ClusterLoadAssignment per pool in `cache`, following its EndpointStates.
+
+    An engine with no pool goes into the pool named `default_pool`. A pool whose last
+    engine left is kept as an empty assignment (Envoy then has no hosts for it, rather
+    than its last ones) until `drop_empty` is called for it.
+    """
+
+    def __init__(self, cache: SnapshotCache, *, default_pool: str = "default") -> None:
+        self.cache = cache
+        self.default_pool = default_pool
+        self._entries: dict[str, EdsEntry] = {}  # engine name -> its entry
+        self._pools: dict[str, set[str]] = {}  # pool -> engine names
+        # pool -> its engines grouped by GPU, in assignment order (None: membership changed)
+        self._order: dict[str, list[tuple[str, list[str]]] | None] = {}
+        self.skipped: set[str] = set()  # engines whose address Envoy could not use
+        self.rebuilds = 0
+        self._unwatch = cache.watch(self._on_change)
+        self._on_change(ENDPOINT_STATE_TYPE, frozenset(cache.resources(ENDPOINT_STATE_TYPE)))
+
+    def close(self) -> None:
+        self._unwatch()
+
+    def pools(self) -> list[str]:
+        return sorted(self._pools)
+
+    def assignment(self, pool: str) -> endpoint_pb2.ClusterLoadAssignment | None:
+        r = self.cache.get(CLA_TYPE, pool)
+        return None if r is None else endpoint_pb2.ClusterLoadAssignment.FromString(r.body)
+
+    def _on_change(self, type_url: str, names: frozenset[str]) -> None:
+        if type_url != ENDPOINT_STATE_TYPE:
+            return
+        dirty: set[str] = set()
+        for name in names:
+            r = self.cache.get(ENDPOINT_STATE_TYPE, name)
+            entry = None
+            if r is not None:
+                try:
+                    entry = entry_for(name, decode_endpoint_state(r.body))
+                except ResourceError:  # validated on publish; a direct cache write may not be
+                    entry = None
+                if entry is None:
+                    self.skipped.add(name)
+                else:
+                    self.skipped.discard(name)
+            else:
+                self.skipped.discard(name)
+            old = self._entries.get(name)
+            if entry == old:
+                continue  # nothing Envoy sees changed (lb_endpoint is not compared)
+            new_pool = None if entry is None else entry.pool or self.default_pool
+            if old is not None:
+                old_pool = old.pool or self.default_pool
+                dirty.add(old_pool)
+                if old_pool != new_pool or old.gpu != (entry.gpu if entry else None):
+                    self._pools[old_pool].discard(name)
+                    self._order[old_pool] = None
+                del self._entries[name]
+            if entry is not None and new_pool is not None:
+                self._entries[name] = _with_bytes(entry)
+                members = self._pools.setdefault(new_pool, set())
+                if name not in members:
+                    members.add(name)
+                    self._order[new_pool] = None
+                dirty.add(new_pool)
+        if not dirty:
+            return
+        self.rebuilds += len(dirty)
+        self.cache.update(CLA_TYPE, {pool: self._encode_pool(pool) for pool in dirty})
+
+    def _encode_pool(self, pool: str) -> bytes:
+        order = self._order.get(pool)
+        if order is None:
+            by_gpu: dict[str, list[str]] = {}
+            for n in sorted(self._pools.get(pool, ())):
+                by_gpu.setdefault(self._entries[n].gpu, []).append(n)
+            order = self._order[pool] = [(g, by_gpu[g]) for g in sorted(by_gpu)]
+        entries = self._entries
+        return _encode(pool, [(g, [entries[n] for n in names]) for g, names in order])
+
+    def drop_empty(self, pool: str) -> bool:
+        """Remove an empty pool's assignment; False when it still has engines."""
+        if self._pools.get(pool):
+            return False
+        self._pools.pop(pool, None)
+        self._order.pop(pool, None)
+        return self.cache.remove(CLA_TYPE, pool)
