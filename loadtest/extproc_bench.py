@@ -4,7 +4,10 @@ request, protobuf decode/encode of every ext_proc message included, paced at --r
 latency added by Envoy alone, Envoy + picker and the meshd sidecar over direct, open loop at
 --rate, same stub backends. Prints the figures and the ratios.
 
-Run: `python -m loadtest.extproc_bench [--rate 200] [--duration 5] [--tokens 20]`.
+Where the picker's added latency goes: a null ext_proc processor (grpc.aio, no work) shows
+what grpcio's round trips cost on their own; the variants show what a round trip less buys.
+
+Run: `python -m loadtest.extproc_bench [--rate 200] [--duration 6] [--rounds 3] [--quick]`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import yaml
 from loadtest.envoy_bin import REPO_ROOT, EnvoyProcess, render_static_config, start_envoy
 
 EXTPROC_CONFIG = REPO_ROOT / "envoy" / "extproc-picker.yaml"
+FALLBACK_CONFIG = REPO_ROOT / "envoy" / "extproc-fallback.yaml"
+PICKER_CLUSTER = "meshd_picker"
 
 
 def render_extproc_config(
@@ -34,12 +39,17 @@ def render_extproc_config(
     failure_mode_allow: bool = True,
     request_body_mode: str = "BUFFERED",
     response_body_mode: str = "NONE",
+    request_header_mode: str | None = None,
+    response_header_mode: str | None = None,
+    send_body_early: bool = False,
     listener_port: int = 0,
     admin_port: int = 0,
     template: Path = EXTPROC_CONFIG,
 ) -> dict[str, Any]:
-    """The bootstrap of `template` with its ports, picker address, fallback endpoints, failure
-    mode and body modes replaced; nothing else is touched."""
+    """The bootstrap of `template` with its ports, picker address, backend endpoints (every
+    STATIC cluster but the picker's), failure mode and processing modes replaced; nothing else
+    is touched. `request_header_mode`/`response_header_mode` None keep the template's (SEND);
+    `send_body_early` sets send_body_without_waiting_for_header_response (STREAMED only)."""
     if not backends:
         raise ValueError("at least one backend")
     config: dict[str, Any] = copy.deepcopy(yaml.safe_load(template.read_text()))
@@ -54,13 +64,18 @@ def render_extproc_config(
     mode = cfg["processing_mode"]
     mode["request_body_mode"] = request_body_mode
     mode["response_body_mode"] = response_body_mode
+    if request_header_mode is not None:
+        mode["request_header_mode"] = request_header_mode
+    if response_header_mode is not None:
+        mode["response_header_mode"] = response_header_mode
+    if send_body_early:
+        cfg["send_body_without_waiting_for_header_response"] = True
     if request_body_mode == "FULL_DUPLEX_STREAMED":
         # Envoy requires trailers to be sent in full-duplex mode (ext_proc config check).
         mode["request_trailer_mode"] = "SEND"
     if response_body_mode == "FULL_DUPLEX_STREAMED":
         mode["response_trailer_mode"] = "SEND"
-    clusters = {c["name"]: c for c in resources["clusters"]}
-    clusters["fallback"]["load_assignment"]["endpoints"] = [
+    endpoints = [
         {
             "lb_endpoints": [
                 {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}}
@@ -68,9 +83,14 @@ def render_extproc_config(
             ]
         }
     ]
-    (locality,) = clusters["meshd_picker"]["load_assignment"]["endpoints"]
-    (ep,) = locality["lb_endpoints"]
-    ep["endpoint"]["address"]["socket_address"] = {"address": picker[0], "port_value": picker[1]}
+    for cluster in resources["clusters"]:
+        if cluster["name"] == PICKER_CLUSTER:
+            (locality,) = cluster["load_assignment"]["endpoints"]
+            (ep,) = locality["lb_endpoints"]
+            address = {"address": picker[0], "port_value": picker[1]}
+            ep["endpoint"]["address"]["socket_address"] = address
+        elif cluster.get("type") == "STATIC":
+            cluster["load_assignment"]["endpoints"] = copy.deepcopy(endpoints)
     return config
 
 
@@ -155,24 +175,104 @@ def decision_cost(rate: float, duration_s: float, endpoints: int = 8) -> dict[st
     }
 
 
+def span_cost(n: int = 3000, endpoints: int = 8) -> dict[str, float]:
+    """Mean time per request of the picker's whole message handling (headers, body, response
+    headers, close), without a tracer and with one that exports nowhere (setup_tracing with no
+    endpoint: spans are made and ended, then dropped), interleaved in blocks."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from meshd.extproc import EndpointPicker, PickerSettings, _Stream, endpoint_spec
+    from meshd.telemetry import setup_tracing
+
+    settings = PickerSettings(
+        endpoints=tuple(endpoint_spec(f"10.0.0.{i + 1}:8000=H100") for i in range(endpoints))
+    )
+    tracer = setup_tracing("meshd-picker-bench", None).get_tracer("bench")
+    pickers = {"off": EndpointPicker(settings), "on": EndpointPicker(settings, tracer=tracer)}
+    msgs = [
+        [pb.ProcessingRequest.FromString(m) for m in _messages(f"prompt {i % 16} " * 80, 64)]
+        for i in range(64)
+    ]
+    total = {"off": 0.0, "on": 0.0}
+    block = 100
+    for start in range(0, n, block):
+        for name, picker in pickers.items():
+            t0 = time.perf_counter()
+            for i in range(start, start + block):
+                s = _Stream(rid=i + 1)
+                for m in msgs[i % 64]:
+                    for resp in picker._handle(s, m):
+                        resp.SerializeToString()
+                picker._close(s)
+            total[name] += time.perf_counter() - t0
+    per = {k: v / n * 1e6 for k, v in total.items()}
+    return {"off_us": per["off"], "on_us": per["on"], "span_us": per["on"] - per["off"]}
+
+
 # -- (2) added latency -----------------------------------------------------------------------------
 
+# Envoy + picker configurations compared; each is (template, render overrides, picker flags).
+PickerVariant = tuple[Path, dict[str, Any], tuple[str, ...]]
+VARIANTS: dict[str, PickerVariant] = {
+    # envoy/extproc-picker.yaml as written: headers, then the BUFFERED body, response headers.
+    "picker": (EXTPROC_CONFIG, {}, ()),
+    # The body sent without waiting for the headers answer (STREAMED): one wait, not two.
+    "picker streamed-early": (
+        EXTPROC_CONFIG,
+        {"request_body_mode": "STREAMED", "send_body_early": True},
+        (),
+    ),
+    # No response headers to the picker: the round trip Envoy waits on before the first byte.
+    "picker no-response": (EXTPROC_CONFIG, {"response_header_mode": "SKIP"}, ()),
+    # envoy/extproc-fallback.yaml: override_host on the metadata, retries, 2 fallbacks.
+    "picker fallback": (FALLBACK_CONFIG, {}, ("--fallbacks", "2")),
+}
+QUICK_VARIANTS = ("picker", "picker streamed-early")
 
-async def _run_load(endpoint: tuple[str, int], rate: float, duration_s: float, tokens: int) -> Any:
-    from loadtest.openloop import Endpoint, LoadGenerator, completion_request, summarize
+
+async def _samples(
+    endpoint: tuple[str, int], rate: float, duration_s: float, tokens: int, serial: int
+) -> tuple[list[Any], list[Any]]:
+    from loadtest.openloop import Endpoint, LoadGenerator, completion_request
 
     gen = LoadGenerator([Endpoint(*endpoint)], completion_request(tokens))
     try:
-        await gen.prewarm(4)
-        await gen.closed_loop(1, 0.5)  # warm-up: connections and the picker's first views
-        samples = await gen.open_loop(rate, duration_s, seed=1)
+        await gen.prewarm(2)
+        one = [await gen.one() for _ in range(serial)]
+        open_ = await gen.open_loop(rate, duration_s, seed=1)
     finally:
         await gen.close()
-    return summarize(samples, "open", target_rate=rate, connections=gen.connections_opened)
+    return one, open_
 
 
-def added_latency(rate: float, duration_s: float, tokens: int) -> dict[str, Any]:
-    from loadtest import overhead
+def _p50(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] * 1e3 if xs else float("nan")
+
+
+def _p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * 0.99))] * 1e3 if xs else float("nan")
+
+
+def added_latency(
+    rate: float,
+    duration_s: float,
+    tokens: int,
+    *,
+    rounds: int = 3,
+    serial: int = 100,
+    variants: Sequence[str] = tuple(VARIANTS),
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Direct, Envoy alone, a null ext_proc processor (grpcio's floor: answers at once, does
+    nothing), each picker variant, and the meshd sidecar, against the same stub backends.
+    Targets take turns in `rounds` rounds (each: `serial` one-at-a-time requests, then open
+    loop at `rate` for duration_s/rounds), so drift on a shared machine hits all alike. Also
+    the CPU seconds per request of each processor process."""
+    from tqdm import tqdm
+
+    from loadtest import overhead, procstats
     from loadtest.openloop import Endpoint
 
     out: dict[str, Any] = {}
@@ -181,50 +281,46 @@ def added_latency(rate: float, duration_s: float, tokens: int) -> dict[str, Any]
         children: list[overhead.Child] = []
         envoys: list[EnvoyProcess] = []
         try:
-            for i in range(2):
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "loadtest.stub_backend",
-                    "--port",
-                    "0",
-                    "--tokens",
-                    str(tokens),
-                ]
+            for i in range(3):
+                cmd = [sys.executable, "-m", "loadtest.stub_backend", "--port", "0"]
+                cmd += ["--tokens", str(tokens)]
                 children.append(overhead.start_child(f"backend{i}", cmd, work, 30))
             backends = [Endpoint("127.0.0.1", int(c.ready["port"])) for c in children]
             hps = [(b.host, b.port) for b in backends]
-            picker_cmd = [
-                sys.executable,
-                "-m",
-                "meshd.extproc",
-                "picker",
-                "--listen",
-                "127.0.0.1:0",
-            ]
-            for b in backends:
-                picker_cmd += ["--endpoint", f"{b.host}:{b.port}"]
-            picker = overhead.start_child("picker", picker_cmd, work, 30)
-            children.append(picker)
-            phost, _, pport = str(picker.ready["listen"]).rpartition(":")
+            targets: dict[str, tuple[str, int]] = {"direct": hps[0]}
+            pids: dict[str, int] = {}
             plain = start_envoy(render_static_config(hps), work / "envoy-plain")
             envoys.append(plain)
-            picked = start_envoy(
-                render_extproc_config((phost, int(pport)), hps), work / "envoy-picker"
-            )
-            envoys.append(picked)
-            targets: dict[str, tuple[str, int]] = {
-                "direct": hps[0],
-                "envoy": plain.listener,
-                "envoy+picker": picked.listener,
-            }
+            targets["envoy"] = plain.listener
+
+            def processor(
+                name: str, cmd: list[str], template: Path, render: dict[str, Any]
+            ) -> None:
+                child = overhead.start_child(name.replace(" ", "-"), cmd, work, 30)
+                children.append(child)
+                host, _, port = str(child.ready["listen"]).rpartition(":")
+                config = render_extproc_config((host, int(port)), hps, template=template, **render)
+                e = start_envoy(config, work / f"envoy-{name.replace(' ', '-')}")
+                envoys.append(e)
+                targets[f"envoy+{name}"] = e.listener
+                pids[f"envoy+{name}"] = child.proc.pid
+
+            base = [sys.executable, "-m", "loadtest.extproc_bench"]
+            null = [*base, "--serve-null", f"{hps[0][0]}:{hps[0][1]}"]
+            processor("null processor", null, EXTPROC_CONFIG, {})
+            for name in variants:
+                template, render, flags = VARIANTS[name]
+                cmd = [sys.executable, "-m", "meshd.extproc", "picker", "--listen", "127.0.0.1:0"]
+                for b in backends:
+                    cmd += ["--endpoint", f"{b.host}:{b.port}"]
+                processor(name, [*cmd, *flags], template, render)
             settings = overhead.Settings(
                 rates=(rate,),
                 duration_s=duration_s,
                 serial_s=1,
                 saturation_s=1,
                 concurrency=1,
-                backends=2,
+                backends=3,
                 tokens=tokens,
                 envoy_concurrency=1,
                 warmup_s=0,
@@ -238,15 +334,33 @@ def added_latency(rate: float, duration_s: float, tokens: int) -> dict[str, Any]
                 targets["meshd sidecar"] = (target.endpoints[0].host, target.endpoints[0].port)
             else:
                 out["meshd_error"] = target.error
-            for name, ep in targets.items():
-                s = asyncio.run(_run_load(ep, rate, duration_s, tokens))
+            one: dict[str, list[Any]] = {k: [] for k in targets}
+            open_: dict[str, list[Any]] = {k: [] for k in targets}
+            cpu = dict.fromkeys(targets, 0.0)
+            bar = tqdm(total=rounds * len(targets), desc="rounds x targets", disable=not progress)
+            for _ in range(rounds):
+                for name, ep in targets.items():
+                    pid = pids.get(name)
+                    c0 = procstats.cpu_seconds(pid) if pid else 0.0
+                    got = asyncio.run(_samples(ep, rate, duration_s / rounds, tokens, serial))
+                    if pid:
+                        cpu[name] += procstats.cpu_seconds(pid) - c0
+                    one[name] += got[0]
+                    open_[name] += got[1]
+                    bar.update()
+            bar.close()
+            for name in targets:
+                ok_one = [x.ttfb for x in one[name] if x.ok]
+                ok_open = [x.ttfb for x in open_[name] if x.ok]
+                n = len(one[name]) + len(open_[name])
                 out[name] = {
-                    "ok": s.ok,
-                    "errors": s.errors,
-                    "ttfb_p50_ms": s.ttfb_ms.p50,
-                    "ttfb_p99_ms": s.ttfb_ms.p99,
-                    "ttlb_p50_ms": s.ttlb_ms.p50,
-                    "ttlb_p99_ms": s.ttlb_ms.p99,
+                    "ok": len(ok_one) + len(ok_open),
+                    "errors": n - len(ok_one) - len(ok_open),
+                    "serial_ttfb_p50_ms": _p50(ok_one),
+                    "ttfb_p50_ms": _p50(ok_open),
+                    "ttfb_p99_ms": _p99(ok_open),
+                    "ttlb_p50_ms": _p50([x.ttlb for x in open_[name] if x.ok]),
+                    "cpu_us_per_request": cpu[name] / n * 1e6 if name in pids and n else None,
                 }
         finally:
             for e in envoys:
@@ -256,14 +370,64 @@ def added_latency(rate: float, duration_s: float, tokens: int) -> dict[str, Any]
     return out
 
 
+def serve_null(destination: str) -> int:
+    """A null ext_proc processor on grpc.aio: answers every message at once, routing to
+    `destination`; what grpcio costs with no picking at all."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    from meshd.extproc import DESTINATION_HEADER, _set_header
+
+    route = pb.CommonResponse(
+        header_mutation=pb.HeaderMutation(
+            set_headers=[_set_header(DESTINATION_HEADER, destination)]
+        ),
+        clear_route_cache=True,
+    )
+    answers = {
+        "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
+        "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse(response=route)),
+        "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
+        "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
+    }
+
+    class Null(pb_grpc.ExternalProcessorServicer):
+        async def Process(self, request_iterator: Any, context: Any) -> Any:
+            async for req in request_iterator:
+                answer = answers.get(req.WhichOneof("request") or "")
+                if answer is not None:
+                    yield answer
+
+    async def main() -> int:
+        server = grpc.aio.server()
+        pb_grpc.add_ExternalProcessorServicer_to_server(Null(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(json.dumps({"event": "ready", "listen": f"127.0.0.1:{port}"}), flush=True)
+        await server.wait_for_termination()
+        return 0
+
+    import grpc
+
+    return asyncio.run(main())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--rate", type=float, default=200.0)
-    p.add_argument("--duration", type=float, default=5.0)
+    p.add_argument("--duration", type=float, default=6.0, help="open-loop seconds per target")
+    p.add_argument("--rounds", type=int, default=3, help="turns each target takes")
+    p.add_argument("--serial", type=int, default=100, help="one-at-a-time requests per round")
     p.add_argument("--tokens", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="two variants, shorter: under 60 s")
     p.add_argument("--json", default=None, help="also write the figures here")
+    p.add_argument("--serve-null", metavar="HOST:PORT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    cost = decision_cost(args.rate, args.duration)
+    if args.serve_null:
+        return serve_null(args.serve_null)
+    if args.quick:
+        args.duration, args.rounds, args.serial = min(args.duration, 2.0), 2, 40
+    cost = decision_cost(args.rate, min(args.duration, 5.0))
     verdict = "meets" if cost["p99_ms"] < TARGET_DECISION_P99_MS else "MISSES"
     print(
         f"picker decision per request ({int(cost['requests'])} at {args.rate:g}/s, 8 endpoints, "
@@ -271,39 +435,60 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{cost['p99_ms']:.3f} ms, max {cost['max_ms']:.3f} ms "
         f"({verdict} the p99 < {TARGET_DECISION_P99_MS:g} ms target)"
     )
-    lat = added_latency(args.rate, args.duration, args.tokens)
-    direct = lat["direct"]
-    print(f"\nopen loop {args.rate:g} req/s x {args.duration:g} s, {args.tokens}-token streams")
+    spans = span_cost(1000 if args.quick else 3000)
     print(
-        f"{'target':<15}{'ok':>6}{'err':>5}{'TTFB p50':>10}{'p99':>8}{'TTLB p50':>10}{'p99':>8}"
-        f"{'+TTFB p50':>11}{'+TTLB p50':>11}"
+        f"picker messages per request, unpaced: {spans['off_us']:.1f} us without spans, "
+        f"{spans['on_us']:.1f} us with a span per decision exported nowhere "
+        f"(+{spans['span_us']:.1f} us; no --otlp-endpoint: no spans at all)"
+    )
+    variants = QUICK_VARIANTS if args.quick else tuple(VARIANTS)
+    lat = added_latency(
+        args.rate,
+        args.duration,
+        args.tokens,
+        rounds=args.rounds,
+        serial=args.serial,
+        variants=variants,
+    )
+    direct = lat["direct"]
+    print(
+        f"\n{args.rounds} rounds; each: {args.serial} requests one at a time, then open loop "
+        f"{args.rate:g} req/s x {args.duration / args.rounds:g} s; {args.tokens}-token streams"
+    )
+    print(
+        f"{'target':<30}{'ok':>6}{'err':>5}{'1-at-a-time':>12}{'open p50':>10}{'p99':>8}"
+        f"{'+1-at-a-time':>13}{'+open p50':>10}{'CPU/req':>9}"
     )
     for name, r in lat.items():
         if not isinstance(r, dict):
             continue
+        cpu = f"{r['cpu_us_per_request']:.0f}us" if r["cpu_us_per_request"] is not None else "-"
         print(
-            f"{name:<15}{r['ok']:>6}{r['errors']:>5}{r['ttfb_p50_ms']:>10.2f}{r['ttfb_p99_ms']:>8.2f}"
-            f"{r['ttlb_p50_ms']:>10.2f}{r['ttlb_p99_ms']:>8.2f}"
-            f"{r['ttfb_p50_ms'] - direct['ttfb_p50_ms']:>+11.2f}"
-            f"{r['ttlb_p50_ms'] - direct['ttlb_p50_ms']:>+11.2f}"
+            f"{name:<30}{r['ok']:>6}{r['errors']:>5}{r['serial_ttfb_p50_ms']:>12.2f}"
+            f"{r['ttfb_p50_ms']:>10.2f}{r['ttfb_p99_ms']:>8.2f}"
+            f"{r['serial_ttfb_p50_ms'] - direct['serial_ttfb_p50_ms']:>+13.2f}"
+            f"{r['ttfb_p50_ms'] - direct['ttfb_p50_ms']:>+10.2f}{cpu:>9}"
         )
     if "meshd_error" in lat:
         print(lat["meshd_error"])
-    env, ep = lat["envoy"], lat["envoy+picker"]
-    base = max(1e-9, env["ttfb_p50_ms"] - direct["ttfb_p50_ms"])
-    print(
-        f"\nratios (p50 TTFB): envoy+picker / envoy = "
-        f"{ep['ttfb_p50_ms'] / env['ttfb_p50_ms']:.2f}x; added by the picker over Envoy alone "
-        f"{ep['ttfb_p50_ms'] - env['ttfb_p50_ms']:+.2f} ms; "
-        f"added over direct: {(ep['ttfb_p50_ms'] - direct['ttfb_p50_ms']) / base:.2f}x Envoy's"
-    )
+    env = lat["envoy"]
+    print("\nover Envoy alone (p50 TTFB, one at a time / open loop):")
+    for name, r in lat.items():
+        if isinstance(r, dict) and name.startswith("envoy+"):
+            print(
+                f"  {name:<28} {r['serial_ttfb_p50_ms'] - env['serial_ttfb_p50_ms']:+.2f} ms / "
+                f"{r['ttfb_p50_ms'] - env['ttfb_p50_ms']:+.2f} ms "
+                f"({r['ttfb_p50_ms'] / env['ttfb_p50_ms']:.2f}x Envoy's open-loop p50)"
+            )
     if "meshd sidecar" in lat:
-        m = lat["meshd sidecar"]
+        m, ep = lat["meshd sidecar"], lat["envoy+picker"]
         print(
-            f"envoy+picker / meshd sidecar = {ep['ttfb_p50_ms'] / m['ttfb_p50_ms']:.2f}x (p50 TTFB)"
+            f"envoy+picker / meshd sidecar = {ep['ttfb_p50_ms'] / m['ttfb_p50_ms']:.2f}x "
+            "(open-loop p50 TTFB)"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"decision": cost, "latency": lat}, indent=2))
+        doc = {"decision": cost, "spans": spans, "latency": lat}
+        Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
 
 

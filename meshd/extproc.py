@@ -17,7 +17,23 @@ Body modes: BUFFERED (Envoy waits for the headers answer, then sends the whole b
 destination rides on the body answer) and FULL_DUPLEX_STREAMED (Envoy sends headers and body
 without waiting; the headers answer is held until the body is complete, then the body is
 sent back whole). With STREAMED Envoy holds body chunks until the headers are answered, so
-only a header-based pick is possible there: the picker then picks from the headers alone.
+only a header-based pick is possible there, unless Envoy sends the body without waiting
+(`send_body_without_waiting_for_header_response`): then the headers answer is held until the
+body is complete, and every held chunk is answered after it.
+
+Request headers must be sent (`request_header_mode: SEND`): with them skipped Envoy passes the
+headers on at once, so the router picks the upstream before the body (and the picker's answer)
+arrive, and it ignores the header mutation and metadata of the body answer (seen with 1.40).
+
+Fallbacks: with `--fallbacks N` the value is `primary,fallback1,...`; Envoy's override_host load
+balancing policy walks the list on retries and reports the endpoint that served under
+`envoy.lb` / `x-gateway-destination-endpoint-served` (selected_host_key), which the picker reads
+on the response (or, failing that, the `upstream.address` response attribute) to charge the
+skipped endpoints with a connect failure and the rest of the request to the one that served.
+
+Endpoints are static (`--endpoint`). To take engine state from meshd's control plane the
+picker would run the sidecar's subscriber (meshd/control_feed.py ControlFeed) on its loop with
+its router as the one pool (envoy/README.md, "Endpoints from the control plane").
 """
 
 from __future__ import annotations
@@ -33,7 +49,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -46,9 +62,26 @@ from google.protobuf import struct_pb2
 from filters.hotpath import block_hashes, parse_routing_headers
 from filters.picker import PickRequest
 from filters.pool_router import POLICIES, EndpointSpec, Policy, PoolRouter, Route, make_router
-from filters.request import PATH_KINDS, RequestError, parse_inference_request
+from filters.request import PATH_KINDS, InferenceRequest, RequestError, parse_inference_request
 from filters.routing_headers import RoutingHeaders
 from meshd.errors import error_body
+from meshd.telemetry import (
+    ATTR_ENDPOINT,
+    ATTR_OUTCOME,
+    ATTR_PREDICTED_CACHED_TOKENS,
+    ATTR_PREDICTED_TTFT_S,
+    ATTR_TENANT,
+    ERROR_TYPE,
+    EVENT_FIRST_TOKEN,
+    GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS,
+    context_from_trace,
+    genai_request_attributes,
+    span_name,
+)
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import Span, Tracer
 
 log = logging.getLogger("meshd.picker")
 
@@ -56,6 +89,14 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 METADATA_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+# Set by the data plane on the response: the endpoint that served (protocol v1.0.0); Envoy's
+# override_host policy writes it with `selected_host_key`.
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+# Where Envoy puts the values of `request_attributes` / `response_attributes`.
+ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
+UPSTREAM_ATTRIBUTE = "upstream.address"
+# Response attributes the picker reads (the endpoint that served, when no metadata says so).
+RESPONSE_ATTRIBUTES = (UPSTREAM_ATTRIBUTE,)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
 # Tail of a response body kept to find `usage` in (the last SSE event, or a JSON body).
@@ -64,6 +105,12 @@ _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # matches the bootstrap's buffer limit
 DEFAULT_DRAIN_GRACE_S = 10.0
 _BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
+# Span attributes of the picker's own (meshd.* namespace; HTTP status is the stable semconv key).
+HTTP_STATUS = "http.response.status_code"
+ATTR_FALLBACKS = "meshd.pick.fallbacks"
+ATTR_PICK_REASON = "meshd.pick.reason"
+ATTR_SERVED = "meshd.pick.served"
+ATTR_DECISION_S = "meshd.pick.decision_s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +158,10 @@ class Decision:
     """What the picker answered for one request, kept for observation and tests."""
 
     destination: str  # the header value: primary first
-    route: Route
+    route: Route  # the primary
     pick: PickRequest
     decided_s: float  # time spent deciding (parse + hash + order)
+    routes: tuple[Route, ...] = ()  # primary, then the fallbacks, as in `destination`
 
 
 @dataclass
@@ -124,13 +172,21 @@ class _Stream:
     headers: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     body: bytearray = dataclasses.field(default_factory=bytearray)
     body_mode: int = _BodyMode.BUFFERED
+    saw_headers: bool = False
+    saw_metadata: bool = False
+    # STREAMED with send_body_without_waiting_for_header_response: the headers answer is held
+    # until the body is complete, and each held chunk is answered after it.
+    early_body: bool = False
+    held_chunks: int = 0
     subset: frozenset[str] | None = None
     decision: Decision | None = None
+    route: Route | None = None  # the endpoint the request is charged to now
     rid: int = 0
     status: int = 0
     first_token: bool = False
     tail: bytes = b""
     counted: bool = False
+    span: Span | None = None
 
 
 def _header_value(h: base_pb2.HeaderValue) -> str:
@@ -172,10 +228,13 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         *,
         router: PoolRouter | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tracer: Tracer | None = None,
     ) -> None:
         self.settings = settings
         self.router = router or make_router(settings.policy, settings.endpoints)
         self.clock = clock
+        # None: no spans at all (the default; costs one attribute test per decision).
+        self.tracer = tracer
         self.in_flight = 0
         self.serving = True
         self.decisions = 0
@@ -183,6 +242,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.decision_s: list[float] = []  # bounded sample for benchmarks
         self.on_decision: Callable[[Decision], None] | None = None
         self._rids = itertools.count(1)
+        self._by_host = {host_port(e.url): e for e in settings.endpoints}
 
     # -- the stream ---------------------------------------------------------------------------
 
@@ -202,44 +262,49 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
     def _handle(self, s: _Stream, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         which = req.WhichOneof("request")
         if req.HasField("protocol_config"):
-            s.body_mode = req.protocol_config.request_body_mode
+            pc = req.protocol_config
+            s.body_mode = pc.request_body_mode
+            s.early_body = pc.send_body_without_waiting_for_header_response
+        if not s.saw_metadata and which in ("request_headers", "request_body"):
+            s.saw_metadata = True
+            s.subset = _subset_hint(req.metadata_context)
         if which == "request_headers":
-            return self._on_request_headers(s, req)
+            return self._on_request_headers(s, req.request_headers)
         if which == "request_body":
             return self._on_request_body(s, req.request_body)
         if which == "response_headers":
-            return [self._on_response_headers(s, req.response_headers)]
+            return [self._on_response_headers(s, req)]
         if which == "response_body":
             return [self._on_response_body(s, req.response_body)]
         if which == "request_trailers":
-            return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+            return self._on_request_trailers(s)
         if which == "response_trailers":
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
 
-    def _on_request_headers(
-        self, s: _Stream, req: pb.ProcessingRequest
-    ) -> list[pb.ProcessingResponse]:
-        hm = req.request_headers
+    def _on_request_headers(self, s: _Stream, hm: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        s.saw_headers = True
         for h in hm.headers.headers:
             value = _header_value(h)
             if h.key == ":path":
                 s.path = value
             elif not h.key.startswith(":"):
                 s.headers.append((h.key, value))
-        s.subset = _subset_hint(req.metadata_context)
-        no_body = hm.end_of_stream
-        if no_body or s.body_mode in (_BodyMode.NONE, _BodyMode.STREAMED):
+        mode = s.body_mode
+        if (
+            hm.end_of_stream
+            or mode == _BodyMode.NONE
+            or (mode == _BodyMode.STREAMED and not s.early_body)
+        ):
             # Nothing more will arrive before Envoy routes: decide from what we have.
             return [self._decide(s, b"", "request_headers")]
-        if s.body_mode == _BodyMode.FULL_DUPLEX_STREAMED:
-            return []  # the answer waits for the body
-        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+        if mode == _BodyMode.BUFFERED:
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+        return []  # FULL_DUPLEX_STREAMED, or STREAMED with the body sent early: hold the answer
 
     def _on_request_body(self, s: _Stream, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if s.decision is not None:  # STREAMED after a header-based pick: pass chunks through
             return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
-        duplex = s.body_mode == _BodyMode.FULL_DUPLEX_STREAMED
         if len(s.body) + len(body.body) > self.settings.max_body_bytes:
             return [
                 self._reject(
@@ -249,12 +314,26 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 )
             ]
         s.body += body.body
-        if duplex and not body.end_of_stream:
-            return []
-        if not duplex:
-            return [self._decide(s, bytes(s.body), "request_body")]
-        # Full duplex: the held headers answer carries the destination; the body goes back
-        # whole, since in this mode Envoy forwards only what the processor returns.
+        mode = s.body_mode
+        if mode == _BodyMode.STREAMED:
+            s.held_chunks += 1
+            return self._answer_held(s) if body.end_of_stream else []
+        if mode == _BodyMode.FULL_DUPLEX_STREAMED:
+            return self._answer_duplex(s) if body.end_of_stream else []
+        # BUFFERED: the whole body, in one message; headers answered already or skipped.
+        return [self._decide(s, bytes(s.body), "request_body")]
+
+    def _answer_held(self, s: _Stream) -> list[pb.ProcessingResponse]:
+        """STREAMED, body sent early: the held headers answer, then one per held chunk."""
+        first = self._decide(s, bytes(s.body), "request_headers")
+        if first.HasField("immediate_response"):
+            return [first]
+        chunk = pb.ProcessingResponse(request_body=pb.BodyResponse())
+        return [first, *([chunk] * s.held_chunks)]
+
+    def _answer_duplex(self, s: _Stream) -> list[pb.ProcessingResponse]:
+        # The held headers answer carries the destination; the body goes back whole, since in
+        # this mode Envoy forwards only what the processor returns.
         first = self._decide(s, bytes(s.body), "request_headers")
         if first.HasField("immediate_response"):
             return [first]
@@ -270,6 +349,17 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             )
         )
         return [first, back]
+
+    def _on_request_trailers(self, s: _Stream) -> list[pb.ProcessingResponse]:
+        trailers = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+        if s.decision is not None or not s.saw_headers:
+            return [trailers]
+        # The body ended with trailers, not end_of_stream: the held answers are due now.
+        if s.body_mode == _BodyMode.STREAMED and s.early_body:
+            return [*self._answer_held(s), trailers]
+        if s.body_mode == _BodyMode.FULL_DUPLEX_STREAMED:
+            return [*self._answer_duplex(s), trailers]
+        return [trailers]
 
     def _decide(self, s: _Stream, body: bytes, phase: str) -> pb.ProcessingResponse:
         t0 = time.perf_counter()
@@ -290,11 +380,12 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             return self._reject(400, "; ".join(routing.errors), "bad_routing_header")
         now = self.clock()
         kind = PATH_KINDS.get(s.path.split("?", 1)[0])
+        inference: InferenceRequest | None = None
         if kind is not None and body:
             try:
                 inference = parse_inference_request(kind, body)
             except RequestError as exc:
-                return self._reject(400, exc.message, exc.code)
+                return self._reject(400, exc.message, exc.code, routing=routing)
             hashes = block_hashes(
                 inference.prompt_text, inference.model, cfg.cache_salt, cfg.block_size_bytes
             )
@@ -305,17 +396,22 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         if s.subset is not None:
             routes = [r for r in routes if host_port(r.url) in s.subset]
         if not routes or all(r.reason == "no-eligible-endpoint" for r in routes):
-            return self._reject(503, "no ready endpoint", "no_ready_endpoint", cfg.retry_after_s)
-        chosen = routes[: 1 + cfg.fallbacks]
+            return self._reject(
+                503, "no ready endpoint", "no_ready_endpoint", cfg.retry_after_s, routing=routing
+            )
+        chosen = tuple(routes[: 1 + cfg.fallbacks])
         value = ",".join(host_port(r.url) for r in chosen)
         self.router.started(chosen[0], s.rid, pick, now)
+        s.route = chosen[0]
         s.counted = True
         self.in_flight += 1
         decided = time.perf_counter() - t0
-        s.decision = Decision(value, chosen[0], pick, decided)
+        s.decision = Decision(value, chosen[0], pick, decided, chosen)
         self.decisions += 1
         if len(self.decision_s) < 100_000:
             self.decision_s.append(decided)
+        if self.tracer is not None:
+            s.span = self._start_span(kind, inference, routing, s.decision)
         if self.on_decision is not None:
             self.on_decision(s.decision)
         common = pb.CommonResponse(
@@ -335,45 +431,91 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         )
 
     def _reject(
-        self, status: int, message: str, code: str, retry_after_s: float | None = None
+        self,
+        status: int,
+        message: str,
+        code: str,
+        retry_after_s: float | None = None,
+        *,
+        routing: RoutingHeaders | None = None,
     ) -> pb.ProcessingResponse:
         self.rejected[status] = self.rejected.get(status, 0) + 1
+        if self.tracer is not None:
+            self._reject_span(status, code, routing)
         return immediate(status, message, code, retry_after_s)
 
     # -- the response side --------------------------------------------------------------------
 
-    def _on_response_headers(self, s: _Stream, hm: pb.HttpHeaders) -> pb.ProcessingResponse:
+    def _on_response_headers(self, s: _Stream, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        hm = req.response_headers
         for h in hm.headers.headers:
             if h.key == ":status":
                 v = _header_value(h)
                 s.status = int(v) if v.isdigit() else 0
-        d = s.decision
-        if d is not None and s.status in (502, 503, 504) and s.counted:
-            # Envoy's own local reply for a refused or reset upstream connection.
-            self.router.connect_failed(d.route, s.rid, self.clock(), f"http {s.status}")
-            self._uncount(s)
-        elif d is not None and hm.end_of_stream and s.counted:
-            self._finish(s)
+        if s.decision is not None and s.counted:
+            served = _served_endpoint(req)
+            if served is not None:
+                self._charge_served(s, served)
+            route = s.route
+            if route is not None and s.status in (502, 503, 504):
+                # Envoy's own local reply for a refused or reset upstream connection.
+                self.router.connect_failed(route, s.rid, self.clock(), f"http {s.status}")
+                self._end_span(s, ok=False)
+                self._uncount(s)
+            elif hm.end_of_stream:
+                self._finish(s)
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 
-    def _on_response_body(self, s: _Stream, body: pb.HttpBody) -> pb.ProcessingResponse:
+    def _charge_served(self, s: _Stream, served: str) -> None:
+        """Envoy went down the fallback list (retries): the endpoints it passed did not take
+        the request; the one that served carries it from here."""
         d = s.decision
-        if d is not None and s.counted:
+        current = s.route
+        if d is None or current is None or host_port(current.url) == served:
+            return
+        now = self.clock()
+        later = d.routes[d.routes.index(current) :] if current in d.routes else (current,)
+        for r in later:
+            if host_port(r.url) == served:
+                self.router.started(r, s.rid, d.pick, now)
+                s.route = r
+                return
+            if r is not current:
+                self.router.started(r, s.rid, d.pick, now)
+            self.router.connect_failed(r, s.rid, now, f"envoy retried on {served}")
+        # Past the list: Envoy's own fallback policy chose `served`.
+        spec = self._by_host.get(served)
+        if spec is None:
+            s.route = None  # not an endpoint we route to; nothing to charge
+            self._uncount(s)
+            return
+        s.route = Route(spec.url, "envoy-fallback-policy")
+        self.router.started(s.route, s.rid, d.pick, now)
+
+    def _on_response_body(self, s: _Stream, body: pb.HttpBody) -> pb.ProcessingResponse:
+        route = s.route
+        if route is not None and s.counted:
             if not s.first_token and body.body:
                 s.first_token = True
-                self.router.first_token(d.route, s.rid, self.clock())
+                self.router.first_token(route, s.rid, self.clock())
+                if s.span is not None:
+                    s.span.add_event(EVENT_FIRST_TOKEN)
             s.tail = (s.tail + body.body)[-RESPONSE_TAIL_BYTES:]
             if body.end_of_stream:
                 self._finish(s)
         return pb.ProcessingResponse(response_body=pb.BodyResponse())
 
     def _finish(self, s: _Stream) -> None:
-        d = s.decision
+        d, route = s.decision, s.route
         assert d is not None
         found = _CACHED_TOKENS.findall(s.tail)
         cached = int(found[-1]) if found else None
+        # Unknown status (response side not sent, or the client left first): neither a success
+        # nor a failure for the breakers.
         ok = 0 < s.status < 500
-        self.router.finished(d.route, s.rid, d.pick, self.clock(), ok=ok, cached_tokens=cached)
+        if route is not None:
+            self.router.finished(route, s.rid, d.pick, self.clock(), ok=ok, cached_tokens=cached)
+        self._end_span(s, ok=ok, cached_tokens=cached)
         self._uncount(s)
 
     def _uncount(self, s: _Stream) -> None:
@@ -385,6 +527,81 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         """The stream ended (request done, client gone, or Envoy reset it)."""
         if s.decision is not None and s.counted:
             self._finish(s)
+
+    # -- spans (only with a tracer: `--otlp-endpoint`) -----------------------------------------
+
+    def _start_span(
+        self,
+        kind: str | None,
+        inference: InferenceRequest | None,
+        routing: RoutingHeaders,
+        d: Decision,
+    ) -> Span:
+        assert self.tracer is not None
+        model = inference.model if inference is not None else None
+        attrs = genai_request_attributes(
+            kind or "route",
+            model,
+            stream=inference.stream if inference is not None else None,
+            max_tokens=inference.max_tokens if inference is not None else None,
+            conversation_id=routing.session_id,
+        )
+        r = d.route
+        attrs[ATTR_ENDPOINT] = d.destination.split(",", 1)[0]
+        if len(d.routes) > 1:
+            attrs[ATTR_FALLBACKS] = [host_port(x.url) for x in d.routes[1:]]
+        attrs[ATTR_PICK_REASON] = r.reason
+        if r.predicted_ttft_s is not None:
+            attrs[ATTR_PREDICTED_TTFT_S] = r.predicted_ttft_s
+        if r.cached_tokens is not None:
+            attrs[ATTR_PREDICTED_CACHED_TOKENS] = r.cached_tokens
+        if routing.tenant:
+            attrs[ATTR_TENANT] = routing.tenant
+        attrs[ATTR_DECISION_S] = d.decided_s
+        return self.tracer.start_span(
+            span_name(kind or "route", model),
+            context=context_from_trace(routing.trace),
+            attributes=attrs,
+        )
+
+    def _end_span(self, s: _Stream, *, ok: bool, cached_tokens: int | None = None) -> None:
+        span, s.span = s.span, None
+        if span is None:
+            return
+        attrs: dict[str, Any] = {ATTR_OUTCOME: "ok" if ok else ("error" if s.status else "unknown")}
+        if s.status:
+            attrs[HTTP_STATUS] = s.status
+        if s.route is not None:
+            attrs[ATTR_SERVED] = host_port(s.route.url)
+        if cached_tokens is not None:
+            attrs[GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = cached_tokens
+        span.set_attributes(attrs)
+        span.end()
+
+    def _reject_span(self, status: int, code: str, routing: RoutingHeaders | None) -> None:
+        assert self.tracer is not None
+        parent = context_from_trace(routing.trace) if routing is not None else None
+        span = self.tracer.start_span(
+            span_name("route", None),
+            context=parent,
+            attributes={HTTP_STATUS: status, ERROR_TYPE: code, ATTR_OUTCOME: "rejected"},
+        )
+        span.end()
+
+
+def _served_endpoint(req: pb.ProcessingRequest) -> str | None:
+    """The endpoint that served, as the data plane reports it: `envoy.lb` metadata first (the
+    protocol's way), then the `upstream.address` response attribute."""
+    md = req.metadata_context.filter_metadata
+    if METADATA_NAMESPACE in md:
+        fields = md[METADATA_NAMESPACE].fields
+        if SERVED_KEY in fields:
+            return fields[SERVED_KEY].string_value or None
+    if ATTRIBUTES_NAMESPACE in req.attributes:
+        fields = req.attributes[ATTRIBUTES_NAMESPACE].fields
+        if UPSTREAM_ATTRIBUTE in fields:
+            return fields[UPSTREAM_ATTRIBUTE].string_value or None
+    return None
 
 
 def _headers_only(routing: RoutingHeaders) -> PickRequest:
@@ -484,8 +701,9 @@ class PickerServer:
         listen: str = "127.0.0.1:9002",
         *,
         router: PoolRouter | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
-        self.picker = EndpointPicker(settings, router=router)
+        self.picker = EndpointPicker(settings, router=router, tracer=tracer)
         self.listen = listen
         self.port = 0
         self._server: grpc.aio.Server | None = None
@@ -559,6 +777,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="parse x-meshd-* headers from Envoy (only when Envoy strips them from clients)",
     )
     p.add_argument("--drain-grace-s", type=float, default=DEFAULT_DRAIN_GRACE_S)
+    p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="export a span per decision over OTLP/gRPC (default: no spans at all)",
+    )
+    p.add_argument(
+        "--trace-sample-ratio",
+        type=float,
+        default=1.0,
+        help="share of new traces kept; a client's sampled flag is honoured (default 1.0)",
+    )
     p.set_defaults(func=run)
 
 
@@ -572,12 +802,22 @@ def run(args: argparse.Namespace) -> int:
         fallbacks=args.fallbacks,
         drain_grace_s=args.drain_grace_s,
     )
-    return asyncio.run(_serve(settings, args.listen))
+    provider: TracerProvider | None = None
+    if args.otlp_endpoint:
+        from meshd.telemetry import setup_tracing
+
+        provider = setup_tracing("meshd-picker", args.otlp_endpoint, args.trace_sample_ratio)
+    try:
+        tracer = provider.get_tracer("meshd.picker") if provider is not None else None
+        return asyncio.run(_serve(settings, args.listen, tracer))
+    finally:
+        if provider is not None:
+            provider.shutdown()  # flushes the spans still queued
 
 
-async def _serve(settings: PickerSettings, listen: str) -> int:
+async def _serve(settings: PickerSettings, listen: str, tracer: Tracer | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    server = PickerServer(settings, listen)
+    server = PickerServer(settings, listen, tracer=tracer)
     port = await server.start()
     host = listen.rpartition(":")[0]
     print(json.dumps({"event": "ready", "listen": f"{host}:{port}"}), flush=True)

@@ -20,6 +20,7 @@ from backends import TestBackend as Backend
 from backends import sse_events
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from filters.endpoint_state import BlockDigest, ReportedState
 from filters.picker import PickRequest
 from filters.pool_router import Policy, PoolRouter, Route, make_router
 from loadtest.envoy_bin import (
@@ -105,6 +106,12 @@ class RecordingRouter:
     def snapshot(self, now: float) -> list[dict[str, object]]:
         return self.inner.snapshot(now)
 
+    def report(self, url: str, state: ReportedState | None, now: float, *, ttl_s: float) -> bool:
+        return self.inner.report(url, state, now, ttl_s=ttl_s)
+
+    def apply_digest(self, url: str, digest: BlockDigest | None, now: float) -> bool:
+        return self.inner.apply_digest(url, digest, now)
+
 
 @dataclass
 class Rig:
@@ -151,6 +158,10 @@ async def rig(tmp_path: Path) -> AsyncIterator[RigFactory]:
         response_body_mode: str = "NONE",
         max_in_flight: int | None = None,
         n_backends: int = 2,
+        template: Path = EXTPROC_CONFIG,
+        fallbacks: int = 0,
+        tracer: Any = None,
+        **render: Any,
     ) -> Rig:
         backends = [Backend(f"b{i}") for i in range(n_backends)]
         for b in backends:
@@ -159,9 +170,10 @@ async def rig(tmp_path: Path) -> AsyncIterator[RigFactory]:
             endpoints=tuple(endpoint_spec(addr(b.url) + "=H100") for b in backends),
             max_in_flight=max_in_flight,
             drain_grace_s=0.5,
+            fallbacks=fallbacks,
         )
         router = RecordingRouter(make_router("meshd", settings.endpoints))
-        server = PickerServer(settings, "127.0.0.1:0", router=router)
+        server = PickerServer(settings, "127.0.0.1:0", router=router, tracer=tracer)
         port = await server.start()
         decisions: list[Decision] = []
         server.picker.on_decision = decisions.append
@@ -171,6 +183,8 @@ async def rig(tmp_path: Path) -> AsyncIterator[RigFactory]:
             failure_mode_allow=failure_mode_allow,
             request_body_mode=request_body_mode,
             response_body_mode=response_body_mode,
+            template=template,
+            **render,
         )
         envoy = await asyncio.to_thread(start_envoy, config, tmp_path / f"envoy{len(made)}")
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
@@ -237,12 +251,15 @@ def test_a_broken_config_is_rejected(tmp_path: Path) -> None:
 
 
 @envoy_only
-@pytest.mark.parametrize("body_mode", ["BUFFERED", "FULL_DUPLEX_STREAMED"])
+@pytest.mark.parametrize("body_mode", ["BUFFERED", "FULL_DUPLEX_STREAMED", "STREAMED+early"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_requests_reach_the_endpoint_the_picker_chose(
     rig: RigFactory, body_mode: str, stream: bool
 ) -> None:
-    r = await rig(request_body_mode=body_mode)
+    # STREAMED+early: send_body_without_waiting_for_header_response; the picker holds the
+    # headers answer until the body is complete, so it picks on the body and still fails open.
+    mode, _, early = body_mode.partition("+")
+    r = await rig(request_body_mode=mode, send_body_early=bool(early))
     for i in range(4):
         prompt = f"request {i} " + "x" * 300
         status, body, _ = await r.complete(prompt, stream=stream)
