@@ -33,6 +33,9 @@ a child's entry is never newer than its parent's for approximate records, LRU an
 keep closure by themselves; precise stores with a parent can break that order, so
 dropping a node always drops the holder's descendants too (in vLLM a block whose parent
 was evicted is unreachable anyway: lookups stop at the first miss).
+A precise store with a parent also adopts the path from the root to that parent for the
+holder (the engine held it to compute the new blocks), so prefixes cached before the
+event stream was followed become precise as soon as a request extends them.
 
 Approximate entries (`record`, what we routed where) expire after `ttl_s` and count
 `approx_confidence` of a block in `match_detail`; precise ones (`store`, from KV events)
@@ -87,6 +90,7 @@ class _Holder:
         "due",
         "entries",
         "epoch",
+        "expect",
         "heap",
         "index",
         "name",
@@ -105,6 +109,8 @@ class _Holder:
         self.pheap: list[_HeapItem] = []  # precise entries
         self.epoch: str | int | None = None
         self.due = _INF  # when its oldest approximate entry expires (inf: none queued)
+        # When a record first added blocks the engine has not confirmed (acknowledge()).
+        self.expect: float | None = None
 
 
 def _common(node: _Node, hashes: Sequence[int], pos: int, n: int) -> int:
@@ -242,8 +248,10 @@ class PrefixIndex:
         self, endpoint: str, hashes: Sequence[int], now: float, *, parent: int | None = None
     ) -> bool:
         """Precise: the engine reports it stored these blocks (a KV BlockStored event),
-        following `parent` (None: from the root). Returns False, changing nothing, when the
-        parent is not known to be held there (a gap: the caller should resync)."""
+        following `parent` (None: from the root). The path down to `parent` becomes
+        precise on `endpoint` too, whoever the index learnt it from (the engine had to hold
+        it to compute these blocks). Returns False, changing nothing, when the index does
+        not know `parent` at all (it was stored before we listened, or evicted here)."""
         return self._put(endpoint, hashes, now, precise=True, parent=parent)
 
     def remove(self, endpoint: str, hashes: Iterable[int], now: float) -> None:
@@ -341,6 +349,19 @@ class PrefixIndex:
             self.clear(endpoint)
         h.epoch = epoch
         return changed
+
+    def expecting_since(self, endpoint: str) -> float | None:
+        """When a `record` first gave `endpoint` blocks it did not hold, since the last
+        `acknowledge`: an engine that publishes KV events should have said something by
+        now (a silent one is demoted by filters/kv_digest.KVIndexFeed)."""
+        h = self._holders.get(endpoint)
+        return None if h is None else h.expect
+
+    def acknowledge(self, endpoint: str) -> None:
+        """The engine's event stream is alive (a batch arrived)."""
+        h = self._holders.get(endpoint)
+        if h is not None:
+            h.expect = None
 
     def set_capacity(self, endpoint: str, blocks: int) -> None:
         h = self._holder(endpoint)
@@ -477,24 +498,36 @@ class PrefixIndex:
         parent: int | None,
     ) -> bool:
         n = len(hashes)
-        h = self._holder(endpoint)
-        now = self._clock(now)
         node = self._root
         base = 0
+        path: list[_Node] = []
         if parent is not None:
             if self._where is None:
                 raise RuntimeError("store(parent=...) needs PrefixIndex(track_blocks=True)")
             found = self._where.get(parent)
-            if found is None or not found.mask & h.bit:
+            if found is None:
                 return False
+            h = self._holder(endpoint)
+            now = self._clock(now)
             j = found.seg.index(parent)
             if j + 1 < len(found.seg):
                 self._split(found, j + 1)
             node = found
             base = found.depth + len(found.seg)
-        if not n:
+            # The engine computed these blocks from `parent`, so the request held its
+            # whole prefix on that engine at that moment (a running request holds all of
+            # its blocks): adopt the path root..parent as precise too, whoever else the
+            # tree learnt it from. Later BlockRemoved events take it back out.
+            up: _Node | None = found
+            while up is not None and up is not self._root:
+                path.append(up)
+                up = up.parent
+            path.reverse()
+        else:
+            h = self._holder(endpoint)
+            now = self._clock(now)
+        if not n and not path:
             return True
-        path: list[_Node] = []
         pos = 0
         while pos < n:
             children = node.children
@@ -520,6 +553,8 @@ class PrefixIndex:
                 h.used += len(node.seg)
                 node.mask |= bit
                 prec = precise
+                if not precise and h.expect is None:
+                    h.expect = now
             else:
                 prec = precise or old[2]
             if prec:

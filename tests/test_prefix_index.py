@@ -216,10 +216,28 @@ def test_store_with_parent_and_gaps():
     assert idx.store("e", b[2:], 0.0, parent=b[1])
     assert idx.match(b, 0.0) == {"e": 4}
     assert idx.match(a, 0.0) == {"e": 4}
-    # A parent this endpoint does not hold: a gap, nothing changes.
-    assert not idx.store("f", b[2:], 0.0, parent=b[1])
+    # A parent nobody is known to hold: nothing changes.
     assert not idx.store("e", [123], 0.0, parent=999)
-    assert idx.used_blocks("f") == 0
+    assert not idx.store("g", [123], 0.0, parent=999)
+    assert idx.used_blocks("g") == 0
+    idx.check()
+
+
+def test_store_with_parent_adopts_the_prefix_as_precise():
+    """A BlockStored with a parent means the engine held the whole prefix to compute it:
+    known from another endpoint or from our own speculation, it becomes precise here."""
+    idx = PrefixIndex(track_blocks=True, ttl_s=10.0, approx_confidence=0.5)
+    sys_prompt = chain(range(6))
+    turn = chain([*range(6), 70, 71])
+    idx.store("a", sys_prompt, 0.0)  # a stored it while we listened; f before we did
+    assert idx.store("f", turn[6:], 1.0, parent=turn[5])
+    assert idx.match_detail(turn, 1.0)["f"] == (8, 8.0)
+    # Our own approximate record of a prefix becomes precise (and stops expiring).
+    other = chain([5, 5, 5, 5])
+    idx.record("g", other, 0.0)
+    assert idx.match_detail(other, 0.0)["g"] == (4, 2.0)
+    assert idx.store("g", [777], 2.0, parent=other[-1])
+    assert idx.match([*other, 777], 100.0) == {"g": 5}
     idx.check()
 
 
