@@ -9,7 +9,7 @@ of its history (message k's rendering never depends on message k+1).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 RequestKind = Literal["completion", "chat", "embedding"]
@@ -46,6 +46,8 @@ class InferenceRequest:
     stream: bool
     include_usage: bool
     n: int
+    # The parsed body, for the precise prefix path (the engine's tokenizer renders it).
+    doc: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def estimated_prompt_tokens(self) -> int:
@@ -102,6 +104,7 @@ def parse_inference_request(kind: RequestKind, body: bytes) -> InferenceRequest:
         stream=stream,
         include_usage=include_usage,
         n=n,
+        doc=doc,
     )
 
 

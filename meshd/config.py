@@ -63,11 +63,25 @@ class Listeners(_Strict):
     admin: Listener = Listener(host="127.0.0.1", port=15000)
 
 
+class KVEvents(_Strict):
+    """Where to follow one engine's KV events (vLLM's ZMQ publisher). vLLM's rule: with
+    `*` or ipc:// in its endpoint the engine binds and meshd connects; with a concrete
+    tcp://host:port the engine connects, so meshd must bind (`bind: true`)."""
+
+    endpoint: str = Field(pattern=r"^(tcp|ipc|inproc)://.+")
+    replay: str | None = Field(default=None, pattern=r"^(tcp|ipc|inproc)://.+")
+    topic: str = ""
+    bind: bool = False
+
+
 class Endpoint(_Strict):
     url: str
     gpu: str | None = None
     weight: float = Field(default=1.0, gt=0)
     kv_capacity_tokens: int | None = Field(default=None, ge=1)
+    # The engine's KV events (vLLM --kv-events-config): its ZMQ PUB endpoint, and the
+    # replay ROUTER for gaps. Read only when routing.tokenizers has the pool's model.
+    kv_events: KVEvents | None = None
 
     @field_validator("url")
     @classmethod
@@ -153,6 +167,19 @@ class PickerSettings(_Strict):
     load_metric: Literal["requests", "tokens"] = "requests"
 
 
+class Tokenizer(_Strict):
+    """The precise prefix path for one model: its tokenizer.json (and chat template) so a
+    request's tokens, and so the engine's own KV block hashes, are known before routing.
+    Must match the engines: --prefix-caching-hash-algo, --block-size, PYTHONHASHSEED."""
+
+    path: str = Field(min_length=1)  # a directory holding tokenizer.json, or the file
+    hash_algo: Literal["sha256", "sha256_cbor"] = "sha256"
+    hash_seed: str | None = None  # the engines' PYTHONHASHSEED, when set
+    block_size: int = Field(default=16, ge=1, le=4096)
+    content_format: Literal["auto", "string", "openai"] = "auto"
+    max_blocks: int | None = Field(default=None, ge=1)  # hash at most this many blocks
+
+
 class Routing(_Strict):
     block_size_bytes: int = Field(default=64, ge=8, le=65536)
     cache_salt: str = ""
@@ -160,6 +187,9 @@ class Routing(_Strict):
     picker: PickerSettings = PickerSettings()
     unhealthy_after_failures: int = Field(default=3, ge=1)
     unhealthy_cooldown_s: float = Field(default=10.0, gt=0)
+    # model -> tokenizer: turns on precise prefix routing for that model (policy meshd),
+    # fed by the KV events of the endpoints that set `kv_events`.
+    tokenizers: dict[str, Tokenizer] = Field(default_factory=dict)
 
 
 class Service(_Strict):
@@ -504,6 +534,9 @@ pools:
     endpoints:
       - http://127.0.0.1:8000
       - {url: "http://127.0.0.1:8001", gpu: H100, weight: 1.0, kv_capacity_tokens: 500000}
+      # The engine's KV events (vLLM --kv-events-config), for routing.tokenizers' models:
+      # - {url: "http://10.0.0.7:8000", kv_events: {endpoint: "tcp://10.0.0.7:5557",
+      #    replay: "tcp://10.0.0.7:5558", topic: "", bind: false}}
 upstream:
   connect_timeout_s: 5
   first_byte_timeout_s: 120    # per try: time to the response headers (504 after)
@@ -531,6 +564,8 @@ routing:
     load_metric: requests      # or tokens
   unhealthy_after_failures: 3  # consecutive connect failures before an endpoint rests
   unhealthy_cooldown_s: 10
+  tokenizers: {}               # model -> precise prefix path (needs meshd[precise]), e.g.
+  #  llama: {path: /models/llama, hash_algo: sha256, hash_seed: null, block_size: 16}
 transparent:
   services: []                 # e.g. [{address: "10.0.0.5:8000", pool: default}]
   passthrough_connect_timeout_s: 5

@@ -21,9 +21,9 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -65,6 +65,10 @@ from meshd.config import Config, ConfigError, load_config
 from meshd.errors import error_response, sse_error_event
 from meshd.metrics import BREAKER_CLOSED, BREAKER_HALF_OPEN, BREAKER_OPEN, DataPlaneMetrics
 from meshd.observe import AttemptTrace, RequestObserver, RequestTrace
+
+if TYPE_CHECKING:
+    from meshd.control_feed import ControlFeed
+    from meshd.kv_events import PrecisePrefix
 from meshd.upstream import (
     UpstreamClosedError,
     UpstreamConnectError,
@@ -145,6 +149,7 @@ class RequestContext:
     inference: InferenceRequest | None = None
     routing: RoutingHeaders | None = None
     block_hashes: list[int] = field(default_factory=list)
+    tokens_per_block: int | None = None  # engine token blocks (precise path), else text
     request_id: str = ""
     obs: RequestTrace | None = None
     body: bytes = b""
@@ -194,6 +199,8 @@ class Sidecar:
             )
             for pool in config.pools
         }
+        # Pool -> its precise prefix path (routing.tokenizers; policy meshd only).
+        self.precise: dict[str, PrecisePrefix] = _precise_prefixes(config, self.routers)
         self._attempt_ids = itertools.count()
         rc = config.reliability.retry
         self.retry_budgets = {
@@ -234,6 +241,12 @@ class Sidecar:
     def active(self) -> int:
         return self._active
 
+    @property
+    def control_feed(self) -> ControlFeed | None:
+        """The control-plane subscription (None: control_plane.addresses is empty)."""
+        feed: ControlFeed | None = self._feed
+        return feed
+
     # -- lifecycle -------------------------------------------------------------
 
     def build_app(self) -> web.Application:
@@ -256,6 +269,13 @@ class Sidecar:
     async def start(self) -> None:
         cfg = self.config
         limits = cfg.limits
+        # Built before anything binds: a bad control_plane.tls file fails the start.
+        if cfg.control_plane.addresses and self._feed is None:
+            from meshd.control_feed import ControlFeed
+
+            self._feed = ControlFeed(cfg, self.routers, self.metrics)
+        for precise in self.precise.values():
+            await precise.start()
         self._upstream = UpstreamPool(
             connect_timeout_s=cfg.upstream.connect_timeout_s,
             keepalive_timeout_s=cfg.upstream.keepalive_timeout_s,
@@ -321,10 +341,7 @@ class Sidecar:
         await admin_site.start()
         self.addresses["admin"] = _bound(admin_site)
         self._reaper = asyncio.create_task(self._reap())
-        if cfg.control_plane.addresses:
-            from meshd.control_feed import ControlFeed
-
-            self._feed = ControlFeed(cfg, self.routers, self.metrics)
+        if self._feed is not None:
             await self._feed.start()
 
     async def drain_and_stop(self, on_closed: Callable[[], None] | None = None) -> None:
@@ -348,6 +365,8 @@ class Sidecar:
                 await self._reaper
         if self._feed is not None:
             await self._feed.close()
+        for precise in self.precise.values():
+            await precise.close()
         if self._session is not None:
             await self._session.close()
         if self._upstream is not None:
@@ -528,12 +547,23 @@ class Sidecar:
                 routing=routing,
             )
             if routing_cfg.policy == "meshd":  # only the prefix-aware picker reads them
-                ctx.block_hashes = block_hashes(
-                    inference.prompt_text,
-                    inference.model,
-                    routing_cfg.cache_salt,
-                    routing_cfg.block_size_bytes,
+                precise = self.precise.get(pool)
+                engine_hashes = (
+                    None
+                    if precise is None or inference.doc is None
+                    else precise.block_hashes(inference.model, kind, inference.doc)
                 )
+                if engine_hashes is not None and precise is not None:
+                    # The engine's own block hashes: what its KV events name.
+                    ctx.block_hashes = engine_hashes
+                    ctx.tokens_per_block = precise.block_size(inference.model)
+                else:
+                    ctx.block_hashes = block_hashes(
+                        inference.prompt_text,
+                        inference.model,
+                        routing_cfg.cache_salt,
+                        routing_cfg.block_size_bytes,
+                    )
             return await self._forward(request, ctx, headers, body)
         finally:
             self._active -= 1
@@ -1362,9 +1392,16 @@ class Sidecar:
         if self._draining:
             problems.insert(0, "draining")
         status = 503 if problems else 200
-        return web.json_response(
-            {"ready": not problems, "problems": problems, "healthy_endpoints": pools}, status=status
-        )
+        body: dict[str, Any] = {
+            "ready": not problems,
+            "problems": problems,
+            "healthy_endpoints": pools,
+        }
+        if self._feed is not None:
+            # Said, not counted: a stale control plane leaves the sidecar routing on its
+            # own observations (static stability), so it does not make it unready.
+            body["control_plane"] = self._feed.health()
+        return web.json_response(body, status=status)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
@@ -1381,8 +1418,52 @@ class Sidecar:
                 "active_requests": self._active,
                 "policy": self.config.routing.policy,
                 "pools": {name: b.snapshot(now) for name, b in self.routers.items()},
+                "kv_events": {name: p.snapshot() for name, p in self.precise.items()},
             }
         )
+
+
+def _precise_prefixes(
+    config: Config, routers: Mapping[str, PoolRouter]
+) -> dict[str, PrecisePrefix]:
+    """One PrecisePrefix per pool that serves a model of routing.tokenizers, over that
+    pool's picker index, following the KV events of its endpoints that set `kv_events`.
+    A tokenizer that cannot be loaded is a config error naming its key."""
+    routing = config.routing
+    if routing.policy != "meshd" or not routing.tokenizers:
+        return {}
+    from meshd.kv_events import EngineModel, PrecisePrefix, TokenizerError
+
+    models: dict[str, EngineModel] = {}
+    for name, t in routing.tokenizers.items():
+        try:
+            models[name] = EngineModel.load(
+                t.path,
+                hash_algo=t.hash_algo,
+                block_size=t.block_size,
+                hash_seed=t.hash_seed,
+                content_format=t.content_format,
+                max_blocks=t.max_blocks,
+            )
+        except (TokenizerError, OSError, ValueError) as exc:
+            raise ConfigError([f"routing.tokenizers.{name}.path: {exc}"]) from None
+    out: dict[str, PrecisePrefix] = {}
+    for pool in config.pools:
+        served = [m for m in models if pool.serves(m)]
+        index = getattr(getattr(routers.get(pool.name), "picker", None), "index", None)
+        if not served or index is None:
+            continue
+        precise = PrecisePrefix(index)
+        for m in served:
+            precise.add_model(m, models[m])
+        for ep in pool.endpoints:
+            if ep.kv_events is not None:
+                kv = ep.kv_events
+                precise.add_engine(
+                    ep.url, served[0], kv.endpoint, replay=kv.replay, topic=kv.topic, bind=kv.bind
+                )
+        out[pool.name] = precise
+    return out
 
 
 def _guard_config(config: Config) -> GuardConfig:

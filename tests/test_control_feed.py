@@ -233,6 +233,12 @@ async def test_killed_control_plane_leaves_the_sidecar_serving(
     assert "b1" not in served and sum(served.values()) == 6
     # Once stale the report stops counting: the sidecar routes on its own observations.
     await poll(lambda: feed.health()["stale"])
+    # Said on /readyz, and not counted against readiness (the sidecar still routes).
+    async with aiohttp.ClientSession() as session, session.get(url(s, "/readyz", "admin")) as r:
+        ready = await r.json()
+    assert r.status == 200 and ready["control_plane"]["stale"] is True
+    assert ready["control_plane"]["connected"] is False
+    assert s.control_feed is feed
     await poll(lambda: router.snapshot(time.monotonic())[1]["ineligible_reason"] is None)
     # (Which engines serve unrelated serial prompts is the picker's business: at zero
     # load it may keep them on one engine. All are served; e1 is eligible again.)
