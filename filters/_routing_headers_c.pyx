@@ -11,6 +11,8 @@ from filters.routing_headers import (
     DEADLINE,
     DEADLINE_EXPECTED,
     DEADLINE_MS_MAX,
+    FINAL_EXPECTED,
+    FINAL_VALUES,
     ID_EXPECTED,
     ID_MAX_CHARS,
     KNOWN_MESHD,
@@ -18,7 +20,13 @@ from filters.routing_headers import (
     PRIORITY_EXPECTED,
     PRIORITY_NAMES,
     SESSION,
+    STEP_EXPECTED,
+    STEPS_EXPECTED,
     TASK,
+    TASK_FINAL,
+    TASK_STEP,
+    TASK_STEPS,
+    TASK_STEPS_MAX,
     TENANT,
     TRACESTATE_MAX_MEMBERS,
     WORKFLOW,
@@ -26,6 +34,7 @@ from filters.routing_headers import (
     TraceContext,
     invalid_error,
     repeated_error,
+    step_error,
 )
 
 __all__ = ["RoutingHeaders", "TraceContext", "parse_routing_headers"]
@@ -38,6 +47,8 @@ cdef dict _PRIORITY_NAMES = PRIORITY_NAMES
 cdef Py_ssize_t _TS_MAX = TRACESTATE_MAX_MEMBERS
 cdef Py_ssize_t _ID_MAX = ID_MAX_CHARS
 cdef long _DEADLINE_MAX = DEADLINE_MS_MAX
+cdef long _STEPS_MAX = TASK_STEPS_MAX
+cdef dict _FINAL_VALUES = FINAL_VALUES
 
 
 cdef object _object_new = object.__new__
@@ -56,6 +67,7 @@ cdef object _trace_context(str trace_id, str parent_id, int flags, object traces
 
 cdef object _routing_headers(object tenant, object priority, object deadline_ms,
                              object session_id, object workflow_id, object task_id,
+                             object step, object steps_in_task, object final,
                              object trace, tuple stripped, tuple errors):
     cdef object rh = _object_new(RoutingHeaders)
     PyObject_GenericSetAttr(rh, "tenant", tenant)
@@ -64,6 +76,9 @@ cdef object _routing_headers(object tenant, object priority, object deadline_ms,
     PyObject_GenericSetAttr(rh, "session_id", session_id)
     PyObject_GenericSetAttr(rh, "workflow_id", workflow_id)
     PyObject_GenericSetAttr(rh, "task_id", task_id)
+    PyObject_GenericSetAttr(rh, "step", step)
+    PyObject_GenericSetAttr(rh, "steps_in_task", steps_in_task)
+    PyObject_GenericSetAttr(rh, "final", final)
     PyObject_GenericSetAttr(rh, "trace", trace)
     PyObject_GenericSetAttr(rh, "stripped", stripped)
     PyObject_GenericSetAttr(rh, "errors", errors)
@@ -151,6 +166,34 @@ cdef object _parse_deadline(str v):
     if 1 <= ms <= _DEADLINE_MAX:
         return ms
     return None
+
+
+cdef object _parse_count(str v, long lo, long hi):
+    cdef Py_ssize_t i = 0, n = PyUnicode_GET_LENGTH(v), digits = 0
+    cdef unsigned int c
+    cdef long count = 0
+    if n == 0:
+        return None
+    while i < n and _ch(v, i) == 48:
+        i += 1
+    while i < n:
+        c = _ch(v, i)
+        if not (48 <= c <= 57):
+            return None
+        digits += 1
+        if digits > 7:
+            return None
+        count = count * 10 + (c - 48)
+        i += 1
+    if lo <= count <= hi:
+        return count
+    return None
+
+
+cdef object _parse_final(str v):
+    if PyUnicode_GET_LENGTH(v) > 5:
+        return None
+    return _FINAL_VALUES.get(v.lower())
 
 
 cdef bint _valid_id(str v) noexcept:
@@ -284,6 +327,7 @@ cdef object _build(dict seen, list traceparents, list tracestates, list stripped
     cdef list errors = []
     cdef object tenant = None, session_id = None, workflow_id = None, task_id = None
     cdef object priority = None, deadline_ms = None, trace = None, parsed, ts
+    cdef object step = None, steps = None, final = None
     cdef str name, v
     cdef list values
     for name, values in seen.items():
@@ -299,6 +343,18 @@ cdef object _build(dict seen, list traceparents, list tracestates, list stripped
             deadline_ms = _parse_deadline(v)
             if deadline_ms is None:
                 errors.append(invalid_error(name, DEADLINE_EXPECTED, v))
+        elif name == TASK_STEP:
+            step = _parse_count(v, 0, _STEPS_MAX - 1)
+            if step is None:
+                errors.append(invalid_error(name, STEP_EXPECTED, v))
+        elif name == TASK_STEPS:
+            steps = _parse_count(v, 1, _STEPS_MAX)
+            if steps is None:
+                errors.append(invalid_error(name, STEPS_EXPECTED, v))
+        elif name == TASK_FINAL:
+            final = _parse_final(v)
+            if final is None:
+                errors.append(invalid_error(name, FINAL_EXPECTED, v))
         elif not _valid_id(v):
             errors.append(invalid_error(name, ID_EXPECTED, v))
         elif name == TENANT:
@@ -309,13 +365,16 @@ cdef object _build(dict seen, list traceparents, list tracestates, list stripped
             workflow_id = v
         else:
             task_id = v
+    if step is not None and steps is not None and step >= steps:
+        errors.append(step_error(step, steps))
+        step = None
     if len(traceparents) == 1:
         parsed = _parse_traceparent(_strip_ows(traceparents[0]))
         if parsed is not None:
             ts = _parse_tracestate(tracestates) if tracestates else None
             trace = _trace_context(parsed[0], parsed[1], parsed[2], ts)
     return _routing_headers(tenant, priority, deadline_ms, session_id, workflow_id, task_id,
-                            trace, tuple(stripped), tuple(errors))
+                            step, steps, final, trace, tuple(stripped), tuple(errors))
 
 
 def parse_routing_headers(headers, bint trusted):

@@ -10,9 +10,11 @@ Sans-I/O: records come in (time is the record's own `ts`), summaries go out. The
   uncached prompt tokens / prefill rate + output tokens x (decode step at the typical batch /
   batch), the step shared by the batch that decodes together (profiles: filters/gpu.py).
 - A task is `task_id`, else `workflow_id`, else the request alone. It succeeds when its final
-  step succeeds: the step with `step == steps_in_task - 1` (0-based, as loadtest/workloads/
-  request.py numbers steps) or a record marked `final`; a task that says neither is judged by
-  its last request when it goes idle. A final step that fails leaves the task open (the client
+  step succeeds: the record marked `final` (x-meshd-task-final), else, when a record says
+  nothing of `final`, the step with `step == steps_in_task - 1` (0-based, as loadtest/
+  workloads/request.py numbers steps; x-meshd-task-step / -steps). `final: false` wins over
+  the count (an agent that adds steps); a task that says neither is judged by its last
+  request when it goes idle. A final step that fails leaves the task open (the client
   may retry the step); an idle task whose final step never succeeded failed.
 - Every dollar lands in exactly one bucket: useful (ok requests of succeeded tasks), or waste:
   `retries` (failed attempts inside requests that ended ok), `failed_requests` (requests that
@@ -327,7 +329,7 @@ class _OpenTask:
     cost_usd: float = 0.0
     wasted_usd: float = 0.0
     last_ok: bool = False
-    knows_final: bool = False  # some record said steps_in_task or final
+    knows_final: bool = False  # some record said steps_in_task or final (true or false)
     # Cost of ok requests, by (tenant, model), not yet useful or waste.
     pending: dict[tuple[str, str], float] = field(default_factory=dict)
 
@@ -459,12 +461,17 @@ class CostLedger:
         task.last_ok = ok
         if ok:
             task.pending[(tenant, model)] = task.pending.get((tenant, model), 0.0) + final_usd
-        is_final = bool(record.final) or (
-            record.step is not None
-            and record.steps_in_task is not None
-            and record.step >= record.steps_in_task - 1
+        if record.final is not None:
+            is_final = record.final
+        else:
+            is_final = (
+                record.step is not None
+                and record.steps_in_task is not None
+                and record.step >= record.steps_in_task - 1
+            )
+        task.knows_final = (
+            task.knows_final or record.final is not None or record.steps_in_task is not None
         )
-        task.knows_final = task.knows_final or is_final or record.steps_in_task is not None
         lone = key.startswith("request:")
         if (is_final and ok) or lone:
             task.model = model  # a task's model is the one its final step ran on

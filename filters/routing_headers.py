@@ -8,6 +8,14 @@ Trace Context rules follow the W3C spec (w3c/trace-context: spec/20-http_request
 and its test suite (w3c/trace-context: test/test.py, test/tracecontext/tracestate.py):
 a malformed `traceparent` is ignored, never an error; `tracestate` is kept only with a
 valid `traceparent`, and is discarded whole when any list member is malformed.
+
+Task steps (for cost per successful task, filters/cost_ledger.py): `x-meshd-task-step` is
+the 0-based index of this request in its task (as the access log's `step`),
+`x-meshd-task-steps` how many steps the task has, `x-meshd-task-final` (`true`/`false`,
+or `1`/`0`) whether this is its last step. A step not below the step count is an error
+(a 1-based client's last step is caught here). `final`, when sent, decides over the
+count: an agent may finish early or add steps. They mean something only with a task or
+workflow id; without one the request is a task of its own.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ __all__ = [
     "DEADLINE_MS_MAX",
     "ID_MAX_CHARS",
     "PRIORITY_NAMES",
+    "TASK_STEPS_MAX",
     "TRACESTATE_MAX_MEMBERS",
     "RoutingHeaders",
     "TraceContext",
@@ -47,6 +56,9 @@ class RoutingHeaders:
     session_id: str | None = None
     workflow_id: str | None = None
     task_id: str | None = None
+    step: int | None = None  # x-meshd-task-step: 0-based index of this request in its task
+    steps_in_task: int | None = None  # x-meshd-task-steps: how many steps the task has
+    final: bool | None = None  # x-meshd-task-final: this is the task's last step
     trace: TraceContext | None = None
     stripped: tuple[str, ...] = ()  # lower-cased names of x-meshd-* headers removed (untrusted)
     errors: tuple[str, ...] = ()  # human-readable problems, each naming the header
@@ -55,6 +67,8 @@ class RoutingHeaders:
 # Limits. A deadline beyond a day is a mistake, not a budget.
 DEADLINE_MS_MAX = 86_400_000
 ID_MAX_CHARS = 128
+# Steps in one task: thousands for an autonomous workflow; a million is a mistake.
+TASK_STEPS_MAX = 1_000_000
 TRACESTATE_MAX_MEMBERS = 32  # W3C: "a maximum of 32 list-members"
 # Longest value quoted back in an error message; the rest is elided.
 ERROR_VALUE_MAX_CHARS = 64
@@ -74,7 +88,12 @@ DEADLINE = "x-meshd-deadline-ms"
 SESSION = "x-meshd-session-id"
 WORKFLOW = "x-meshd-workflow-id"
 TASK = "x-meshd-task-id"
-KNOWN_MESHD = frozenset((TENANT, PRIORITY, DEADLINE, SESSION, WORKFLOW, TASK))
+TASK_STEP = "x-meshd-task-step"
+TASK_STEPS = "x-meshd-task-steps"
+TASK_FINAL = "x-meshd-task-final"
+KNOWN_MESHD = frozenset(
+    (TENANT, PRIORITY, DEADLINE, SESSION, WORKFLOW, TASK, TASK_STEP, TASK_STEPS, TASK_FINAL)
+)
 
 # HTTP optional whitespace (RFC 9110 section 5.6.3): values and names are compared
 # without it.
@@ -86,6 +105,10 @@ LCHEX = frozenset("0123456789abcdef")
 PRIORITY_EXPECTED = "expected an integer 0-9 or one of critical, high, standard, low, sheddable"
 DEADLINE_EXPECTED = f"expected an integer 1-{DEADLINE_MS_MAX} (milliseconds)"
 ID_EXPECTED = f"expected 1-{ID_MAX_CHARS} characters of A-Z a-z 0-9 . _ : / @ + = -"
+STEP_EXPECTED = f"expected an integer 0-{TASK_STEPS_MAX - 1} (steps count from 0)"
+STEPS_EXPECTED = f"expected an integer 1-{TASK_STEPS_MAX}"
+FINAL_EXPECTED = "expected true or false (or 1 or 0)"
+FINAL_VALUES: dict[str, bool] = {"true": True, "false": False, "1": True, "0": False}
 
 # W3C tracestate list-member (Level 1 key grammar, as the spec's test suite checks it).
 _TS_KEY = r"(?:[a-z][a-z0-9_\-*/]{0,255}|[a-z0-9][a-z0-9_\-*/]{0,240}@[a-z][a-z0-9_\-*/]{0,13})"
@@ -124,6 +147,28 @@ def parse_deadline(v: str) -> int | None:
         return None
     ms = int(digits) if digits else 0
     return ms if 1 <= ms <= DEADLINE_MS_MAX else None
+
+
+def parse_count(v: str, lo: int, hi: int) -> int | None:
+    """A decimal integer in lo..hi (ASCII digits, leading zeros allowed), else None."""
+    if not (v.isascii() and v.isdigit()):
+        return None
+    digits = v.lstrip("0")
+    if len(digits) > 7:  # bounds int() work; TASK_STEPS_MAX has 7 digits
+        return None
+    n = int(digits) if digits else 0
+    return n if lo <= n <= hi else None
+
+
+def parse_final(v: str) -> bool | None:
+    return FINAL_VALUES.get(v.lower()) if len(v) <= 5 else None
+
+
+def step_error(step: int, steps: int) -> str:
+    return (
+        f"{TASK_STEP}: {step} is not below {TASK_STEPS} {steps} "
+        f"(steps count from 0: the last of {steps} is {steps - 1})"
+    )
 
 
 def valid_id(v: str) -> bool:
@@ -183,7 +228,8 @@ def build(
     """Turn the collected raw values into a RoutingHeaders (shared by both twins)."""
     errors: list[str] = []
     tenant = session_id = workflow_id = task_id = None
-    priority = deadline_ms = None
+    priority = deadline_ms = step = steps = None
+    final: bool | None = None
     for name, values in seen.items():
         if len(values) > 1:
             errors.append(repeated_error(name, len(values)))
@@ -197,6 +243,18 @@ def build(
             deadline_ms = parse_deadline(v)
             if deadline_ms is None:
                 errors.append(invalid_error(name, DEADLINE_EXPECTED, v))
+        elif name == TASK_STEP:
+            step = parse_count(v, 0, TASK_STEPS_MAX - 1)
+            if step is None:
+                errors.append(invalid_error(name, STEP_EXPECTED, v))
+        elif name == TASK_STEPS:
+            steps = parse_count(v, 1, TASK_STEPS_MAX)
+            if steps is None:
+                errors.append(invalid_error(name, STEPS_EXPECTED, v))
+        elif name == TASK_FINAL:
+            final = parse_final(v)
+            if final is None:
+                errors.append(invalid_error(name, FINAL_EXPECTED, v))
         elif not valid_id(v):
             errors.append(invalid_error(name, ID_EXPECTED, v))
         elif name == TENANT:
@@ -207,6 +265,9 @@ def build(
             workflow_id = v
         else:
             task_id = v
+    if step is not None and steps is not None and step >= steps:
+        errors.append(step_error(step, steps))
+        step = None
     trace = None
     # Two traceparent headers are ambiguous: the W3C suite expects a restarted trace.
     if len(traceparents) == 1:
@@ -221,6 +282,9 @@ def build(
         session_id=session_id,
         workflow_id=workflow_id,
         task_id=task_id,
+        step=step,
+        steps_in_task=steps,
+        final=final,
         trace=trace,
         stripped=tuple(stripped),
         errors=tuple(errors),

@@ -346,9 +346,20 @@ class AccessLogSettings(_Strict):
     backups: int = Field(default=5, ge=0)
 
 
+class MetricsSettings(_Strict):
+    """Caps on client-given label values (meshd/observe.py BoundedLabels): the first N
+    distinct tenants/models keep their name, later ones read "other". Tenants named in
+    reliability.admission.tenants and the pools' models always keep theirs, over the cap."""
+
+    # Same defaults as meshd/observe.py DEFAULT_MAX_TENANT_LABELS / DEFAULT_MAX_MODEL_LABELS.
+    max_tenant_labels: int = Field(default=16, ge=0, le=10_000)
+    max_model_labels: int = Field(default=32, ge=0, le=10_000)
+
+
 class Telemetry(_Strict):
     tracing: TracingSettings = TracingSettings()
     access_log: AccessLogSettings = AccessLogSettings()
+    metrics: MetricsSettings = MetricsSettings()
     # Dollars per GPU-hour by GPU name, over the built-in table (filters/cost_ledger.py).
     prices_usd_per_gpu_hour: dict[str, float] = Field(default_factory=dict)
 
@@ -623,6 +634,9 @@ telemetry:
     path: null                 # JSON lines for `meshd cost`
     max_bytes: 104857600
     backups: 5
+  metrics:                     # label caps: later tenants/models read "other"
+    max_tenant_labels: 16      # configured admission tenants are kept over the cap
+    max_model_labels: 32       # the pools' models are kept over the cap
   prices_usd_per_gpu_hour: {}  # e.g. {H100: 2.5}
 control_plane:
   addresses: []                # host:port of each `meshd control-plane` replica

@@ -31,6 +31,12 @@ balancing policy walks the list on retries and reports the endpoint that served 
 on the response (or, failing that, the `upstream.address` response attribute) to charge the
 skipped endpoints with a connect failure and the rest of the request to the one that served.
 
+Traces (`--otlp-endpoint`): a span per decision, continuing the client's traceparent; the
+answer sets `traceparent` naming that span (and `tracestate`: the span's, else the client's;
+removed when there is none), so Envoy's upstream request, and the engine's work, continue the
+trace under the decision. Without a tracer the client's headers pass untouched. Tested with
+Envoy's own tracing off; with it on, Envoy's router may write its own span there instead.
+
 Endpoints are static (`--endpoint`). To take engine state from meshd's control plane the
 picker would run the sidecar's subscriber (meshd/control_feed.py ControlFeed) on its loop with
 its router as the one pool (envoy/README.md, "Endpoints from the control plane").
@@ -77,6 +83,7 @@ from meshd.telemetry import (
     context_from_trace,
     genai_request_attributes,
     span_name,
+    traceparent_of,
 )
 
 if TYPE_CHECKING:
@@ -414,8 +421,11 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             s.span = self._start_span(kind, inference, routing, s.decision)
         if self.on_decision is not None:
             self.on_decision(s.decision)
+        mutation = pb.HeaderMutation(set_headers=[_set_header(DESTINATION_HEADER, value)])
+        if s.span is not None:
+            _continue_trace(mutation, s.span, routing)
         common = pb.CommonResponse(
-            header_mutation=pb.HeaderMutation(set_headers=[_set_header(DESTINATION_HEADER, value)]),
+            header_mutation=mutation,
             # Envoy may have matched a route already (the header-less fallback one): without
             # this the new header never reaches route selection.
             clear_route_cache=True,
@@ -587,6 +597,23 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             attributes={HTTP_STATUS: status, ERROR_TYPE: code, ATTR_OUTCOME: "rejected"},
         )
         span.end()
+
+
+def _continue_trace(mutation: pb.HeaderMutation, span: Span, routing: RoutingHeaders) -> None:
+    """Name the picker's span as the upstream request's parent (W3C traceparent, with the
+    span's tracestate, else the client's), so the engine's work joins the trace under the
+    decision. A tracestate that cannot go with the new traceparent is removed."""
+    value = traceparent_of(span)
+    if value is None:
+        return
+    mutation.set_headers.append(_set_header("traceparent", value))
+    state = span.get_span_context().trace_state.to_header()
+    if not state and routing.trace is not None and routing.trace.tracestate:
+        state = routing.trace.tracestate
+    if state:
+        mutation.set_headers.append(_set_header("tracestate", state))
+    else:
+        mutation.remove_headers.append("tracestate")
 
 
 def _served_endpoint(req: pb.ProcessingRequest) -> str | None:

@@ -63,7 +63,8 @@ __all__ = [
 # Label values taken from clients are capped: each distinct value is a set of series in
 # every histogram it labels (ttft x endpoints x models x tenants x 17 buckets). A sidecar
 # usually serves one app, so few tenants; the first N seen keep their name, later ones
-# read "other". Tenants named in reliability.admission.tenants always keep theirs.
+# read "other". Tenants named in reliability.admission.tenants always keep theirs. The caps
+# are telemetry.metrics.max_tenant_labels / max_model_labels (meshd/config.py, same defaults).
 DEFAULT_MAX_TENANT_LABELS = 16
 DEFAULT_MAX_MODEL_LABELS = 32
 NO_VALUE = "none"
@@ -176,9 +177,10 @@ class RequestObserver:
     @classmethod
     def from_config(cls, config: Any, metrics: DataPlaneMetrics, **kw: Any) -> RequestObserver:
         """From a meshd.config.Config: telemetry.tracing (OTLP exporter when otlp_endpoint
-        is set), telemetry.access_log (writer when path is set), the price table, preset
-        labels (admission tenants, the pools' models) and the pools' GPUs, which also set
-        meshd_gpu_provisioned_seconds_total (one GPU per endpoint)."""
+        is set), telemetry.access_log (writer when path is set), the price table, the label
+        caps (telemetry.metrics) and preset labels (admission tenants, the pools' models),
+        and the pools' GPUs, which also set meshd_gpu_provisioned_seconds_total (one GPU
+        per endpoint)."""
         tel = config.telemetry
         tracing = tel.tracing
         provider = kw.pop("tracer_provider", None)
@@ -198,6 +200,8 @@ class RequestObserver:
                 backups=tel.access_log.backups,
             )
         gpus = {ep.url: ep.gpu for pool in config.pools for ep in pool.endpoints}
+        kw.setdefault("max_tenant_labels", tel.metrics.max_tenant_labels)
+        kw.setdefault("max_model_labels", tel.metrics.max_model_labels)
         observer = cls(
             metrics,
             tracer_provider=provider,

@@ -647,8 +647,17 @@ class Sidecar:
         body: bytes,
     ) -> web.StreamResponse:
         upstream_headers = self._upstream_headers(headers, ctx)
+        rh = ctx.routing
         ctx.obs = self.observer.begin(
-            ctx.kind, ctx.pool, ctx.inference, ctx.routing, ctx.request_id, ctx.started
+            ctx.kind,
+            ctx.pool,
+            ctx.inference,
+            rh,
+            ctx.request_id,
+            ctx.started,
+            step=None if rh is None else rh.step,
+            steps_in_task=None if rh is None else rh.steps_in_task,
+            final=None if rh is None else rh.final,
         )
         ctx.body = body
         ctx.upstream_headers = upstream_headers

@@ -95,3 +95,96 @@ def test_help_explains_every_command(capsys):
     out = capsys.readouterr().out
     for command in ("sidecar", "config", "version"):
         assert command in out
+
+
+# ---------------------------------------------------------------- telemetry.metrics
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "reason"),
+    [
+        (
+            "telemetry.metrics.max_tenant_labels=-1",
+            "telemetry.metrics.max_tenant_labels",
+            "greater than or equal to 0",
+        ),
+        (
+            "telemetry.metrics.max_model_labels=10001",
+            "telemetry.metrics.max_model_labels",
+            "less than or equal to 10000",
+        ),
+        (
+            "telemetry.metrics.max_model_labels=many",
+            "telemetry.metrics.max_model_labels",
+            "integer",
+        ),
+        ("telemetry.metrics.max_labels=3", "telemetry.metrics.max_labels", "unknown key"),
+    ],
+)
+def test_label_cap_errors_name_the_key(tmp_path, override, key, reason):
+    f = tmp_path / "c.yaml"
+    f.write_text(GOOD)
+    with pytest.raises(ConfigError) as info:
+        load_config(f, env={}, overrides=[override])
+    (problem,) = info.value.problems
+    assert problem.startswith(key + ":") and reason in problem
+
+
+def test_label_caps_default_to_the_observers_and_reach_it(tmp_path):
+    """telemetry.metrics caps bound the labels RequestObserver.from_config makes: the first N
+    tenants (models) keep their name, later ones read "other", configured ones always keep
+    theirs; the edges 0 and 10000 load."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from filters.hotpath import parse_routing_headers
+    from filters.request import parse_inference_request
+    from meshd import observe
+    from meshd.metrics import DataPlaneMetrics
+
+    f = tmp_path / "c.yaml"
+    f.write_text(GOOD)
+    cfg = load_config(f, env={})
+    assert (cfg.telemetry.metrics.max_tenant_labels, cfg.telemetry.metrics.max_model_labels) == (
+        observe.DEFAULT_MAX_TENANT_LABELS,
+        observe.DEFAULT_MAX_MODEL_LABELS,
+    )
+    edges = load_config(
+        f,
+        env={"MESHD_TELEMETRY__METRICS__MAX_TENANT_LABELS": "0"},
+        overrides=["telemetry.metrics.max_model_labels=10000"],
+    )
+    assert (
+        edges.telemetry.metrics.max_tenant_labels,
+        edges.telemetry.metrics.max_model_labels,
+    ) == (
+        0,
+        10000,
+    )
+
+    f.write_text(
+        "pools: [{name: p, models: [served], endpoints: ['http://127.0.0.1:8000']}]\n"
+        "reliability: {admission: {tenants: {gold: {weight: 2}}}}\n"
+        "telemetry: {metrics: {max_tenant_labels: 2, max_model_labels: 1}}\n"
+    )
+    metrics = DataPlaneMetrics()
+    observer = observe.RequestObserver.from_config(load_config(f, env={}), metrics)
+    sent = [("t1", "m1"), ("t2", "m2"), ("t3", "served"), ("gold", "m3"), ("t1", "m1")]
+    for i, (tenant, model) in enumerate(sent):
+        body = f'{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}]}}'.encode()
+        routing, _ = parse_routing_headers([("x-meshd-tenant", tenant)], True)
+        req = observer.begin("chat", "p", parse_inference_request("chat", body), routing, "r", i)
+        req.attempt("http://127.0.0.1:8000", None, i).first_token(i + 0.1)
+        req.finish("ok", None, i + 0.2)
+    seen: dict[tuple[str, str], float] = {}
+    for fam in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for s in fam.samples:
+            if s.name == "meshd_time_to_first_token_seconds_count":
+                key = (s.labels["tenant"], s.labels["model"])
+                seen[key] = seen.get(key, 0) + s.value
+    assert seen == {
+        ("t1", "m1"): 2,  # first tenant, first model: both keep their names
+        ("t2", "other"): 1,  # second tenant fits the cap of 2; a second model does not
+        ("other", "served"): 1,  # a third tenant is over the cap; the pool's model is kept
+        ("gold", "other"): 1,  # an admission tenant is kept over the cap
+    }

@@ -111,6 +111,28 @@ def test_final_step_failure_keeps_task_open_until_retried() -> None:
     assert s.useful_usd == pytest.approx(0.002)
 
 
+def test_final_flag_wins_over_the_step_count() -> None:
+    ledger = CostLedger(PRICES, idle_timeout_s=10)
+    plan = {"task_id": "T", "steps_in_task": 5}
+    # Finishing early: step 1 of 5 marked final closes the task as a success.
+    ledger.record(rec(0, "s0", "ok", 1.0, step=0, **plan))
+    (early,) = ledger.record(rec(1, "s1", "ok", 1.0, step=1, final=True, **plan))
+    assert (early.succeeded, early.reason, early.requests) == (True, "final_ok", 2)
+    # Adding steps: the counted last step says final=false, so the task stays open...
+    more = {"task_id": "U", "steps_in_task": 2}
+    assert ledger.record(rec(2, "u1", "ok", 1.0, step=1, final=False, **more)) == []
+    assert ledger.summary().open_tasks == 1
+    (done,) = ledger.record(rec(3, "u2", "ok", 1.0, step=2, final=True, **more))
+    assert (done.key, done.succeeded, done.requests) == ("task:U", True, 2)
+    # ...and a task whose client marks `final` but never sent final=true failed when idle.
+    ledger.record(rec(4, "v0", "ok", 1.0, task_id="V", step=0, final=False))
+    (idle,) = ledger.close_idle(20)
+    assert (idle.key, idle.succeeded, idle.reason) == ("task:V", False, "idle")
+    s = ledger.summary().total
+    assert (s.tasks_succeeded, s.tasks_failed) == (2, 1)
+    assert s.useful_usd == pytest.approx(0.004) and s.waste.failed_tasks == pytest.approx(0.001)
+
+
 def test_task_without_step_info_is_judged_by_last_request() -> None:
     ledger = CostLedger(PRICES, idle_timeout_s=10)
     ledger.record(rec(0, "w0", "ok", 1.0, workflow_id="W"))

@@ -6,6 +6,7 @@ is then served by a real `meshd webhook` and trusted through the rendered caBund
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import re
 import ssl
@@ -35,9 +36,26 @@ from meshd.webhook import WebhookServer  # noqa: E402
 
 CHART = Path(__file__).parent.parent / "helm" / "meshd"
 REVIEW = Path(__file__).parent / "k8s" / "admission_review_pod.json"
+ENGINE_REVIEW = Path(__file__).parent / "k8s" / "admission_review_engine_pod.json"
 NAMESPACE = "meshd-system"
 # Custom resources (cert-manager, Prometheus Operator): no schema in kubernetes-validate.
 CRD_KINDS = {"Certificate", "Issuer", "ServiceMonitor", "PodMonitor"}
+
+# With mTLS the sidecars need a client certificate for the control plane (files in the pod).
+SIDECAR_TLS = {
+    "sidecar": {
+        "config": {
+            "control_plane": {
+                "tls": {
+                    "ca_file": "/etc/meshd/mtls/ca.crt",
+                    "cert_file": "/etc/meshd/mtls/tls.crt",
+                    "key_file": "/etc/meshd/mtls/tls.key",
+                }
+            }
+        }
+    }
+}
+OTLP = "http://otel-collector.observability.svc:4317"
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -50,17 +68,33 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "mtls": {
         "mtls": {"enabled": True},
         "picker": {"enabled": True, "endpoints": ["10.0.0.5:8000"]},
+        **SIDECAR_TLS,
     },
     "cert-manager": {
         "webhook": {"tls": {"mode": "certManager"}},
         "mtls": {"enabled": True, "mode": "certManager"},
+        **SIDECAR_TLS,
         "telemetry": {
             "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
-            "otlp": {"endpoint": "http://otel-collector.observability.svc:4317"},
+            "otlp": {"endpoint": OTLP},
         },
         "injection": {"includePorts": ["*"], "excludePorts": [22]},
     },
     "no-discovery": {"controlPlane": {"discoverEndpoints": False}},
+    # Every flag of the picker and the control plane that the chart sets.
+    "all-flags": {
+        "controlPlane": {"resourceTTLSeconds": 0, "eds": False},
+        "picker": {
+            "enabled": True,
+            "endpoints": ["10.0.0.5:8000=H100", "10.0.0.6:8000=H100", "10.0.0.7:8000=A100"],
+            "fallbacks": 2,
+            "trustRoutingHeaders": True,
+            "maxInFlight": 64,
+            "traceSampleRatio": 0.25,
+        },
+        "telemetry": {"otlp": {"endpoint": OTLP, "sampleRatio": 0.5}},
+        "sidecar": {"controlPlane": {"connect": False}},
+    },
     "user-secret": {
         "webhook": {"tls": {"mode": "secret", "secretName": "my-tls", "caBundle": "Q0E="}}
     },
@@ -129,7 +163,7 @@ def test_every_manifest_validates_against_kubernetes(
     assert checked >= 10
 
 
-@pytest.mark.parametrize("name", ["defaults", "ha", "mtls", "cert-manager"])
+@pytest.mark.parametrize("name", ["defaults", "ha", "mtls", "cert-manager", "all-flags"])
 def test_helm_lint_is_clean(name: str) -> None:
     report = helm.lint(str(CHART), VALUE_SETS[name], namespace=NAMESPACE, kube_version="v1.29.0")
     assert report["errors"] == []
@@ -150,6 +184,16 @@ def test_helm_lint_is_clean(name: str) -> None:
         ({"sidecar": {"config": {"pools": []}}}, "/sidecar/config/pools"),
         ({"picker": {"enabled": True}}, "endpoints"),
         ({"picker": {"enabled": True, "endpoints": ["no-port"]}}, "/picker/endpoints/0"),
+        ({"picker": {"fallbacks": -1}}, "/picker/fallbacks"),
+        ({"picker": {"maxInFlight": 0}}, "/picker/maxInFlight"),
+        ({"picker": {"traceSampleRatio": 1.5}}, "/picker/traceSampleRatio"),
+        ({"controlPlane": {"resourceTTLSeconds": -1}}, "/controlPlane/resourceTTLSeconds"),
+        ({"controlPlane": {"eds": "no"}}, "/controlPlane/eds"),
+        ({"sidecar": {"controlPlane": {"conect": True}}}, "conect"),
+        (
+            {"sidecar": {"config": {"control_plane": {"addresses": ["http://cp:15010"]}}}},
+            "/sidecar/config/control_plane/addresses/0",
+        ),
     ],
 )
 def test_bad_values_are_rejected_by_the_schema(
@@ -187,7 +231,9 @@ def test_picker_is_optional(rendered: dict[str, list[dict[str, Any]]]) -> None:
     ("value_set", "kind", "name", "container"),
     [
         ("picker", "Deployment", "meshd-picker", "picker"),
+        ("all-flags", "Deployment", "meshd-picker", "picker"),
         ("mtls", "Deployment", "meshd-control-plane", "control-plane"),
+        ("all-flags", "Deployment", "meshd-control-plane", "control-plane"),
         ("defaults", "Deployment", "meshd-webhook", "webhook"),
     ],
 )
@@ -201,6 +247,115 @@ def test_rendered_commands_are_accepted_by_meshd_itself(
     assert c["command"] == ["meshd"]
     args = build_parser().parse_args(c["args"])  # exits (fails the test) on an unknown flag
     assert callable(args.func)
+
+
+def _args(docs: list[dict[str, Any]], name: str) -> Any:
+    from meshd.cli import build_parser
+
+    (deploy,) = find(docs, "Deployment", name)
+    return build_parser().parse_args(deploy["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def test_control_plane_flags_follow_the_values(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    default = _args(rendered["defaults"], "meshd-control-plane")
+    assert (default.resource_ttl_s, default.no_eds) == (30.0, False)
+    changed = _args(rendered["all-flags"], "meshd-control-plane")
+    assert (changed.resource_ttl_s, changed.no_eds) == (0.0, True)
+
+
+def test_picker_flags_follow_the_values(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    plain = _args(rendered["picker"], "meshd-picker")
+    assert (plain.fallbacks, plain.trust_routing_headers, plain.max_in_flight) == (0, False, None)
+    assert plain.otlp_endpoint is None  # no telemetry.otlp.endpoint: no spans at all
+    full = _args(rendered["all-flags"], "meshd-picker")
+    assert [e.gpu for e in full.endpoint] == ["H100", "H100", "A100"]
+    assert (full.fallbacks, full.trust_routing_headers, full.max_in_flight) == (2, True, 64)
+    assert (full.otlp_endpoint, full.trace_sample_ratio) == (OTLP, 0.25)
+
+
+def test_picker_sample_ratio_defaults_to_the_global_one(chart: Any) -> None:
+    """Without its own ratio the picker samples at telemetry.otlp.sampleRatio."""
+    docs = render(
+        chart,
+        {
+            "picker": {"enabled": True, "endpoints": ["10.0.0.5:8000"]},
+            "telemetry": {"otlp": {"endpoint": OTLP, "sampleRatio": 0.05}},
+        },
+    )
+    args = _args(docs, "meshd-picker")
+    assert (args.otlp_endpoint, args.trace_sample_ratio) == (OTLP, 0.05)
+    # http/protobuf is not what meshd's exporters speak: no flag rather than a wrong one.
+    docs = render(
+        chart,
+        {
+            "picker": {"enabled": True, "endpoints": ["10.0.0.5:8000"]},
+            "telemetry": {"otlp": {"endpoint": OTLP, "protocol": "http/protobuf"}},
+        },
+    )
+    assert _args(docs, "meshd-picker").otlp_endpoint is None
+
+
+def _sidecar_and_injection(docs: list[dict[str, Any]], tmp_path: Path) -> tuple[Any, Any]:
+    (cm,) = find(docs, "ConfigMap", "meshd-config")
+    (tmp_path / "sidecar.yaml").write_text(cm["data"]["sidecar.yaml"])
+    (tmp_path / "inject.yaml").write_text(cm["data"]["inject.yaml"])
+    return load_config(str(tmp_path / "sidecar.yaml")), load_config_file(
+        str(tmp_path / "inject.yaml")
+    )
+
+
+def test_sidecars_and_agents_reach_the_releases_control_plane(
+    rendered: dict[str, list[dict[str, Any]]], chart: Any, tmp_path: Path
+) -> None:
+    docs = rendered["defaults"]
+    (svc,) = find(docs, "Service", "meshd-control-plane")
+    (xds,) = [p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc-xds"]
+    address = f"meshd-control-plane.{NAMESPACE}.svc:{xds}"
+    sidecar, injection = _sidecar_and_injection(docs, tmp_path)
+    assert sidecar.control_plane.addresses == (address,)
+    assert sidecar.control_plane.tls is None
+    assert injection.control_plane == address  # meshd agent --control-plane
+    # mTLS: the sidecar's certificate paths go through as given.
+    sidecar, _ = _sidecar_and_injection(rendered["mtls"], tmp_path)
+    assert sidecar.control_plane.addresses == (address,)
+    assert sidecar.control_plane.tls is not None
+    assert sidecar.control_plane.tls.ca_file == "/etc/meshd/mtls/ca.crt"
+    # Addresses the user names are kept; connect=false leaves the sidecars on their own.
+    own = {"sidecar": {"config": {"control_plane": {"addresses": ["cp-a:1", "cp-b:2"]}}}}
+    sidecar, _ = _sidecar_and_injection(render(chart, own), tmp_path)
+    assert sidecar.control_plane.addresses == ("cp-a:1", "cp-b:2")
+    sidecar, _ = _sidecar_and_injection(rendered["all-flags"], tmp_path)
+    assert sidecar.control_plane.addresses == ()
+
+
+def test_mtls_without_a_sidecar_certificate_fails_the_install(chart: Any) -> None:
+    with pytest.raises(helm.HelmRenderError) as info:
+        chart.render({"mtls": {"enabled": True}}, name="meshd", namespace=NAMESPACE)
+    assert "sidecar.config.control_plane.tls" in str(info.value)
+    assert "sidecar.controlPlane.connect=false" in str(info.value)
+    off = {"mtls": {"enabled": True}, "sidecar": {"controlPlane": {"connect": False}}}
+    assert find(render(chart, off), "Secret", "meshd-control-plane-tls")
+
+
+def test_otlp_endpoint_reaches_the_sidecars(
+    rendered: dict[str, list[dict[str, Any]]], chart: Any, tmp_path: Path
+) -> None:
+    sidecar, _ = _sidecar_and_injection(rendered["all-flags"], tmp_path)
+    tracing = sidecar.telemetry.tracing
+    assert (tracing.otlp_endpoint, tracing.sample_ratio, tracing.insecure) == (OTLP, 0.5, True)
+    sidecar, _ = _sidecar_and_injection(rendered["defaults"], tmp_path)
+    assert sidecar.telemetry.tracing.otlp_endpoint is None
+    own = {
+        "telemetry": {"otlp": {"endpoint": "https://collector:4317"}},
+        "sidecar": {"config": {"telemetry": {"tracing": {"sample_ratio": 1.0}}}},
+    }
+    sidecar, _ = _sidecar_and_injection(render(chart, own), tmp_path)
+    tracing = sidecar.telemetry.tracing
+    assert (tracing.otlp_endpoint, tracing.sample_ratio, tracing.insecure) == (
+        "https://collector:4317",
+        1.0,
+        False,
+    )
 
 
 def test_webhook_configuration_selects_opted_in_pods_only(
@@ -374,3 +529,90 @@ async def test_generated_webhook_certificate_serves_a_review(
         await server.stop()
     assert answer["response"]["uid"] == json.loads(REVIEW.read_text())["request"]["uid"]
     assert answer["response"]["patchType"] == "JSONPatch"
+
+
+async def test_the_installed_webhook_wires_pods_to_the_releases_control_plane(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """The chart as installed (its webhook paths, certificate and inject.yaml) against
+    AdmissionReviews in the v1 shape: an opted-in client pod, a pod of an opted-in namespace,
+    an engine pod, an already injected pod and a hostNetwork one. Each patch is applied with
+    jsonpatch and the pod validated against the newest Kubernetes schema; the sidecar's config
+    and the agent's flags name the release's control plane Service."""
+    jsonpatch = pytest.importorskip("jsonpatch", reason="jsonpatch is not installed")
+    from meshd import webhook
+    from meshd.cli import build_parser
+    from meshd.inject import ANNOTATION_CONFIG
+
+    docs = rendered["defaults"]
+    (secret,) = find(docs, "Secret", "meshd-webhook-tls")
+    (mwc,) = find(docs, "MutatingWebhookConfiguration")
+    (cm,) = find(docs, "ConfigMap", "meshd-config")
+    paths = {w["name"]: w["clientConfig"]["service"]["path"] for w in mwc["webhooks"]}
+    for key in ("tls.crt", "tls.key"):
+        (tmp_path / key).write_bytes(base64.b64decode(secret["data"][key]))
+    for key in ("inject.yaml", "sidecar.yaml"):
+        (tmp_path / key).write_text(cm["data"][key])
+    address = f"meshd-control-plane.{NAMESPACE}.svc:15010"
+    # The webhook's own command line, its mounted files here.
+    (deploy,) = find(docs, "Deployment", "meshd-webhook")
+    argv = [
+        re.sub(r"^/etc/meshd/(config|tls)/", f"{tmp_path}/", a)
+        for a in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    ]
+    args = build_parser().parse_args(argv)
+    server = WebhookServer(webhook._load(args), args.cert, args.key, "127.0.0.1", 0)
+    await server.start()
+    assert server.address is not None
+    trust = ssl.create_default_context(cadata=base64.b64decode(secret["data"]["ca.crt"]).decode())
+
+    client = json.loads(REVIEW.read_text())
+    in_namespace = copy.deepcopy(client)
+    del in_namespace["request"]["object"]["metadata"]["annotations"]["meshd.io/inject"]
+    engine = json.loads(ENGINE_REVIEW.read_text())
+    host_network = copy.deepcopy(client)
+    host_network["request"]["object"]["spec"]["hostNetwork"] = True
+
+    async def admit(session: aiohttp.ClientSession, review: dict[str, Any], hook: str) -> Any:
+        async with session.post(
+            f"https://127.0.0.1:{server.address[1]}{paths[hook]}",  # type: ignore[index]
+            json=review,
+            ssl=trust,
+            server_hostname=f"meshd-webhook.{NAMESPACE}.svc",
+        ) as resp:
+            assert resp.status == 200
+            answer = await resp.json()
+        response = answer["response"]
+        assert response["uid"] == review["request"]["uid"] and response["allowed"] is True
+        if "patch" not in response:
+            return None
+        pod = jsonpatch.apply_patch(
+            review["request"]["object"], json.loads(base64.b64decode(response["patch"]))
+        )
+        kv.validate(pod, kv.latest_version(), strict=True)
+        return pod
+
+    obj, ns = "object.sidecar-injector.meshd.io", "namespace.sidecar-injector.meshd.io"
+    try:
+        async with aiohttp.ClientSession() as session:
+            pod = await admit(session, client, obj)
+            ns_pod = await admit(session, in_namespace, ns)
+            engine_pod = await admit(session, engine, ns)
+            again = copy.deepcopy(client)
+            again["request"]["object"] = pod
+            skipped = [
+                await admit(session, again, obj),  # already injected: left alone
+                await admit(session, host_network, obj),
+                await admit(session, in_namespace, obj),  # not opted in by itself
+            ]
+    finally:
+        await server.stop()
+    assert skipped == [None, None, None]
+    for p in (pod, ns_pod):
+        names = [c["name"] for c in p["spec"]["initContainers"]]
+        assert names[:2] == ["meshd-init", "meshd-proxy"]
+        (tmp_path / "pod.yaml").write_text(p["metadata"]["annotations"][ANNOTATION_CONFIG])
+        assert load_config(str(tmp_path / "pod.yaml")).control_plane.addresses == (address,)
+    (agent,) = [c for c in engine_pod["spec"]["initContainers"] if c["name"] == "meshd-agent"]
+    args = agent["args"]
+    assert args[args.index("--control-plane") + 1] == address

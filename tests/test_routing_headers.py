@@ -53,6 +53,9 @@ def rh(parse: Parse, headers: Headers, trusted: bool = True) -> RoutingHeaders:
 
 def test_all_fields(parse: Parse) -> None:
     headers = [
+        ("x-meshd-task-step", "2"),
+        ("X-Meshd-Task-Steps", "5"),
+        ("x-meshd-task-final", "false"),
         ("Host", "engine:8000"),
         ("X-Meshd-Tenant", "acme"),
         ("x-meshd-priority", "7"),
@@ -71,6 +74,9 @@ def test_all_fields(parse: Parse) -> None:
         session_id="sess-1",
         workflow_id="wf/2024:a@b+c=d",
         task_id="t.1_2-3",
+        step=2,
+        steps_in_task=5,
+        final=False,
         trace=TraceContext(TRACE_ID, PARENT_ID, 1, "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"),
     )
     assert fwd == headers  # trusted: everything is forwarded, in order
@@ -165,6 +171,104 @@ def test_ids_invalid(parse: Parse, name: str, value: str) -> None:
     assert getattr(r, field) is None
     assert len(r.errors) == 1
     assert r.errors[0].startswith(f"{name}: expected 1-128 characters of A-Z a-z 0-9")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("0", 0), ("4", 4), (" 17\t", 17), ("000", 0), ("0000000000003", 3), ("999999", 999_999)],
+)
+def test_task_step_valid(parse: Parse, value: str, expected: int) -> None:
+    r = rh(parse, [("x-meshd-task-step", value)])
+    assert (r.step, r.errors) == (expected, ())
+
+
+@pytest.mark.parametrize(
+    "value", ["", "-1", "+1", "1.0", "1e3", "٣", "one", "1000000", "99999999999999999999", "1 2"]
+)
+def test_task_step_invalid(parse: Parse, value: str) -> None:
+    r = rh(parse, [("x-meshd-task-step", value)])
+    assert r.step is None
+    assert r.errors == (
+        f"x-meshd-task-step: expected an integer 0-999999 (steps count from 0); got {value!r}",
+    )
+
+
+@pytest.mark.parametrize(("value", "expected"), [("1", 1), ("5", 5), ("1000000", 1_000_000)])
+def test_task_steps_valid(parse: Parse, value: str, expected: int) -> None:
+    r = rh(parse, [("x-meshd-task-steps", value)])
+    assert (r.steps_in_task, r.errors) == (expected, ())
+
+
+@pytest.mark.parametrize("value", ["0", "", "-3", "1000001", "5 steps", "0x10"])
+def test_task_steps_invalid(parse: Parse, value: str) -> None:
+    r = rh(parse, [("x-meshd-task-steps", value)])
+    assert r.steps_in_task is None
+    assert r.errors == (f"x-meshd-task-steps: expected an integer 1-1000000; got {value!r}",)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("true", True), ("false", False), ("TRUE", True), ("False", False), ("1", True), ("0", False)],
+)
+def test_task_final_valid(parse: Parse, value: str, expected: bool) -> None:
+    r = rh(parse, [("x-meshd-task-final", f" {value}\t")])
+    assert (r.final, r.errors) == (expected, ())
+
+
+@pytest.mark.parametrize("value", ["", "yes", "no", "t", "2", "?1", "truee", "tru\u0130"])
+def test_task_final_invalid(parse: Parse, value: str) -> None:
+    r = rh(parse, [("x-meshd-task-final", value)])
+    assert r.final is None
+    assert r.errors == (f"x-meshd-task-final: expected true or false (or 1 or 0); got {value!r}",)
+
+
+def test_task_step_must_be_below_the_step_count(parse: Parse) -> None:
+    # A client counting from 1 sends "step 5 of 5" for its last step: caught, not misread.
+    r = rh(
+        parse, [("x-meshd-task-id", "t"), ("x-meshd-task-step", "5"), ("x-meshd-task-steps", "5")]
+    )
+    assert (r.task_id, r.step, r.steps_in_task) == ("t", None, 5)
+    assert r.errors == (
+        "x-meshd-task-step: 5 is not below x-meshd-task-steps 5 "
+        "(steps count from 0: the last of 5 is 4)",
+    )
+    last = rh(parse, [("x-meshd-task-step", "4"), ("x-meshd-task-steps", "5")])
+    assert (last.step, last.steps_in_task, last.errors) == (4, 5, ())
+
+
+def test_task_final_may_disagree_with_the_step_count(parse: Parse) -> None:
+    # An agent may finish early, or add steps: `final` is taken as sent (the ledger lets it win).
+    early = rh(
+        parse,
+        [("x-meshd-task-step", "1"), ("x-meshd-task-steps", "5"), ("x-meshd-task-final", "true")],
+    )
+    assert (early.step, early.steps_in_task, early.final, early.errors) == (1, 5, True, ())
+    more = rh(
+        parse,
+        [("x-meshd-task-step", "4"), ("x-meshd-task-steps", "5"), ("x-meshd-task-final", "0")],
+    )
+    assert (more.step, more.final, more.errors) == (4, False, ())
+
+
+def test_task_step_headers_repeated_are_errors(parse: Parse) -> None:
+    r = rh(
+        parse, [("x-meshd-task-step", "1"), ("X-Meshd-Task-Step", "1"), ("x-meshd-task-steps", "3")]
+    )
+    assert (r.step, r.steps_in_task) == (None, 3)
+    assert r.errors == ("x-meshd-task-step: repeated header; send it once (got 2 values)",)
+
+
+def test_task_step_headers_stripped_when_untrusted(parse: Parse) -> None:
+    headers = [
+        ("x-meshd-task-step", "0"),
+        ("X-Meshd-Task-Steps", "bogus"),
+        ("x-meshd-task-final", "true"),
+        ("host", "h"),
+    ]
+    r, fwd = parse(headers, False)
+    assert fwd == [("host", "h")]
+    assert r.stripped == ("x-meshd-task-step", "x-meshd-task-steps", "x-meshd-task-final")
+    assert (r.step, r.steps_in_task, r.final, r.errors) == (None, None, None, ())
 
 
 def test_long_value_is_cut_in_error(parse: Parse) -> None:
@@ -475,11 +579,15 @@ NAMES = [
     "x-meshd-session-id",
     "x-meshd-workflow-id",
     "x-meshd-task-id",
+    "x-meshd-task-step",
+    "x-meshd-task-steps",
+    "x-meshd-task-final",
     "x-meshd-other",
     "traceparent",
     "tracestate",
     "host",
     "x-meshd-tas\u212a-id",  # KELVIN SIGN lower-cases to "k"
+    "x-meshd-tas\u212a-step",
     "x-meshd-pr\u0130ority",  # I WITH DOT lower-cases to two characters
 ]
 
@@ -560,9 +668,22 @@ VALUES = {
         st.integers(min_value=-5, max_value=90_000_000).map(str),
         st.text("0123456789 \t", max_size=12),
     ),
+    "x-meshd-task-step": st.one_of(
+        st.integers(min_value=-2, max_value=1_000_002).map(str),
+        st.text("0123456789 \t+-", max_size=10),
+    ),
+    "x-meshd-task-steps": st.one_of(
+        st.integers(min_value=-2, max_value=1_000_002).map(str),
+        st.text("0123456789 \t", max_size=10),
+    ),
+    "x-meshd-task-final": st.one_of(
+        st.sampled_from(["true", "false", "TRUE", "False", "1", "0", " true ", "yes", ""]),
+        st.text("truefalsTRUEFALS01\u0130\u212a ", max_size=7),
+    ),
 }
+MESHD_NAMES = [n for n in NAMES if n.startswith("x-meshd-") and n.isascii()]
 id_value = st.one_of(st.text("abcXYZ019._:/@+=- \t", max_size=140), st.text(max_size=10))
-meshd_header = st.sampled_from(NAMES[:7]).flatmap(
+meshd_header = st.sampled_from(MESHD_NAMES).flatmap(
     lambda n: st.tuples(
         st.builds(mangle_case, st.just(n), st.lists(st.booleans(), max_size=20)),
         VALUES.get(n, id_value),
@@ -605,6 +726,48 @@ def test_twins_equal_trace_context(tp_value: str, states: list[str]) -> None:
     assert compiled.parse_routing_headers(headers, True) == pure.parse_routing_headers(
         headers, True
     )
+
+
+TASK_STEP_NAMES = ["x-meshd-task-step", "x-meshd-task-steps", "x-meshd-task-final"]
+task_step_header = st.sampled_from(TASK_STEP_NAMES).flatmap(
+    lambda n: st.tuples(
+        st.builds(mangle_case, st.just(n), st.lists(st.booleans(), max_size=20)),
+        st.one_of(VALUES[n], st.text(max_size=12)),
+    )
+)
+
+
+@needs_compiled
+@settings(max_examples=200, deadline=None)
+@given(headers=st.lists(task_step_header, max_size=5), trusted=st.booleans())
+def test_twins_equal_task_steps(headers: Headers, trusted: bool) -> None:
+    assert compiled is not None
+    expected = pure.parse_routing_headers(headers, trusted)
+    assert compiled.parse_routing_headers(headers, trusted) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(headers=st.lists(task_step_header, max_size=5))
+def test_task_step_values_are_parsed_or_named_in_an_error(headers: Headers) -> None:
+    """Fuzz: each task-step header either gives its field or an error naming it; never both,
+    never silence, never anything but these three headers' fields."""
+    for impl in (pure, compiled) if compiled is not None else (pure,):
+        r, fwd = impl.parse_routing_headers(headers, True)
+        assert fwd == [tuple(h) for h in headers]
+        assert (r.tenant, r.priority, r.task_id, r.trace) == (None, None, None, None)
+        named = {e.split(":", 1)[0] for e in r.errors}
+        assert named <= set(TASK_STEP_NAMES)
+        for name, field in zip(TASK_STEP_NAMES, ("step", "steps_in_task", "final"), strict=True):
+            sent = [h for h in headers if h[0].lower() == name]
+            value = getattr(r, field)
+            if not sent:
+                assert value is None and name not in named
+            elif name == "x-meshd-task-step" and value is None and name in named:
+                pass  # bad, repeated, or not below the step count
+            else:
+                assert (value is None) == (name in named)
+        if r.step is not None and r.steps_in_task is not None:
+            assert 0 <= r.step < r.steps_in_task <= pure.TASK_STEPS_MAX
 
 
 @needs_compiled
