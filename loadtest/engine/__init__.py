@@ -1,5 +1,6 @@
 """A vLLM-compatible engine simulator: vLLM's HTTP API, metrics and KV events over a
-sans-I/O continuous-batching core with per-GPU timing profiles (see core.py, server.py)."""
+sans-I/O continuous-batching core with per-GPU timing profiles (see core.py, server.py),
+and the same engines on a virtual clock (virtual.py)."""
 
 from loadtest.engine.config import (
     DEFAULT_MODEL,
@@ -21,8 +22,10 @@ from loadtest.engine.core import (
 from loadtest.engine.faults import FaultError, FaultSpec, parse_fault
 from loadtest.engine.fleet import EngineFleet
 from loadtest.engine.profiles import GPUS, EngineProfile, get_profile
+from loadtest.engine.replica import EngineReplica
 from loadtest.engine.server import SimEngine
 from loadtest.engine.tokenizer import TokenGenerator, WordTokenizer, render_chat
+from loadtest.engine.virtual import VirtualEngine, VirtualFleet
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -32,6 +35,7 @@ __all__ = [
     "EngineCore",
     "EngineFleet",
     "EngineProfile",
+    "EngineReplica",
     "EngineSpec",
     "FaultError",
     "FaultSpec",
@@ -41,6 +45,8 @@ __all__ = [
     "SimRequest",
     "StepResult",
     "TokenGenerator",
+    "VirtualEngine",
+    "VirtualFleet",
     "WordTokenizer",
     "fleet_from_dict",
     "get_profile",

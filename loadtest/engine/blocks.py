@@ -115,6 +115,7 @@ class BlockPool:
     __slots__ = (
         "_events",
         "_free",
+        "_fresh",
         "_hash",
         "_ref",
         "_table",
@@ -129,16 +130,22 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.caching = caching
-        self._ref = [0] * num_blocks
-        self._hash: list[bytes | None] = [None] * num_blocks
+        # The free queue is blocks _fresh..num_blocks-1 (never used since the start or a
+        # reset, so at its head, in id order) followed by `_free`, the blocks freed since,
+        # oldest first (an OrderedDict: O(1) removal of a touched block). Keeping the
+        # never-used tail implicit makes an engine cost memory only for the blocks it
+        # has used: a 1,000-engine virtual fleet would otherwise hold 50M entries.
+        # `_ref` and `_hash` grow with `_fresh`.
+        self._fresh = 0
+        self._ref: list[int] = []
+        self._hash: list[bytes | None] = []
         self._table: dict[bytes, int] = {}
-        # Ordered oldest-freed first; values unused. OrderedDict gives O(1) removal.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._events: list[KVEvent] = []
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._fresh
 
     @property
     def num_cached(self) -> int:
@@ -146,7 +153,7 @@ class BlockPool:
 
     def usage(self) -> float:
         """Fraction of blocks held by requests; cached but free blocks count as free."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free / self.num_blocks
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
@@ -168,7 +175,7 @@ class BlockPool:
     def free_after_touch(self, block_ids: Sequence[int]) -> int:
         """Free blocks left if `block_ids` were referenced (free cached ones leave the queue)."""
         ref = self._ref
-        return len(self._free) - sum(1 for b in block_ids if ref[b] == 0)
+        return self.num_free - sum(1 for b in block_ids if ref[b] == 0)
 
     def touch(self, block_ids: Sequence[int]) -> None:
         ref, free = self._ref, self._free
@@ -180,11 +187,22 @@ class BlockPool:
     def allocate(self, n: int) -> list[int] | None:
         """n fresh blocks, evicting cached ones LRU-first; None if fewer than n are free."""
         free = self._free
-        if n > len(free):
+        fresh = min(n, self.num_blocks - self._fresh)
+        if n - fresh > len(free):
             return None
         ref, hashes = self._ref, self._hash
         out: list[int] = []
-        for _ in range(n):
+        if fresh:
+            start = self._fresh
+            out.extend(range(start, start + fresh))
+            self._fresh = start + fresh
+            grow = start + fresh - len(ref)
+            if grow > 0:
+                ref.extend([0] * grow)
+                hashes.extend([None] * grow)
+            for b in out:
+                ref[b] = 1
+        for _ in range(n - fresh):
             b, _none = free.popitem(last=False)
             h = hashes[b]
             if h is not None:
@@ -252,9 +270,10 @@ class BlockPool:
 
     def reset(self) -> None:
         """Forget every cached hash (an engine restart); all blocks must be free."""
-        if len(self._free) != self.num_blocks:
+        if self.num_free != self.num_blocks:
             raise RuntimeError("reset with blocks still referenced")
         self._table.clear()
-        self._hash = [None] * self.num_blocks
-        self._free = OrderedDict.fromkeys(range(self.num_blocks))
+        self._hash = [None] * len(self._hash)
+        self._free = OrderedDict()
+        self._fresh = 0
         self._events.append(AllBlocksCleared())

@@ -193,6 +193,15 @@ class FaultState:
         """Tokens after which a request's connection resets, while a crash is planned."""
         return self._crashes[0][1].tokens if self._crashes else None
 
+    def stream_crash_due(self, n_out: int, finished: bool) -> int | None:
+        """The planned reset's token count when a streamed request with `n_out` tokens
+        must reset now: it reached the count and has more to say (one that ends exactly
+        at the count ends cleanly). None otherwise. Both drivers ask this."""
+        limit = self._crashes[0][1].tokens if self._crashes else None
+        if limit is None or n_out < limit or (finished and n_out <= limit):
+            return None
+        return int(limit)
+
     def take_crash(self) -> int | None:
         """Consume one planned crash (when a request actually reaches its token count)."""
         spec = self._take(self._crashes)

@@ -1,5 +1,9 @@
 """One simulated engine on the network: vLLM's HTTP API over an EngineCore, in real time.
 
+The engine itself (profile, tokenizer, request parsing, core, fault state) is an
+EngineReplica (replica.py), the one the virtual-clock fleet (virtual.py) drives too; this
+module adds only the socket, the wall clock and the SSE writing.
+
 `SimEngine` owns a listening socket, an aiohttp application and one asyncio task that
 drives the core: it sleeps until the core's next step ends (a duration the timing model
 computed, divided by `time_scale`), runs the step, writes each streamed request's new
@@ -27,11 +31,11 @@ from aiohttp import web
 
 from loadtest.engine import api
 from loadtest.engine.config import EngineSpec
-from loadtest.engine.core import CoreConfig, EngineCore, RequestRejected, SimRequest, StepResult
+from loadtest.engine.core import RequestRejected, SimRequest, StepResult
 from loadtest.engine.faults import FaultError, FaultSpec, FaultState, parse_fault
 from loadtest.engine.kv_events import ZmqEventPublisher
-from loadtest.engine.profiles import get_profile
-from loadtest.engine.tokenizer import TokenGenerator, Tokenizer, load_tokenizer
+from loadtest.engine.replica import EngineReplica
+from loadtest.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("meshd.sim_engine")
 
@@ -72,20 +76,21 @@ class SimEngine:
         host: str = "127.0.0.1",
         tokenizer: Tokenizer | None = None,
     ) -> None:
-        spec.validate()
+        # Tolerate 20 ms of wall-clock lateness before the GPU loses time.
+        self.replica = EngineReplica(
+            spec, index=index, tokenizer=tokenizer, max_lag_s=0.02 * spec.time_scale
+        )
         self.spec = spec
         self.index = index
         self.host = host
-        self.name = spec.name or f"engine-{index}"
+        self.name = self.replica.name
         self.time_scale = spec.time_scale
-        self.profile = get_profile(
-            spec.gpu, block_size=spec.block_size, kv_blocks=spec.kv_blocks, model=spec.model
-        )
-        self.tokenizer = tokenizer or load_tokenizer(spec.tokenizer)
-        self.generator = TokenGenerator(self.tokenizer, spec.eos_rate)
-        self.core = self._new_core()
-        self.faults = FaultState()
-        self.ctx = api.ApiContext(spec.model, self.tokenizer, spec.max_model_len, spec.seed)
+        self.profile = self.replica.profile
+        self.tokenizer = self.replica.tokenizer
+        self.generator = self.replica.generator
+        self.core = self.replica.core
+        self.faults = self.replica.faults
+        self.ctx = self.replica.ctx
         self.port = spec.port
         self.publisher: ZmqEventPublisher | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -103,22 +108,6 @@ class SimEngine:
         self.ready = asyncio.Event()
         self._closing = False
         self.created = int(time.time())
-
-    def _new_core(self) -> EngineCore:
-        spec = self.spec
-        return EngineCore(
-            CoreConfig(
-                profile=self.profile,
-                max_model_len=spec.max_model_len,
-                max_num_seqs=spec.max_num_seqs,
-                max_num_batched_tokens=spec.max_num_batched_tokens,
-                enable_prefix_caching=spec.enable_prefix_caching,
-                hash_seed=spec.hash_seed,
-                # Tolerate 20 ms of wall-clock lateness before the GPU loses time.
-                max_lag_s=0.02 * spec.time_scale,
-            ),
-            self.generator,
-        )
 
     # ---- clock -------------------------------------------------------------------
     def sim_now(self) -> float:
@@ -294,24 +283,13 @@ class SimEngine:
     def inject(self, fault: FaultSpec, *, origin: asyncio.BaseTransport | None = None) -> None:
         """Apply a fault now. `origin`: a connection a restart must not close (the admin's)."""
         now = self.sim_now()
-        kind = fault.kind
-        core = self.core
-        if kind in ("status_burst", "crash_after_tokens"):
-            self.faults.add_request_fault(fault)
-        elif kind == "slowdown":
-            core.set_slowdown(fault.factor)
-        elif kind == "hang":
-            core.pause(now, now + fault.seconds if fault.seconds is not None else float("inf"))
-        elif kind == "restart":
+        action = self.replica.apply_fault(fault, now)
+        if action == "restart":
             self._restart(now, fault.seconds or 0.0, fault.mode, origin)
-        elif kind == "cold_start":
+        elif action == "cold_start":
             self._begin_loading(fault.seconds or 0.0, fault.mode)
-        elif kind == "clear":
-            self.faults.clear()
-            core.set_slowdown(1.0)
-            core.resume(now)
-            if self._loop is not None:
-                self._background(self._listen())
+        elif action == "clear" and self._loop is not None:
+            self._background(self._listen())
         self._kick()
 
     def _restart(
@@ -370,15 +348,12 @@ class SimEngine:
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
         if not path.startswith("/admin/"):
-            if self.faults.loading(self.sim_now()):
-                return self._error(503, "The engine is loading its weights.")
-            if path in _GENERATION_PATHS:
-                rej = self.faults.take_rejection()
-                if rej is not None:
-                    resp = self._error(rej.status, f"Injected fault: HTTP {rej.status}.")
-                    if rej.retry_after is not None:
-                        resp.headers["Retry-After"] = str(max(1, round(rej.retry_after)))
-                    return resp
+            rej = self.replica.refusal(self.sim_now(), generation=path in _GENERATION_PATHS)
+            if rej is not None:
+                resp = self._error(rej.status, rej.message)
+                if rej.retry_after is not None:
+                    resp.headers["Retry-After"] = str(max(1, round(rej.retry_after)))
+                return resp
         try:
             return await handler(request)
         except _Reset:
@@ -410,19 +385,11 @@ class SimEngine:
     async def _generate(self, request: web.Request, kind: api.RequestKind) -> web.StreamResponse:
         try:
             body = await self._json(request)
-            parsed = (api.parse_chat if kind == "chat" else api.parse_completion)(body, self.ctx)
+            parsed = self.replica.parse(kind, body)
         except api.ApiError as exc:
             return self._error(exc.status, exc.message, exc.param)
         rid = api.request_id(kind, request.headers.get("X-Request-Id"))
-        req = SimRequest(
-            rid,
-            parsed.prompt_ids,
-            parsed.max_tokens,
-            seed=parsed.seed,
-            ignore_eos=parsed.ignore_eos,
-            stop=parsed.stop,
-            min_tokens=parsed.min_tokens,
-        )
+        req = self.replica.new_request(parsed, rid)
         try:
             self.core.submit(req, self.sim_now())
         except RequestRejected as exc:
@@ -449,7 +416,7 @@ class SimEngine:
         raise _Reset
 
     def usage(self, req: SimRequest) -> dict[str, Any]:
-        return api.usage(req.num_prompt_tokens, req.num_output_tokens, req.cached_tokens)
+        return self.replica.usage(req)
 
     async def _unary(
         self, request: web.Request, req: SimRequest, parsed: api.ParsedRequest, rid: str
@@ -735,7 +702,8 @@ class _StreamSink:
                     else:
                         parts.append(token(pieces[i]))
         self.sent = stop_at
-        crash = limit is not None and stop_at >= limit and (not finished or n_out > limit)
+        # stop_at >= limit exactly when n_out >= limit: the rule is FaultState's.
+        crash = faults.stream_crash_due(n_out, finished) is not None
         end = not crash and finished and stop_at == n_out
         if end:
             if n_out == 0:
