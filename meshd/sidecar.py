@@ -179,26 +179,7 @@ class Sidecar:
         # Tests without iptables inject where a transparent connection was headed.
         self._original_destination_fn = original_destination_fn
         self.metrics = DataPlaneMetrics()
-        routing = config.routing
-        picker_config = PickerConfig(
-            lambda_usd_per_s=routing.picker.lambda_usd_per_s,
-            epsilon=routing.picker.epsilon,
-            load_metric=routing.picker.load_metric,
-            tokens_per_block=routing.block_size_bytes / CHARS_PER_TOKEN,
-        )
-        self.routers: dict[str, PoolRouter] = {
-            pool.name: make_router(
-                routing.policy,
-                [
-                    EndpointSpec(ep.url, ep.weight, ep.gpu, ep.kv_capacity_tokens)
-                    for ep in pool.endpoints
-                ],
-                unhealthy_after=routing.unhealthy_after_failures,
-                cooldown_s=routing.unhealthy_cooldown_s,
-                picker=picker_config,
-            )
-            for pool in config.pools
-        }
+        self.routers: dict[str, PoolRouter] = build_routers(config)
         # Pool -> its precise prefix path (routing.tokenizers; policy meshd only).
         self.precise: dict[str, PrecisePrefix] = _precise_prefixes(config, self.routers)
         self._attempt_ids = itertools.count()
@@ -1430,6 +1411,31 @@ class Sidecar:
                 "kv_events": {name: p.snapshot() for name, p in self.precise.items()},
             }
         )
+
+
+def build_routers(config: Config) -> dict[str, PoolRouter]:
+    """Pool name -> its router, as `routing` says (the sidecar's, and the virtual-clock
+    bench's, so both route with the same objects)."""
+    routing = config.routing
+    picker_config = PickerConfig(
+        lambda_usd_per_s=routing.picker.lambda_usd_per_s,
+        epsilon=routing.picker.epsilon,
+        load_metric=routing.picker.load_metric,
+        tokens_per_block=routing.block_size_bytes / CHARS_PER_TOKEN,
+    )
+    return {
+        pool.name: make_router(
+            routing.policy,
+            [
+                EndpointSpec(ep.url, ep.weight, ep.gpu, ep.kv_capacity_tokens)
+                for ep in pool.endpoints
+            ],
+            unhealthy_after=routing.unhealthy_after_failures,
+            cooldown_s=routing.unhealthy_cooldown_s,
+            picker=picker_config,
+        )
+        for pool in config.pools
+    }
 
 
 def _precise_prefixes(

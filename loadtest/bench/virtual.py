@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from filters.hotpath import block_hashes, parse_routing_headers
-from filters.picker import PickerConfig, PickRequest
-from filters.pool_router import EndpointSpec, PoolRouter, Route, make_router
-from filters.request import CHARS_PER_TOKEN, parse_inference_request
+from filters.picker import PickRequest
+from filters.pool_router import PoolRouter, Route
+from filters.request import parse_inference_request
 from loadtest.bench.client import (
     CANCELLED,
     CONNECT,
@@ -125,6 +125,7 @@ def sidecar_model(
     """The router of `routing.policy: policy` over `urls` (Sidecar.__init__'s recipe);
     `gpus`: each endpoint's GPU in the config, as a pass started on the fleet has it."""
     from meshd.config import Config
+    from meshd.sidecar import build_routers
 
     doc = sidecar_config(urls, policy)
     if gpus is not None:
@@ -132,20 +133,7 @@ def sidecar_model(
         doc["pools"] = [{"name": "default", "endpoints": endpoints}]
     config = Config.model_validate(doc)
     routing = config.routing
-    picker_config = PickerConfig(
-        lambda_usd_per_s=routing.picker.lambda_usd_per_s,
-        epsilon=routing.picker.epsilon,
-        load_metric=routing.picker.load_metric,
-        tokens_per_block=routing.block_size_bytes / CHARS_PER_TOKEN,
-    )
-    (pool,) = config.pools
-    router = make_router(
-        routing.policy,
-        [EndpointSpec(ep.url, ep.weight, ep.gpu, ep.kv_capacity_tokens) for ep in pool.endpoints],
-        unhealthy_after=routing.unhealthy_after_failures,
-        cooldown_s=routing.unhealthy_cooldown_s,
-        picker=picker_config,
-    )
+    (router,) = build_routers(config).values()
     loopback = ipaddress.ip_address("127.0.0.1")  # the bench client's address
     return SidecarModel(
         router=router,
