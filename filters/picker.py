@@ -8,9 +8,11 @@ endpoint e (GPU profile from filters/gpu.py, `n` GPUs, the served model's `speed
 
     r          = running sequences on e        (max of reported and local)
     tps_e      = prefill_tps(gpu) * n * speed_scale * (1 - r / B)   B = max_num_batched_tokens
-    cal_e      = EWMA of observed / predicted TTFT compute time on e (1 when unknown)
+    cal_e      = EWMA of observed / predicted TTFT compute time on e, its thin evidence
+                 filled in from its GPU class (below)
     step_e     = decode_step(gpu, r + 1) / n                       one engine iteration
-    C_e        = expected cached prompt tokens: PrefixIndex match x tokens per block,
+    C_e        = expected cached prompt tokens: PrefixIndex match x tokens per block
+                 (PickRequest.tokens_per_block for engine token blocks, else the config's),
                  approximate blocks x confidence, x the endpoint's trust (silence, demotion),
                  plus for the task's previous endpoint its previous output (see below)
     U_e        = P - C_e                                            tokens to prefill (>= 1)
@@ -23,16 +25,24 @@ endpoint e (GPU profile from filters/gpu.py, `n` GPUs, the served model's `speed
                  adapter is not loaded (an endpoint that cannot serve it is ineligible)
     TTFT_e     = cold_e + queue_e + kv_wait_e + cal_e * U_e / tps_e
     cost_e     = price_per_s(gpu) * n * (cal_e * U_e / tps_e + cold_e)
-                 + price_per_s(gpu) * M * decode_step(gpu, 64) / 64
+                 + price_per_s(gpu) * M * decode_step(gpu, b_e) / b_e
+                 b_e = min(64, running + waiting + 1): the batch this request joins
     J_e        = cost_e + lambda(p) * TTFT_e,   lambda(p) = lambda_usd_per_s * base**(p - 5)
 
 Prefill owns the GPU (compute bound), so the request pays for all of it; decode is shared
-by the batch (memory bound), so it pays its share of a step at a healthy batch of 64 (the
-share at the engine's current batch would make an idle engine look dear and pull traffic
-onto busy ones; the batch's effect on latency is in the TTFT terms); time spent queueing
-is paid by whoever is being served. lambda converts seconds into dollars: at the default
-1e-3 $/s a second of TTFT is worth a tenth of a cent for a standard request, 16x that at
-priority 9 and 1/32 at priority 0 (a batch job goes to the cheapest GPU).
+by the batch (memory bound), so it pays its share of a step in the batch it joins, capped
+at a healthy batch of 64. Waking an idle engine pays its whole step, joining a running
+batch a fraction of one: traffic packs into batches (busy GPU-seconds are what a fleet
+pays for, or what an autoscaler can hand back) until the queueing it adds (in TTFT, valued
+by lambda) or the bounded-load rule stops it. (`decode_pricing="reference"` prices every
+endpoint at batch 64 instead: no packing pull.) Time spent queueing is paid by whoever
+is being served. lambda converts seconds into dollars: at the default 1e-2 $/s a second
+of TTFT is worth a cent for a standard request, 16x that at priority 9 and 1/32 at
+priority 0 (a batch job goes to the cheapest GPU). Measured on the 16-engine bench
+(H100 + A100, mooncake / shared-prefix / agentic): 1e-3 gives the lowest $ per successful
+task (0.56 / 0.26 / 0.30 of round robin) at a TTFT p90 of 0.83 / 1.60 / 1.04 x
+sglang-router's; 1e-2 gives 0.64 / 0.45 / 0.32 of round robin at 0.76 / 1.13 / 0.96 x, so
+it is the default: still far cheaper, no slower than the peer.
 
 Decision
 --------
@@ -42,17 +52,24 @@ Decision
    answer is every eligible endpoint by TTFT, each with reason "deadline-unmeetable".
 3. Bounded load (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded Loads",
    SODA 2018, arXiv:1608.01350): with loads L (requests or tokens in flight), capacity
-   weights w (nominal prefill tok/s) and this request's load x, e may be primary only if
-   L_e + x <= (1 + epsilon) * w_e * (sum L + x) / sum w, or L_e <= load_floor * w_e / w_H100
-   (below the floor an engine just batches one more). If none may, the bound is ignored.
+   weights w_e = nominal prefill tok/s x ramp_e (the slow-start weight in (0, 1] of a
+   newly healthy endpoint, EndpointState.ramp) and this request's load x, e may be primary
+   only if L_e + x <= (1 + epsilon) * w_e * (sum L + x) / sum w, or
+   L_e <= load_floor * w_e / w_H100 (below the floor an engine just batches one more). If
+   none may, the bound is ignored.
 4. Primary, in order: the task's previous endpoint if its J is within sticky_tolerance of
    the best ("sticky"); for a hot prefix group whose demand exceeds what its holders serve,
-   the best endpoint not yet holding it ("replicate", below); for a prefix cached nowhere,
-   rendezvous hashing (Thaler & Ravishankar 1998) of the group hash over the endpoints
-   within cold_tolerance of the best J ("cold-hash": many clients agree on one engine
-   without talking); else the lowest J ("prefix-affinity" when it has cached tokens, else
-   "least-cost"). Fallbacks follow by J: within the bound ("fallback"), then over it
-   ("over-load-bound"). Ties: lower J, then endpoint name.
+   the best endpoint not yet holding it ("replicate", below); else weighted rendezvous
+   hashing (Thaler & Ravishankar 1998; each endpoint draws -ln(u)/w_e from the hash of
+   the group key and its name, the lowest wins, so each wins keys in proportion to w_e)
+   over the endpoints within the bound whose J exceeds the best's by at most cold_tolerance
+   x the best's J less its decode cost (the part a cached prefix changes) ("cold-hash":
+   distinct cold groups spread over comparable engines, and many clients agree on one
+   engine without talking). A prefix cached somewhere takes part too: when what it saves
+   is under the window (a shared chat-template header) the hash decides; when it saves
+   more, the holder is alone in the window ("prefix-affinity"). With no block hashes at
+   all, the lowest J ("least-cost"). Fallbacks follow by J: within the bound
+   ("fallback"), then over it ("over-load-bound"). Ties: lower J, then endpoint name.
 5. Speculation: the primary is recorded in the PrefixIndex and the task map at pick time.
 
 Replication (after Preble, Srivatsa et al., "Preble: Efficient Distributed Prompt
@@ -66,6 +83,15 @@ the best non-holder, which then holds it; so the group spreads one engine at a t
 only while it is hot. The queueing term does the same reactively (a holder whose queue
 outweighs the saved prefill loses on J), which is what stops the cache-aware "death
 spiral" of piling every request onto the one engine with the cache.
+
+Calibration pooling: cal_e learns only from requests e served, so an endpoint that turned
+out faster than its datasheet would keep winning over identical peers never tried (they
+stay at 1.0) and traffic would never spread. ttft_ratio is an EWMA from 1.0: after n
+samples (requests dispatched there and finished) the start still weighs d = (1-alpha)**n.
+The picker pools, per GPU class, the evidence-weighted mean of what the samples said,
+prior = sum(ratio - d) / sum(1 - d), and uses cal_e = ratio_e + d_e * (min(1, prior) - 1):
+an untried endpoint is expected to be as fast as its class has shown, and never slower
+than its datasheet (one degraded peer does not condemn the rest untried).
 
 Workflow context: the task's previous step (per context key: workflow, session or task id;
 a bounded LRU with a TTL) left its prompt's blocks in the index and its output in the
@@ -82,8 +108,8 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from filters.blockhash import xxh64
-from filters.endpoint_state import EndpointState
-from filters.gpu import GPUS, GpuTable
+from filters.endpoint_state import CALIBRATION_ALPHA, CALIBRATION_RANGE, EndpointState
+from filters.gpu import GPUS, GpuTable, normalise_gpu_name
 from filters.prefix_index import PrefixIndex
 from filters.request import CHARS_PER_TOKEN, InferenceRequest
 from filters.routing_headers import RoutingHeaders
@@ -98,6 +124,15 @@ DECODE_REF_BATCH = 64
 _REF_DECODE_TOKEN_S = _REF.decode_step_s(DECODE_REF_BATCH) / DECODE_REF_BATCH
 # Bound on remembered (model, adapter, priority) classes: model names come from clients.
 MAX_REQUEST_CLASSES = 1024
+# ttft_ratio is an EWMA from 1.0: after n samples the start still weighs _CAL_KEEP ** n.
+_CAL_KEEP = 1.0 - CALIBRATION_ALPHA
+# A GPU class's pooled calibration counts once its endpoints hold this much evidence
+# (sum of 1 - _CAL_KEEP ** n: about three samples).
+CAL_MIN_EVIDENCE = 0.25
+# An endpoint whose own evidence weighs less than 1 - this is "unsettled": its view is
+# rebuilt when its class's pooled calibration moves by more than CAL_PUSH_STEP.
+_CAL_SETTLED = 0.02
+CAL_PUSH_STEP = 0.02
 
 
 def _mix(x: int) -> int:
@@ -110,7 +145,7 @@ def _mix(x: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class PickerConfig:
-    lambda_usd_per_s: float = 1e-3  # value of one second of TTFT at priority 5
+    lambda_usd_per_s: float = 1e-2  # value of one second of TTFT at priority 5
     lambda_priority_base: float = 2.0  # lambda multiplies by this per priority step
     default_priority: int = 5
     tenant_priority: Mapping[str, int] = field(default_factory=dict)
@@ -124,6 +159,10 @@ class PickerConfig:
     group_blocks: int = 4
     demand_window_s: float = 10.0
     replicate_utilisation: float = 0.7
+    # Decode's price per output token: "batch", the share of a step in the batch it joins
+    # (running + waiting + 1, at most DECODE_REF_BATCH), or "reference", the share at a
+    # batch of DECODE_REF_BATCH wherever it goes.
+    decode_pricing: Literal["batch", "reference"] = "batch"
     model_cold_load_s: float = 20.0  # weights not resident (sleeping engine, swapped model)
     lora_cold_load_s: float = 0.5  # adapter load from local disk
     default_residence_s: float = 10.0  # request duration before any is observed
@@ -148,9 +187,12 @@ class PickerConfig:
 @dataclass(frozen=True, slots=True)
 class PickRequest:
     """What the picker needs to know about one request. `block_hashes` are the chained
-    prefix hashes (filters.hotpath.block_hashes, whose block size must match
-    PickerConfig.tokens_per_block); `deadline_s` is absolute, on the same clock as `now`;
-    `context_key` names the workflow/session/task for stickiness."""
+    prefix hashes: meshd's text blocks (filters.hotpath.block_hashes, whose block size
+    must match PickerConfig.tokens_per_block), or the engine's own token-block hashes
+    (filters/vllm_blocks.py), in which case `tokens_per_block` says how many tokens each
+    covers (the engine's block_size) and overrides the config's estimate for this request;
+    `deadline_s` is absolute, on the same clock as `now`; `context_key` names the
+    workflow/session/task for stickiness."""
 
     model: str
     block_hashes: Sequence[int] = ()
@@ -161,6 +203,11 @@ class PickRequest:
     priority: int | None = None
     deadline_s: float | None = None
     context_key: str | None = None
+    tokens_per_block: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_block is not None and not self.tokens_per_block > 0:
+            raise ValueError(f"tokens_per_block must be > 0, got {self.tokens_per_block}")
 
     @classmethod
     def build(
@@ -172,6 +219,7 @@ class PickRequest:
         block_hashes: Sequence[int],
         adapter: str | None = None,
         default_max_tokens: int = 256,
+        tokens_per_block: float | None = None,
     ) -> PickRequest:
         deadline = None if headers.deadline_ms is None else now + headers.deadline_ms / 1000.0
         return cls(
@@ -184,6 +232,7 @@ class PickRequest:
             priority=headers.priority,
             deadline_s=deadline,
             context_key=headers.workflow_id or headers.session_id or headers.task_id,
+            tokens_per_block=tokens_per_block,
         )
 
 
@@ -220,6 +269,7 @@ class _View:
     __slots__ = (
         "adapters",
         "budget",
+        "cal_key",
         "cap_blocks",
         "cold",
         "cold_now",
@@ -285,7 +335,8 @@ class _View:
     url: str
     usd_per_out_tok: float  # decode share of a step, in dollars
     version: int
-    weight: float  # nominal prefill tok/s: the capacity weight
+    weight: float  # nominal prefill tok/s x slow-start ramp: the capacity weight
+    cal_key: str  # GPU class for calibration pooling
     why: str | None
     # Per request class (model, adapter, lambda), recomputed after any change.
     kkey: _KKey | None
@@ -312,6 +363,7 @@ class _View:
 
 _new_choice = tuple.__new__
 _INF = float("inf")
+_TWO_M53 = 2.0**-53
 
 # (J, name, view): sorts by J, then name (names are unique).
 _Cand = tuple[float, str, _View]
@@ -319,6 +371,36 @@ _Cand = tuple[float, str, _View]
 
 def _always(t: _Cand) -> bool:
     return True
+
+
+@dataclass(slots=True)
+class _CalClass:
+    """The TTFT calibration pooled over the endpoints of one GPU class: sums of
+    (ttft_ratio - d) and of (1 - d), d = _CAL_KEEP ** samples, i.e. the evidence-weighted
+    mean of what their samples said, and the members whose own evidence is thin."""
+
+    key: str
+    num: float = 0.0
+    den: float = 0.0
+    pushed: float = 1.0  # the prior the unsettled members' views were built with
+    unsettled: dict[str, EndpointState] = field(default_factory=dict)
+
+    def prior(self) -> float:
+        # Optimistic: never slower than the datasheet for an endpoint that has not shown
+        # it, so that one degraded peer does not condemn the rest untried.
+        if self.den < CAL_MIN_EVIDENCE:
+            return 1.0
+        return min(1.0, max(CALIBRATION_RANGE[0], self.num / self.den))
+
+
+class _CalOf(NamedTuple):
+    """One endpoint's contribution to its class: at n samples and this ratio."""
+
+    cls: _CalClass
+    n: int
+    ratio: float
+    d: float
+    num: float
 
 
 @dataclass(slots=True)
@@ -378,6 +460,11 @@ class Picker:
         self._kkeys: dict[_KKey, _KKey] = {}
         self._min_until = _INF  # earliest freshness deadline among the views
         self._by_name: dict[str, _View] = {}
+        # Calibration pooling: requests dispatched per endpoint (its samples, once they
+        # finish), each endpoint's (class, d, ratio - d) contribution, and the classes.
+        self._dispatched: dict[str, int] = {}
+        self._cal_of: dict[str, _CalOf] = {}
+        self._cal: dict[str, _CalClass] = {}
 
     # -- the decision -------------------------------------------------------------------------
 
@@ -451,7 +538,7 @@ class Picker:
 
         by_name = self._by_name
         cached_of: dict[str, float] = {}
-        tpb = c.tokens_per_block
+        tpb = req.tokens_per_block or c.tokens_per_block
         matched = self.index.match_detail(hashes, now) if nb else {}
         for name, mt in matched.items():
             v = by_name.get(name)
@@ -468,7 +555,7 @@ class Picker:
                 v = by_name.get(sticky)
                 if v is not None and v.stamp >= base:
                     had = cached_of.get(sticky, 0.0)
-                    bonus = self._sticky_bonus(task, matched.get(sticky), v, big_p, had)
+                    bonus = self._sticky_bonus(task, matched.get(sticky), v, big_p, had, tpb)
                     if bonus > 0.0:
                         cached_of[sticky] = had + bonus
                 else:
@@ -543,14 +630,19 @@ class Picker:
             primary = sticky_t
             reason = "sticky"
         elif group_key is not None:
+            target = None
             if cached_of:
                 target = self._replica_target(meet, cached_of, matched, gk, demand, within)
-                if target is not None:
-                    primary = target
-                    reason = "replicate"
+            if target is not None:
+                primary = target
+                reason = "replicate"
             else:
-                primary = self._cold_hash(meet, best, group_key, c.cold_tolerance, within)
-                reason = "cold-hash"
+                # Nowhere cached, or cached where it saves less than the window (a shared
+                # chat-template header): consistent hashing among the comparable endpoints.
+                top = self._cold_hash(meet, best, group_key, c.cold_tolerance, big_m, within)
+                if top is not best or best[1] not in cached_of:
+                    primary = top
+                    reason = "cold-hash"
         if not bound_ok:
             reason = "over-load-bound"
 
@@ -578,6 +670,8 @@ class Picker:
         fallback, note it in the index and task map as pick() did for the primary)."""
         if choice.rank:
             self._commit(req, choice, now)
+        name = choice.endpoint
+        self._dispatched[name] = self._dispatched.get(name, 0) + 1
         choice.state.start(
             request_id,
             now,
@@ -596,12 +690,19 @@ class Picker:
         cut that endpoint's entry for this chain back to what the engine really had."""
         if cached_tokens >= 0.5 * choice.cached_tokens:
             return
-        keep = int(cached_tokens / self.config.tokens_per_block)
+        keep = int(cached_tokens / (req.tokens_per_block or self.config.tokens_per_block))
         self.index.truncate(choice.endpoint, req.block_hashes, keep)
 
     def forget(self, endpoint: str) -> None:
-        """An endpoint left the pool: drop its index entries and cached view."""
+        """An endpoint left the pool: drop its index entries, cached view and calibration."""
         self.index.forget(endpoint)
+        self._dispatched.pop(endpoint, None)
+        old = self._cal_of.pop(endpoint, None)
+        if old is not None:
+            k = old.cls
+            k.num -= old.num
+            k.den -= 1.0 - old.d
+            k.unsettled.pop(endpoint, None)
         v = self._by_name.pop(endpoint, None)
         if v is not None:
             if v.state._pick_view is v:
@@ -644,7 +745,15 @@ class Picker:
         if v.r_waiting and v.r_waiting * e.prompt_tokens_avg > pending:
             pending = v.r_waiting * e.prompt_tokens_avg
         tps = v.tps0 * max(0.1, 1.0 - running / v.budget)
-        cal = e.ttft_ratio
+        if c.decode_pricing == "batch":
+            # This request's share of a decode step in the batch it joins (capped at the
+            # healthy batch): joining a running batch is nearly free, waking an idle engine
+            # pays its whole step, so traffic packs into batches until queueing outweighs it.
+            b = running + queued + 1
+            if b > DECODE_REF_BATCH:
+                b = DECODE_REF_BATCH
+            v.usd_per_out_tok = v.price_s * (v.step1 + v.step_slope * (b - 1)) / b
+        cal = self._calibration(v, e)
         step = v.step1 + v.step_slope * running
         residence = e.residence_s if e.residence_s is not None else c.default_residence_s
         v.inv_nominal = 1.0 / tps
@@ -668,6 +777,51 @@ class Picker:
         self._by_name[e.name] = v
         return v
 
+    def _calibration(self, v: _View, e: EndpointState) -> float:
+        """e's TTFT calibration, its thin evidence filled in from its GPU class.
+
+        ttft_ratio is an EWMA that starts at 1.0: after n samples it is d + (1 - d) x (their
+        mean), d = (1 - alpha) ** n. Taking the class's pooled mean where e's own evidence is
+        missing gives ratio + d x (prior - 1). Without it an endpoint that has served a few
+        requests and turned out faster than its datasheet keeps winning over identical peers
+        that were never tried (they keep 1.0), and traffic never spreads to them."""
+        name = e.name
+        n = self._dispatched.get(name, 0) - e.outstanding
+        ratio = e.ttft_ratio
+        key = v.cal_key
+        old = self._cal_of.get(name)
+        if old is not None and old.n == n and old.ratio == ratio and old.cls.key == key:
+            k = old.cls  # a start() or a report: nothing new about the speed
+            d = old.d
+        else:
+            d = _CAL_KEEP**n if n > 0 else 1.0
+            num = ratio - d
+            if old is not None:
+                was = old.cls
+                was.num -= old.num
+                was.den -= 1.0 - old.d
+                if was.key != key:
+                    was.unsettled.pop(name, None)
+            k = self._cal.get(key) or self._cal.setdefault(key, _CalClass(key))
+            k.num += num
+            k.den += 1.0 - d
+            self._cal_of[name] = _CalOf(k, n, ratio, d, num)
+            if d > _CAL_SETTLED:
+                k.unsettled[name] = e
+            elif old is not None:
+                k.unsettled.pop(name, None)
+            prior = k.prior()
+            if abs(prior - k.pushed) > CAL_PUSH_STEP * k.pushed:
+                k.pushed = prior
+                for m in k.unsettled.values():  # their views used the old prior: rebuild
+                    mv = m._pick_view
+                    if m is not e and mv is not None:
+                        m._pick_stale = mv
+                        m._pick_view = None
+        cal = ratio + d * (k.pushed - 1.0)
+        lo = CALIBRATION_RANGE[0]
+        return cal if cal > lo else lo
+
     def _static_view(self, e: EndpointState, now: float, old: _View | None) -> _View:
         c = self.config
         mine = old is not None and old.picker is self
@@ -683,6 +837,7 @@ class Picker:
         v.adapters = {}
         v.kkey = None
         v.why = e.ineligible_reason(now)
+        v.cal_key = normalise_gpu_name(e.gpu_name(now))
         until = e.next_change(now)
         silent = e.silent_for(now)
         if e.reported is None or silent <= 0.0:
@@ -705,14 +860,15 @@ class Picker:
         v.step_slope = (gpu.decode_step_s(2) - gpu.decode_step_s(1)) / n
         v.slots = gpu.max_num_seqs
         v.price_s = gpu.price_per_s * n
-        # Decode at the reference batch, not this engine's current one: the average share of
-        # a step would make an idle engine look dear and pull traffic onto busy ones.
+        # The "reference" pricing (see _view for "batch", the default).
         v.usd_per_out_tok = gpu.price_per_s * gpu.decode_step_s(DECODE_REF_BATCH) / DECODE_REF_BATCH
         cap = e.kv_capacity(now)
         if cap is None:
             cap = gpu.kv_tokens * n
         v.kv_cap = float(cap)
-        v.weight = v.tps0
+        # Slow start: a newly healthy endpoint takes its share of load gradually.
+        ramp = getattr(e, "ramp", 1.0)
+        v.weight = v.tps0 * (ramp if 0.0 < ramp < 1.0 else 1.0)
         v.floor_load = self._floor * v.weight / _REF.prefill_tokens_per_s
         v.r_running = r.requests_running if r is not None else 0
         v.r_waiting = r.requests_waiting if r is not None else 0
@@ -805,11 +961,12 @@ class Picker:
         v: _View,
         prompt: int,
         cached: float,
+        tpb: float,
     ) -> float:
         c = self.config
         held = 0 if match is None else match[0]
         # The previous output is cached only where the previous prompt still is.
-        if held * c.tokens_per_block + c.tokens_per_block < task.prompt_tokens:
+        if held * tpb + tpb < task.prompt_tokens:
             return 0.0
         bonus = task.max_tokens * c.sticky_output_fraction
         bonus *= self.index.approx_confidence * v.trust
@@ -866,18 +1023,27 @@ class Picker:
         best: _Cand,
         key: int,
         tolerance: float,
+        max_tokens: int,
         within: Callable[[_Cand], bool],
     ) -> _Cand:
-        window = best[0] + abs(best[0]) * tolerance
+        """Weighted rendezvous hashing (Thaler & Ravishankar; the weighted form: each endpoint
+        draws -ln(u) / w_e from the key's hash and the lowest wins, so an endpoint wins a
+        share of keys proportional to its capacity weight) over the endpoints within the
+        bound whose J exceeds the best's by at most `tolerance` x the best's prefill-and-wait
+        part (J less its decode: what a cached prefix can change)."""
+        window = best[0] + abs(best[0] - max_tokens * best[2].usd_per_out_tok) * tolerance
         top = best
-        top_score = -1
+        top_score = _INF
+        log = math.log
         for t in meet:
             if t[0] > window:
                 break
             if not within(t):
                 continue
-            s = _mix(key ^ t[2].salt)
-            if s > top_score:
+            v = t[2]
+            u = ((_mix(key ^ v.salt) >> 11) + 0.5) * _TWO_M53
+            s = -log(u) / v.weight
+            if s < top_score:
                 top, top_score = t, s
         return top
 

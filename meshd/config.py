@@ -162,9 +162,12 @@ class Trust(_Strict):
 class PickerSettings(_Strict):
     """meshd's picker (routing.policy: meshd); the model is in filters/picker.py."""
 
-    lambda_usd_per_s: float = Field(default=1e-3, ge=0)
+    lambda_usd_per_s: float = Field(default=1e-2, ge=0)
     epsilon: float = Field(default=0.25, ge=0)
     load_metric: Literal["requests", "tokens"] = "requests"
+    # batch: decode priced at the request's share of the batch it joins (packs running
+    # batches, the cheaper fleet); reference: every endpoint at a batch of 64.
+    decode_pricing: Literal["batch", "reference"] = "batch"
 
 
 class Tokenizer(_Strict):
@@ -570,9 +573,10 @@ routing:
   cache_salt: ""
   policy: meshd                # prefix-aware picker; or least-request, round-robin
   picker:
-    lambda_usd_per_s: 0.001    # dollars one second of TTFT is worth at priority 5
+    lambda_usd_per_s: 0.01     # $ one second of TTFT is worth at priority 5 (lower: cheaper)
     epsilon: 0.25              # bounded load: no endpoint above (1+epsilon) x mean
     load_metric: requests      # or tokens
+    decode_pricing: batch      # or reference (every endpoint priced at batch 64)
   unhealthy_after_failures: 3  # consecutive connect failures before an endpoint rests
   unhealthy_cooldown_s: 10
   tokenizers: {}               # model -> precise prefix path (needs meshd[precise]), e.g.

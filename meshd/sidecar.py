@@ -647,7 +647,11 @@ class Sidecar:
         guard = self.guards[ctx.pool]
         if ctx.inference is not None and ctx.routing is not None:
             ctx.pick = PickRequest.build(
-                ctx.inference, ctx.routing, now, block_hashes=ctx.block_hashes
+                ctx.inference,
+                ctx.routing,
+                now,
+                block_hashes=ctx.block_hashes,
+                tokens_per_block=ctx.tokens_per_block,
             )
             ctx.tokens = guard.expected_tokens(
                 ctx.inference.model, ctx.pick.prompt_tokens, ctx.inference.max_tokens
@@ -1421,6 +1425,7 @@ def build_routers(config: Config) -> dict[str, PoolRouter]:
         lambda_usd_per_s=routing.picker.lambda_usd_per_s,
         epsilon=routing.picker.epsilon,
         load_metric=routing.picker.load_metric,
+        decode_pricing=routing.picker.decode_pricing,
         tokens_per_block=routing.block_size_bytes / CHARS_PER_TOKEN,
     )
     return {

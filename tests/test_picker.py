@@ -208,7 +208,7 @@ def test_warm_and_cold_weights():
 def test_tenant_priority_sets_the_value_of_time():
     eps = fleet("A100", "B200")
     p = Picker(PickerConfig(tenant_priority={"batch": 0, "vip": 9}))
-    r = dict(prompt_tokens=200, max_tokens=1500)
+    r = dict(prompt_tokens=200, max_tokens=150)
     assert p.pick(PickRequest("m", (), tenant="batch", **r), eps, 0.0)[0].endpoint == "e0"
     assert p.pick(PickRequest("m", (), tenant="vip", **r), eps, 0.0)[0].endpoint == "e1"
     # An explicit header priority wins over the tenant default.

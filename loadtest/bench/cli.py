@@ -60,7 +60,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--workload", default="demo", choices=sorted(WORKLOADS), help="default: demo")
     w.add_argument("--rate", type=float, help="arrival rate, requests/s (generators)")
     w.add_argument("--cap", type=int, help="at most this many requests (traces)")
-    w.add_argument("--time-scale", type=float, help="stretch trace arrival times by this")
+    w.add_argument(
+        "--time-scale",
+        type=float,
+        help="replay traces this many times faster (arrival times divided by it)",
+    )
     w.add_argument("--token-scale", type=float, help="scale trace prompt lengths by this")
     w.add_argument("--seed", type=int, help="workload seed")
     w.add_argument(

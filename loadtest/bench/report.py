@@ -42,6 +42,10 @@ class BenchReport:
     results: tuple[PolicyResult, ...]
     baseline: str = "round-robin"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # Per policy: the one-infinite-cache hit-rate bound over the requests it sent (a run
+    # cut short by --duration sends a prefix of the workload, whose bound differs).
+    hit_bounds: dict[str, float] = field(default_factory=dict)
+    peer: str = "sglang-router"  # the cache-aware peer the targets compare with
 
     @property
     def ran(self) -> tuple[PolicyResult, ...]:
@@ -67,6 +71,8 @@ class BenchReport:
             "client": self.client,
             "baseline": self.baseline,
             "notes": list(self.notes),
+            "hit_rate_bounds": dict(self.hit_bounds),
+            "targets": [t.to_json() for t in targets(self)],
             "policies": [r.to_json() for r in self.results],
         }
 
@@ -180,14 +186,129 @@ def ratio_rows(results: Sequence[PolicyResult], base: PolicyResult) -> list[list
     return rows
 
 
+def success_rate(r: PolicyResult) -> float | None:
+    """Succeeded / sent requests (None when nothing was sent)."""
+    return r.succeeded / r.requests_sent if r.requests_sent else None
+
+
+def _result(report: BenchReport, name: str) -> PolicyResult | None:
+    return next((r for r in report.ran if r.policy == name), None)
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One of issue 4's targets for one policy: the measured ratio and whether it holds."""
+
+    policy: str
+    name: str
+    ratio: float | None
+    goal: str
+    met: bool | None  # None: not measurable in this run (a policy missing)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "target": self.name,
+            "ratio": self.ratio,
+            "goal": self.goal,
+            "met": self.met,
+        }
+
+
+# (name, goal text, test). Ratios are rounded to 2 decimals before the test, as printed.
+_TARGETS: tuple[tuple[str, str, Callable[[float], bool]], ...] = (
+    ("hit rate / bound", ">= 0.90", lambda x: x >= 0.90),
+    ("TTFT p90 / peer", "<= 0.50", lambda x: x <= 0.50),
+    ("out tok/s / peer", ">= 1.00", lambda x: x >= 1.00),
+    ("success / peer", ">= 1.00", lambda x: x >= 1.00),
+    ("$ / ok task / baseline", "<= 0.80", lambda x: x <= 0.80),
+)
+
+
+def target_ratios(report: BenchReport, r: PolicyResult) -> list[float | None]:
+    """r's figures as issue 4 states its targets: hit rate over the one-infinite-cache
+    bound, TTFT p90, output throughput and success rate over the peer's (sglang-router),
+    cost per successful task over the baseline's (round robin)."""
+    peer = _result(report, report.peer)
+    base = report.baseline_result()
+    return [
+        _div(r.hit_rate, report.hit_bounds.get(r.policy)),
+        _div(r.ttft.p90, peer.ttft.p90) if peer is not None else None,
+        _div(r.output_tok_s, peer.output_tok_s) if peer is not None else None,
+        _div(success_rate(r), success_rate(peer)) if peer is not None else None,
+        _div(r.cost_per_successful_task, base.cost_per_successful_task)
+        if base is not None
+        else None,
+    ]
+
+
+def targets(report: BenchReport) -> list[Target]:
+    """The targets for every meshd policy that ran (names starting with "meshd")."""
+    out = []
+    for r in report.ran:
+        if not r.policy.startswith("meshd"):
+            continue
+        for (name, goal, test), ratio in zip(_TARGETS, target_ratios(report, r), strict=True):
+            met = None if ratio is None else test(round(ratio, 2))
+            out.append(Target(r.policy, name, ratio, goal, met))
+    return out
+
+
+TARGET_HEADER = (
+    "policy",
+    "hit rate / bound",
+    "TTFT p90 / peer",
+    "out tok/s / peer",
+    "success / peer",
+    "$ / ok task / baseline",
+)
+
+
+def target_lines(report: BenchReport) -> list[str]:
+    """Every policy's figures as target ratios, then meshd's verdicts."""
+    ran = report.ran
+    if not ran:
+        return []
+    rows = []
+    for r in ran:
+        ratios = target_ratios(report, r)
+        hit = "n/a"
+        bound = report.hit_bounds.get(r.policy)
+        if ratios[0] is not None and bound is not None:
+            hit = f"{_pct(r.hit_rate)} / {_pct(bound)} = {ratios[0]:.2f}"
+        rest = ["n/a" if x is None else f"{x:.2f}" for x in ratios[1:]]
+        rows.append([r.policy, hit, *rest])
+    lines = [
+        "",
+        f"Targets (peer: {report.peer}, baseline: {report.baseline}; bound: one infinite "
+        "cache over the requests each policy sent):",
+        "",
+        *_table(TARGET_HEADER, rows),
+    ]
+    verdicts = targets(report)
+    if verdicts:
+        lines.append("")
+        for t in verdicts:
+            mark = "n/a" if t.met is None else ("met" if t.met else "MISSED")
+            ratio = "n/a" if t.ratio is None else f"{t.ratio:.2f}"
+            lines.append(f"- {t.policy}: {t.name} = {ratio} (goal {t.goal}): {mark}")
+    return lines
+
+
 def comparison_table(report: BenchReport) -> str:
-    """The comparison table (Markdown; readable as plain text too) and the ratios."""
+    """The comparison table (Markdown; readable as plain text too), the ratios against the
+    baseline and the targets."""
     lines = _table(COMPARISON_HEADER, comparison_rows(report.results))
     base = report.baseline_result()
     ratios = ratio_rows(report.results, base) if base is not None else []
     if base is not None and ratios:
         lines += ["", f"Ratios vs {base.policy} (lower is better for latency and $ / task):", ""]
         lines += _table(RATIO_HEADER, ratios)
+    lines += target_lines(report)
     not_run = [r for r in report.results if not r.ok]
     if not_run:
         lines += [""]

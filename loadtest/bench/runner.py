@@ -21,11 +21,17 @@ import aiohttp
 
 from loadtest.bench.client import DEFAULT_MODEL, ClientSettings, LoadClient
 from loadtest.bench.fleet import FleetProcess, FleetSpec, start_fleet
-from loadtest.bench.policies import BASELINE_POLICY, DEFAULT_POLICIES, PolicySpec, resolve_policies
+from loadtest.bench.policies import (
+    BASELINE_POLICY,
+    DEFAULT_POLICIES,
+    FleetPolicySpec,
+    PolicySpec,
+    resolve_policies,
+)
 from loadtest.bench.report import BenchReport, write_report
 from loadtest.bench.results import PolicyResult, engine_results, skipped, summarize
 from loadtest.bench.scrape import EngineScraper, busy_seconds, sampling
-from loadtest.workloads import WORKLOADS, PlannedRequest, describe
+from loadtest.workloads import WORKLOADS, PlannedRequest, describe, upper_bound_hit_rate
 
 DEFAULT_RESULTS_DIR = Path("results")
 SAMPLE_PERIOD_S = 1.0
@@ -126,7 +132,10 @@ async def run_policy(
     try:
         log(f"{spec.name}: starting {len(fleet_spec.gpus)} {fleet_spec.kind} engines")
         fleet = await start_fleet(fleet_spec, workdir / "fleet.log")
-        router = await spec.start(fleet.urls, workdir)
+        if isinstance(spec, FleetPolicySpec) and spec.start_on_fleet is not None:
+            router = await spec.start_on_fleet(fleet.engines, workdir)
+        else:
+            router = await spec.start(fleet.urls, workdir)
         log(f"{spec.name}: {spec.summary} at {router.url}")
         return await _measure(
             spec, fleet, router.url, requests, settings, sample_period_s, fleet_spec.time_scale
@@ -190,6 +199,13 @@ async def _measure(
     )
 
 
+def sent_hit_bound(requests: Sequence[PlannedRequest], result: PolicyResult) -> float:
+    """The one-infinite-cache hit-rate bound over the requests `result` sent, in plan
+    order (a run cut short sends a prefix of the workload, whose bound is its own)."""
+    sent = {o.request_id for o in result.outcomes}
+    return upper_bound_hit_rate([r for r in requests if r.request_id in sent])
+
+
 def gpu_summary(gpus: Sequence[str]) -> str:
     counts: dict[str, int] = {}
     for g in gpus:
@@ -247,6 +263,7 @@ async def run_bench(
         results=tuple(results),
         baseline=config.baseline,
         notes=config.notes,
+        hit_bounds={r.policy: sent_hit_bound(requests, r) for r in results if r.ok},
     )
     path = write_report(report, out_dir, plots=config.plots)
     return report, path
