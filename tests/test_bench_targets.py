@@ -169,5 +169,5 @@ def test_meshd_latency_sets_the_value_of_time_in_the_config() -> None:
     doc = sidecar_config_for_fleet(engines, "meshd", {"lambda_usd_per_s": 1e-2})
     config = load_config(None, base=doc, env={})
     assert config.routing.picker.lambda_usd_per_s == 1e-2
-    assert "lambda_usd_per_s=0.01" in POLICIES["meshd-latency"].summary
-    assert isinstance(POLICIES["meshd-latency"], FleetPolicySpec)
+    assert "lambda_usd_per_s=0.001" in POLICIES["meshd-cost"].summary
+    assert isinstance(POLICIES["meshd-cost"], FleetPolicySpec)

@@ -468,10 +468,10 @@ def meshd_fleet_policy(
 
 POLICIES["meshd-no-gpu"] = meshd_policy(MESHD_BEST_POLICY, label="meshd-no-gpu")
 POLICIES["meshd"] = meshd_fleet_policy(MESHD_BEST_POLICY, label="meshd")
-# The latency end of meshd's one trade-off knob: a second of TTFT valued at 1 cent
-# instead of the default 0.1 (same fleet, same workload; for the cost/latency frontier).
-POLICIES["meshd-latency"] = meshd_fleet_policy(
-    MESHD_BEST_POLICY, label="meshd-latency", picker={"lambda_usd_per_s": 1e-2}
+# The cost end of meshd's one trade-off knob: a second of TTFT valued at 0.1 cent
+# instead of the default 1 cent (same fleet, same workload; for the cost/latency frontier).
+POLICIES["meshd-cost"] = meshd_fleet_policy(
+    MESHD_BEST_POLICY, label="meshd-cost", picker={"lambda_usd_per_s": 1e-3}
 )
 
 
