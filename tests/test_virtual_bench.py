@@ -182,3 +182,20 @@ def test_sidecar_model_is_the_sidecars_router_with_or_without_gpus() -> None:
     assert [s["gpu"] for s in blind.router.snapshot(0.0)] != ["H100", "A100"]
     rr = sidecar_model(urls, "round-robin")
     assert rr.router.policy == "round-robin"
+
+
+def test_meshd_bench_virtual_clock_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from meshd.cli import main as meshd_main
+
+    rc = meshd_main(
+        [
+            "bench", "--virtual-clock", "--engines", "2", "--workload", "shared-prefix",
+            "--arg", "questions_per_group=3", "--arg", "groups=2",
+            "--policies", "round-robin,meshd", "--no-plots", "--no-progress",
+            "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0 and "meshd" in out
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert "virtual clock" in json.dumps(report)

@@ -111,6 +111,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--quick", action="store_true", help=f"a short run: sends stop at {QUICK_DURATION_S:g} s"
     )
+    r.add_argument(
+        "--virtual-clock",
+        action="store_true",
+        help="a discrete-event run: simulated time, no sockets, the same engine model and "
+        "routers (meshd's own policies; peers are skipped). 100s of engines in seconds",
+    )
 
 
 def _workload_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -241,7 +247,12 @@ def bench(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         print(f"meshd bench: {exc}", file=sys.stderr)
         return 2
     try:
-        report, path = _run(run_bench(config))
+        if getattr(args, "virtual_clock", False):
+            from loadtest.bench.virtual import run_virtual_bench
+
+            report, path = run_virtual_bench(config)
+        else:
+            report, path = _run(run_bench(config))
     except ValueError as exc:
         print(f"meshd bench: {exc}", file=sys.stderr)
         return 2
