@@ -177,9 +177,14 @@ class EndpointState:
     consecutive_failures: int = 0
     failures: int = 0
     last_failure_at: float | None = None
-    ejected_until: float = float("-inf")
+    ejected_until: float = float("-inf")  # by our own connect failures (above)
     draining: bool = False  # set locally (admin drain, an EDS health flag)
-    breaker_open: bool = False  # set by the reliability filters
+    # Set by the reliability filters (filters/guard.py through PoolRouter.set_flags): the
+    # breaker, the outlier detector's ejection (kept apart from `ejected_until` so that
+    # either one ending does not end the other) and the slow-start weight in (0, 1].
+    breaker_open: bool = False
+    outlier_ejected_until: float = float("-inf")
+    ramp: float = 1.0
     version: int = 0  # bumped by every change
     static_version: int = 0  # bumped by reports, flags and failures (not request traffic)
     _inflight: dict[Hashable, _InFlight] = field(default_factory=dict, repr=False)
@@ -311,13 +316,35 @@ class EndpointState:
         self._changed()
         self.static_version += 1
 
-    def set_flags(self, *, draining: bool | None = None, breaker_open: bool | None = None) -> None:
-        if draining is not None:
-            self.draining = draining
-        if breaker_open is not None:
-            self.breaker_open = breaker_open
-        self._changed()
-        self.static_version += 1
+    def set_flags(
+        self,
+        *,
+        draining: bool | None = None,
+        breaker_open: bool | None = None,
+        outlier_ejected_until: float | None = None,
+        ramp: float | None = None,
+    ) -> bool:
+        """Set the flags given (None: leave as is; `outlier_ejected_until` -inf: not
+        ejected). Returns whether anything changed: only a change makes the picker look
+        again, so a driver may repeat the same flags cheaply."""
+        if ramp is not None and not 0.0 < ramp <= 1.0:
+            raise ValueError(f"ramp must be in (0, 1], got {ramp}")
+        changed = False
+        if draining is not None and draining != self.draining:
+            self.draining, changed = draining, True
+        if breaker_open is not None and breaker_open != self.breaker_open:
+            self.breaker_open, changed = breaker_open, True
+        if (
+            outlier_ejected_until is not None
+            and outlier_ejected_until != self.outlier_ejected_until
+        ):
+            self.outlier_ejected_until, changed = outlier_ejected_until, True
+        if ramp is not None and ramp != self.ramp:
+            self.ramp, changed = ramp, True
+        if changed:
+            self._changed()
+            self.static_version += 1
+        return changed
 
     # -- derived views ----------------------------------------------------------------------
 
@@ -327,7 +354,7 @@ class EndpointState:
             return "draining"
         if self.breaker_open:
             return "breaker-open"
-        if now < self.ejected_until:
+        if now < self.ejected_until or now < self.outlier_ejected_until:
             return "ejected"
         r = self.fresh_report(now)
         if r is not None:
@@ -342,6 +369,8 @@ class EndpointState:
         t = float("inf")
         if self.ejected_until > now:
             t = self.ejected_until
+        if now < self.outlier_ejected_until < t:
+            t = self.outlier_ejected_until
         if self.reported is not None:
             stale_at = self.reported_at + self.report_ttl_s
             if stale_at > now:

@@ -15,14 +15,26 @@ they speak and what each outcome means to the others:
    endpoint open or ejected: fail fast, the breaker's point).
 3. `started` / `first_token` / `finished` per attempt: the breaker's flights and failure
    accrual, the outlier detector's 5xx and success-rate counts, and the throttle's
-   accepts (anything but an overload refusal counts as accepted).
+   accepts (anything but an overload refusal counts as accepted, a stream at its first
+   token, and an answer the client left before it ended still counts).
 4. `tick(now)` on a timer: breaker transitions, ejections and unejections, deadline
    expiry of queued requests; the driver applies them and answers refused waiters.
+5. `GuardEvents.flags` (from `pump` and `tick`): what the router must know before it
+   chooses, per endpoint whose view changed: breaker open, ejected until, and the
+   slow-start ramp. An endpoint ramps (filters/slow_start.py) from the moment the guard
+   sees it healthy again: its breaker closed after half-open probes, its ejection ended,
+   or it joined the pool after start-up (`add(..., now=)`) or restarted (`restarted`);
+   while open, half-open or ejected its weight is the ramp's minimum. While a ramp is in
+   progress every `tick` reports its new weight (in steps of RAMP_STEP), so the driver
+   only has to apply what comes out: `router.set_flags(f.url, breaker_open=..., ...)`.
+   `screen` shrinks a ramping endpoint's in-flight limits by the same weight.
 
 A failure is counted once per attempt, by the detector that owns its kind: connect
 failures, resets, timeouts and 5xx go to both breaker and outlier detector (the breaker
 opens fast on consecutive failures; ejection is Envoy's slower, percentage-bounded
-judgement), 429 goes to neither (the engine is healthy and says it is busy).
+judgement), 429 goes to neither (the engine is healthy and says it is busy), and an
+attempt the client abandoned far slower than the pool's typical pace goes to the outlier
+detector only (`slow_abandon_factor`).
 """
 
 from __future__ import annotations
@@ -42,10 +54,12 @@ from filters.admission import (
 )
 from filters.outlier import OutlierConfig, OutlierDetector, OutlierEvent
 from filters.retry_budget import RandomSource
+from filters.slow_start import SlowStart, SlowStartConfig
 from filters.throttle import AdaptiveThrottle, AdaptiveThrottleConfig
 from filters.token_breaker import BreakerTransition, Limits, TokenBreaker, TokenBreakerConfig
 
 __all__ = [
+    "EndpointFlags",
     "GuardConfig",
     "GuardEvents",
     "PoolGuard",
@@ -55,6 +69,16 @@ __all__ = [
 
 # HTTP statuses by which an engine says "busy", not "broken".
 OVERLOAD_STATUSES = frozenset({429, 503})
+# A ramping endpoint's weight is re-published when it moved this much (or reached 1):
+# each publication makes the picker rebuild that endpoint's view.
+RAMP_STEP = 0.02
+# The pool's typical seconds per expected token: a streaming median estimate (relative
+# step per sample), trusted after this many successful attempts.
+PACE_STEP = 0.05
+PACE_MIN_SAMPLES = 8
+# Attempts in flight whose start the guard keeps for that judgement (the breaker's own
+# bound, TokenBreakerConfig.max_in_flight); beyond it new attempts are not judged.
+MAX_TRACKED_FLIGHTS = 65_536
 
 
 class _HasUrl(Protocol):
@@ -73,6 +97,31 @@ class GuardConfig:
     admission: AdmissionConfig | None = field(default_factory=AdmissionConfig)
     breaker: TokenBreakerConfig | None = field(default_factory=TokenBreakerConfig)
     outlier: OutlierConfig | None = field(default_factory=OutlierConfig)
+    slow_start: SlowStartConfig | None = field(default_factory=SlowStartConfig)
+    # An attempt whose client gave up (closed the stream) after more than this many times
+    # the pool's typical seconds per expected token counts as a failure for outlier
+    # ejection: an engine that decodes at a tenth of the speed sends its first token in
+    # time and is then abandoned by every client, which says nothing to the breaker
+    # (a cancel is no verdict) unless someone notices. Percentage-bounded ejection, not
+    # the breaker, hears it: a client's timeout is a weaker signal than a 5xx. None: off.
+    slow_abandon_factor: float | None = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointFlags:
+    """The guard's view of one endpoint, for PoolRouter.set_flags. `breaker_open` is
+    False while half-open (the router may send the probe; `screen` allows one);
+    `ejected_until` is None when not ejected; `ramp` is the slow-start weight in (0, 1]
+    (while open, half-open or ejected: the ramp's minimum, what it comes back at)."""
+
+    url: str
+    breaker_open: bool = False
+    ejected_until: float | None = None
+    ramp: float = 1.0
+
+    @property
+    def healthy(self) -> bool:
+        return not self.breaker_open and self.ejected_until is None and self.ramp >= 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +161,7 @@ class GuardEvents:
     outlier: list[OutlierEvent] = field(default_factory=list)
     rejected: list[Reject] = field(default_factory=list)  # queued requests refused
     dispatch: list[AdmissionItem] = field(default_factory=list)  # queued requests to wake
+    flags: list[EndpointFlags] = field(default_factory=list)  # for router.set_flags
 
 
 class PoolGuard:
@@ -127,6 +177,8 @@ class PoolGuard:
     guard.release(item.id, now)            # once per admitted request, any outcome
     ev = guard.pump(now)                   # after release/requeue: who may go next
     ev = guard.tick(now)                   # on a timer
+    for f in ev.flags: router.set_flags(f.url, breaker_open=f.breaker_open,
+                                        ejected_until=f.ejected_until, ramp=f.ramp, now=now)
     """
 
     def __init__(
@@ -141,22 +193,52 @@ class PoolGuard:
         self.admission = Admission(config.admission) if config.admission else None
         self.breaker = TokenBreaker(config.breaker) if config.breaker else None
         self.outlier = OutlierDetector(config.outlier) if config.outlier else None
+        self.slow_start = SlowStart(config.slow_start) if config.slow_start else None
+        # Flags as last published, for endpoints whose flags are not all clear; and the
+        # endpoints whose flags may have changed since (published by the next pump/tick).
+        self._published: dict[str, EndpointFlags] = {}
+        self._dirty: set[str] = set()
+        self._sick: set[str] = set()  # last seen open, half-open or ejected
+        self._accepted: set[Hashable] = set()  # attempts the throttle counted at first token
+        # Slow abandonment: (start, expected tokens) per attempt in flight, and the pool's
+        # typical pace (seconds per expected token) of attempts that succeeded.
+        self._flights: dict[Hashable, tuple[float, int]] = {}
+        self._pace: float | None = None
+        self._pace_samples = 0
+        self.slow_abandons = 0
+        # Endpoints of the pool at start-up do not ramp: they all start cold together,
+        # and a ramp for all is a ramp for none.
         for url in endpoints:
             self.add(url, (endpoint_limits or {}).get(url))
 
     # -- membership ------------------------------------------------------------------------
 
-    def add(self, url: str, limits: Limits | None = None) -> None:
+    def add(self, url: str, limits: Limits | None = None, *, now: float | None = None) -> None:
+        """An endpoint joins; with `now` (it joined a running pool) it ramps from then."""
         if self.outlier is not None:
             self.outlier.add(url)
         if self.breaker is not None and limits is not None:
             self.breaker.set_limits(url, limits)
+        if now is not None:
+            self.restarted(url, now)
 
     def remove(self, url: str) -> None:
         if self.outlier is not None:
             self.outlier.remove(url)
         if self.breaker is not None:
             self.breaker.remove(url)
+        if self.slow_start is not None:
+            self.slow_start.forget(url)
+        self._published.pop(url, None)
+        self._dirty.discard(url)
+        self._sick.discard(url)
+
+    def restarted(self, url: str, now: float) -> None:
+        """The endpoint's engine came back with an empty cache (a new report epoch, a
+        restart): it ramps from `now`."""
+        if self.slow_start is not None:
+            self.slow_start.became_healthy(url, now)
+            self._dirty.add(url)
 
     # -- arrival -----------------------------------------------------------------------------
 
@@ -175,18 +257,32 @@ class PoolGuard:
         return self.breaker.expected_tokens(model, prompt_tokens, max_tokens)
 
     def screen(
-        self, routes: Sequence[R], tokens: int, priority: int | None, now: float
+        self,
+        routes: Sequence[R],
+        tokens: int,
+        priority: int | None,
+        now: float,
+        *,
+        continuation: bool = False,
     ) -> Screened[R]:
+        """`continuation`: the attempt resumes a stream that already sent tokens (sunk
+        cost, and a client waiting mid-answer): in-flight limits do not hold it back, only
+        an open, half-open or ejected endpoint does."""
         kept: list[R] = []
         skipped: list[tuple[str, str]] = []
         full = False
+        ramps = self.slow_start
         for r in routes:
             url = r.url
             if self.outlier is not None and self.outlier.ejected(url, now):
                 skipped.append((url, "ejected"))
                 continue
             if self.breaker is not None:
-                d = self.breaker.admit(url, tokens, priority, now)
+                scale = ramps.weight(url, now) if ramps is not None else 1.0
+                d = self.breaker.admit(url, tokens, priority, now, scale=scale)
+                if continuation and d.reason.startswith(("endpoint-", "pool-")):
+                    kept.append(r)
+                    continue
                 if d.verdict == "queue":
                     # The pool as a whole is at its limits: no route will do better.
                     return Screened([], [*skipped, (url, d.reason)], full=True)
@@ -206,12 +302,23 @@ class PoolGuard:
     ) -> None:
         if self.breaker is not None:
             self.breaker.start(url, rid, tokens, now, model=model)
+        if (
+            self.config.slow_abandon_factor is not None
+            and self.outlier is not None
+            and len(self._flights) < MAX_TRACKED_FLIGHTS
+        ):
+            self._flights[rid] = (now, max(1, tokens))
 
     def first_token(
         self, rid: Hashable, now: float, *, predicted_ttft_s: float | None = None
     ) -> None:
         if self.breaker is not None:
             self.breaker.first_token(rid, now, predicted_ttft_s=predicted_ttft_s)
+        if self.throttle is not None and rid not in self._accepted:
+            # A stream is accepted when it starts, not when it ends: counted at the end,
+            # every stream in flight would read as a refusal (p_reject near 1 at start-up).
+            self._accepted.add(rid)
+            self.throttle.accepted(now)
 
     def finished(
         self,
@@ -229,17 +336,41 @@ class PoolGuard:
         connection, reset, timeout), or `cancelled` (the client left: no verdict)."""
         overloaded = status in OVERLOAD_STATUSES and not local_failure
         failed = local_failure or (status is not None and status >= 500 and not overloaded)
+        self._dirty.add(url)  # the breaker or the ejection may have moved: see pump()
         if self.breaker is not None:
             verdict = None if cancelled or overloaded else not failed
             self.breaker.finish(rid, now, ok=verdict, completion_tokens=completion_tokens)
+        # The pool accepted it if it answered with anything but an overload refusal, even
+        # if the client left afterwards (a client's timeout is not the pool's refusal).
+        early = rid in self._accepted
+        if early:
+            self._accepted.discard(rid)
+        elif self.throttle is not None and status is not None and not overloaded:
+            self.throttle.accepted(now)
+        flight = self._flights.pop(rid, None)
         if cancelled:
+            if flight is not None and status is not None and not overloaded:
+                self._judge_abandoned(url, flight, now)
             return
+        if flight is not None and not failed and not overloaded:
+            self._note_pace((now - flight[0]) / flight[1])
         if self.outlier is not None and not overloaded:
             self.outlier.record(
                 url, now, status=None if local_failure else status, local_failure=local_failure
             )
-        if self.throttle is not None and status is not None and not overloaded:
-            self.throttle.accepted(now)
+
+    def _note_pace(self, pace: float) -> None:
+        m = self._pace
+        self._pace = pace if m is None else m * (1 + PACE_STEP if pace > m else 1 - PACE_STEP)
+        self._pace_samples += 1
+
+    def _judge_abandoned(self, url: str, flight: tuple[float, int], now: float) -> None:
+        factor, typical = self.config.slow_abandon_factor, self._pace
+        if factor is None or typical is None or self._pace_samples < PACE_MIN_SAMPLES:
+            return
+        if (now - flight[0]) / flight[1] > factor * typical and self.outlier is not None:
+            self.slow_abandons += 1
+            self.outlier.record(url, now, local_failure=True)
 
     # -- queue -------------------------------------------------------------------------------
 
@@ -255,8 +386,12 @@ class PoolGuard:
         return self.admission.cancel(item_id) if self.admission is not None else False
 
     def pump(self, now: float) -> GuardEvents:
-        """Queued requests that may go now, and queued requests refused."""
+        """Queued requests that may go now, queued requests refused, and the flags of
+        endpoints whose view changed since the last pump or tick."""
         ev = GuardEvents()
+        if self._dirty:
+            ev.flags = self._publish(self._dirty, now)
+            self._dirty = set()
         adm = self.admission
         if adm is None:
             return ev
@@ -273,7 +408,68 @@ class PoolGuard:
             ev.breaker = self.breaker.tick(now)
         if self.outlier is not None:
             ev.outlier = self.outlier.tick(now)
+        # Whatever moved, and every endpoint not yet back at full weight (its ramp).
+        urls = {t.endpoint for t in ev.breaker} | {o.endpoint for o in ev.outlier}
+        urls.update(self._published)
+        ev.flags.extend(self._publish(urls, now))
         return ev
+
+    # -- flags -------------------------------------------------------------------------------
+
+    def flags(self, url: str, now: float) -> EndpointFlags:
+        """The guard's view of `url` now (see EndpointFlags)."""
+        state = self.breaker.state(url, now) if self.breaker is not None else "closed"
+        until = None
+        if self.outlier is not None and self.outlier.ejected(url, now):
+            until = self.outlier.ejected_until(url)
+        ramps = self.slow_start
+        ramp = 1.0
+        if ramps is not None:
+            if state == "closed" and until is None:
+                ramp = ramps.weight(url, now)
+            else:
+                # Open, half-open or ejected: the weight it will come back at, so that the
+                # router has it from the first moment (an ejection ends by the clock).
+                ramp = ramps.config.min_weight_percent / 100.0 or RAMP_STEP
+        return EndpointFlags(url, state == "open", until, ramp)
+
+    def _publish(self, urls: Iterable[str], now: float) -> list[EndpointFlags]:
+        """The flags of `urls` that differ from what was last published (a ramp's weight
+        only once it moved by RAMP_STEP). An endpoint seen open, half-open or ejected
+        loses its ramp; seen healthy after that, it starts one."""
+        out: list[EndpointFlags] = []
+        ramps = self.slow_start
+        for url in urls:
+            if ramps is not None:
+                self._observe(url, ramps, now)
+            new = self.flags(url, now)
+            old = self._published.get(url) or EndpointFlags(url)
+            if new == old:
+                continue
+            if (
+                new.breaker_open == old.breaker_open
+                and new.ejected_until == old.ejected_until
+                and new.ramp < 1.0
+                and abs(new.ramp - old.ramp) < RAMP_STEP
+            ):
+                continue
+            out.append(new)
+            if new.healthy:
+                self._published.pop(url, None)
+            else:
+                self._published[url] = new
+        return out
+
+    def _observe(self, url: str, ramps: SlowStart, now: float) -> None:
+        sick = self.outlier is not None and self.outlier.ejected(url, now)
+        if not sick and self.breaker is not None:
+            sick = self.breaker.state(url, now) != "closed"
+        if sick:
+            ramps.forget(url)
+            self._sick.add(url)
+        elif url in self._sick:
+            self._sick.discard(url)
+            ramps.became_healthy(url, now)
 
     # -- views -------------------------------------------------------------------------------
 

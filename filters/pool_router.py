@@ -10,7 +10,16 @@ Sans-I/O. The driver's protocol, per request::
     router.first_token(r, rid, now)                 # streams only
     router.finished(r, rid, now, ok=..., cached_tokens=usage cached tokens or None)
 
-and, from the control plane (meshd/control_feed.py), whenever it has news::
+from the reliability filters (filters/guard.py's GuardEvents.flags), on every change and
+while a slow-start ramp is in progress::
+
+    router.set_flags(url, breaker_open=..., ejected_until=..., ramp=..., now=now)
+
+so the policy itself keeps an open or ejected endpoint out of the order (the `meshd`
+policy: ineligible; the balancer policies: behind every other endpoint) and gives a
+ramping one less weight (`meshd`: its bounded-load capacity weight; `least-request`: its
+outstanding-per-weight score; round robin has no weights and ignores the ramp); and,
+from the control plane (meshd/control_feed.py), whenever it has news::
 
     router.report(url, reported_state_or_None, now, ttl_s=...)   # engine state; None: gone
     router.apply_digest(url, digest_or_None, now)                 # engine's cached blocks
@@ -82,6 +91,36 @@ class PoolRouter(Protocol):
         self, url: str, state: ReportedState | None, now: float, *, ttl_s: float
     ) -> bool: ...
     def apply_digest(self, url: str, digest: BlockDigest | None, now: float) -> bool: ...
+    def set_flags(
+        self,
+        url: str,
+        *,
+        breaker_open: bool,
+        ejected_until: float | None,
+        ramp: float = 1.0,
+        now: float,
+    ) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Flags:
+    """What the reliability filters last said about an endpoint (balancer policies)."""
+
+    breaker_open: bool
+    ejected_until: float | None
+    ramp: float
+
+    def ineligible_reason(self, now: float) -> str | None:
+        if self.breaker_open:
+            return "breaker-open"
+        if self.ejected_until is not None and now < self.ejected_until:
+            return "ejected"
+        return None
+
+
+def _check_ramp(ramp: float) -> None:
+    if not 0.0 < ramp <= 1.0:
+        raise ValueError(f"ramp must be in (0, 1], got {ramp}")
 
 
 @dataclass(slots=True)
@@ -135,15 +174,50 @@ class BalancerRouter:
             cooldown_s=cooldown_s,
         )
         self._reports: dict[str, _Report] = {}
+        self._flags: dict[str, _Flags] = {}  # only endpoints with a flag or a ramp
 
     def order(self, req: PickRequest, now: float) -> list[Route]:
         urls = self._balancer.order(now)
-        if not self._reports:
+        if not self._reports and not self._flags:
             return [Route(url, self.policy) for url in urls]
-        # Reported unhealthy or draining: to the back (stable, so the rest keep the order).
-        reasons = {u: r.ineligible_reason(now) for u, r in self._reports.items()}
+        if self.policy == "least-request" and any(f.ramp < 1.0 for f in self._flags.values()):
+            # The balancer's own key with the ramp in the weight (stable: ties keep the
+            # balancer's rotation).
+            b, flags = self._balancer, self._flags
+
+            def score(u: str) -> tuple[bool, float]:
+                load, f = b.load(u), flags.get(u)
+                weight = load.weight * (f.ramp if f is not None else 1.0)
+                return (not load.healthy(now), load.outstanding / weight)
+
+            urls.sort(key=score)
+        # Reported unhealthy or draining, breaker open or ejected: to the back (stable, so
+        # the rest keep the order).
+        reasons: dict[str, str | None] = {
+            u: f.ineligible_reason(now) for u, f in self._flags.items()
+        }
+        for u, r in self._reports.items():
+            reasons[u] = r.ineligible_reason(now) or reasons.get(u)
         urls.sort(key=lambda u: reasons.get(u) is not None)
         return [Route(url, reasons.get(url) or self.policy) for url in urls]
+
+    def set_flags(
+        self,
+        url: str,
+        *,
+        breaker_open: bool,
+        ejected_until: float | None,
+        ramp: float = 1.0,
+        now: float,
+    ) -> bool:
+        if url not in self._balancer.endpoints:
+            return False
+        _check_ramp(ramp)
+        if not breaker_open and ejected_until is None and ramp >= 1.0:
+            self._flags.pop(url, None)
+        else:
+            self._flags[url] = _Flags(breaker_open, ejected_until, ramp)
+        return True
 
     def report(self, url: str, state: ReportedState | None, now: float, *, ttl_s: float) -> bool:
         if url not in self._balancer.endpoints:
@@ -189,6 +263,12 @@ class BalancerRouter:
             if why is not None:
                 e["healthy"], e["ineligible_reason"] = False, why
             e["reported"] = None if r is None else _report_view(r.state, r.at, r.ttl_s, now)
+            f = self._flags.get(str(e["url"]))
+            if f is not None and e.get("ineligible_reason") is None:
+                why = f.ineligible_reason(now)
+                if why is not None:
+                    e["healthy"], e["ineligible_reason"] = False, why
+            e["ramp"] = 1.0 if f is None else f.ramp
         return out
 
 
@@ -256,6 +336,26 @@ class PickerRouter:
         state.finish(rid, now, ok=False)
         state.connect_failure(now)
         self._last_error[route.url] = reason
+
+    def set_flags(
+        self,
+        url: str,
+        *,
+        breaker_open: bool,
+        ejected_until: float | None,
+        ramp: float = 1.0,
+        now: float,
+    ) -> bool:
+        s = self._by_url.get(url)
+        if s is None:
+            return False
+        _check_ramp(ramp)
+        s.set_flags(
+            breaker_open=breaker_open,
+            outlier_ejected_until=float("-inf") if ejected_until is None else ejected_until,
+            ramp=ramp,
+        )
+        return True
 
     # -- control plane ------------------------------------------------------------------
 
@@ -326,6 +426,7 @@ class PickerRouter:
                 "tokens_in_flight": s.tokens_in_flight,
                 "failures": s.failures,
                 "consecutive_failures": s.consecutive_failures,
+                "ramp": s.ramp,
                 "ttft_calibration": round(s.ttft_ratio, 3),
                 "cached_blocks": self.picker.index.used_blocks(s.name),
                 "digest_blocks": len(d.blocks) if (d := self._digests.get(s.name)) else None,

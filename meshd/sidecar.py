@@ -755,9 +755,12 @@ class Sidecar:
             self.metrics.admission_queue_depth.labels(ctx.pool).set(guard.queued)
 
     def _apply_guard(self, pool: str, ev: GuardEvents) -> None:
-        """Wake dispatched waiters, answer refused ones, publish breaker and ejection state."""
+        """Wake dispatched waiters, answer refused ones, publish breaker and ejection state
+        (to the metrics, and to the router, so it chooses around them)."""
         guard = self.guards[pool]
         while True:
+            if ev.flags:
+                self._set_router_flags(pool, ev)
             released = False
             for item in ev.dispatch:
                 fut = self._waiters.get(item.id)
@@ -786,6 +789,20 @@ class Sidecar:
             ev = guard.pump(time.monotonic())
         m.admission_queue_depth.labels(pool).set(guard.queued)
         m.tokens_in_flight.labels(pool).set(guard.tokens_in_flight())
+
+    def _set_router_flags(self, pool: str, ev: GuardEvents) -> None:
+        """Breaker open, ejection and slow-start ramp, as the guard sees them, to the router
+        (the guard reports a ramp on every reaper tick until it ends)."""
+        router = self.routers[pool]
+        now = time.monotonic()
+        for f in ev.flags:
+            router.set_flags(
+                f.url,
+                breaker_open=f.breaker_open,
+                ejected_until=f.ejected_until,
+                ramp=f.ramp,
+                now=now,
+            )
 
     # -- attempts ------------------------------------------------------------------------
 

@@ -190,3 +190,70 @@ def test_reported_blocks_follow_full_and_cumulative_digests():
     assert b.apply(Digest("e2", 0, 0, False, (7,)), 3.0) is None  # new epoch: wait for full
     assert b.apply(Digest("e2", 0, 0, True, (7,)), 4.0) == {1, 2, 3, 5}
     assert b.blocks == {7} and b.ignored == 2
+
+
+# -- flags from the reliability filters (filters/guard.py) --------------------------------
+
+
+def test_meshd_policy_does_not_choose_an_open_or_ejected_endpoint():
+    router = make_router("meshd", [EndpointSpec(u, gpu="H100") for u in URLS])
+    assert router.set_flags(URLS[0], breaker_open=True, ejected_until=None, now=0.0)
+    assert router.set_flags(URLS[1], breaker_open=False, ejected_until=30.0, now=0.0)
+    orders = [router.order(_req(f"prompt {i} " * 40), 1.0) for i in range(20)]
+    assert all([r.url for r in o] == [URLS[2]] for o in orders)
+    snap = {e["url"]: e for e in router.snapshot(1.0)}
+    assert snap[URLS[0]]["ineligible_reason"] == "breaker-open"
+    assert snap[URLS[1]]["ineligible_reason"] == "ejected"
+    # The ejection ends by itself at its time; the breaker when the guard says so.
+    assert URLS[1] in [r.url for r in router.order(_req("later " * 40), 30.0)]
+    router.set_flags(URLS[0], breaker_open=False, ejected_until=None, ramp=0.1, now=31.0)
+    assert {r.url for r in router.order(_req("again " * 40), 31.0)} == set(URLS)
+    assert {e["url"]: e["ramp"] for e in router.snapshot(31.0)}[URLS[0]] == 0.1
+    assert not router.set_flags("http://unknown:1", breaker_open=True, ejected_until=None, now=0.0)
+    with pytest.raises(ValueError):
+        router.set_flags(URLS[0], breaker_open=False, ejected_until=None, ramp=0.0, now=0.0)
+
+
+def test_an_outlier_ejection_ending_leaves_a_connect_failure_rest_in_force():
+    router = make_router("meshd", [EndpointSpec(u, gpu="H100") for u in URLS[:2]])
+    dead = URLS[0]
+    for rid in range(3):  # the picker's own passive health: rests 10 s from t=0
+        route = next(r for r in router.order(_req("x" * 200), 0.0) if r.url == dead)
+        router.started(route, rid, _req("x" * 200), 0.0)
+        router.connect_failed(route, rid, 0.0, "refused")
+    router.set_flags(dead, breaker_open=False, ejected_until=5.0, now=0.0)
+    router.set_flags(dead, breaker_open=False, ejected_until=None, now=5.0)  # unejected
+    assert dead not in [r.url for r in router.order(_req("y" * 200), 6.0)]
+    assert dead in [r.url for r in router.order(_req("y" * 200), 10.5)]
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "least-request"])
+def test_balancer_policies_put_open_or_ejected_endpoints_last(policy):
+    router = make_router(policy, [EndpointSpec(u) for u in URLS])
+    router.set_flags(URLS[0], breaker_open=True, ejected_until=None, now=0.0)
+    router.set_flags(URLS[1], breaker_open=False, ejected_until=10.0, now=0.0)
+    for _ in range(6):
+        routes = router.order(_req("z"), 1.0)
+        assert routes[0].url == URLS[2]
+        assert {r.url: r.reason for r in routes[1:]} == {
+            URLS[0]: "breaker-open",
+            URLS[1]: "ejected",
+        }
+    assert router.order(_req("z"), 10.0)[-1].url == URLS[0]  # the ejection has ended
+    router.set_flags(URLS[0], breaker_open=False, ejected_until=None, now=11.0)
+    firsts = {router.order(_req("z"), 11.0)[0].url for _ in range(6)}
+    assert firsts == set(URLS)
+    snap = {e["url"]: e for e in router.snapshot(11.0)}
+    assert all(e["healthy"] for e in snap.values())
+
+
+def test_least_request_gives_a_ramping_endpoint_less_weight():
+    router = make_router("least-request", [EndpointSpec(u) for u in URLS[:2]])
+    ramping, other = URLS[:2]
+    router.set_flags(ramping, breaker_open=False, ejected_until=None, ramp=0.25, now=0.0)
+    for rid in range(10):  # 10 requests in flight, none finishing
+        r = router.order(_req("w"), 0.0)[0]
+        router.started(r, rid, _req("w"), 0.0)
+    loads = {e["url"]: e["outstanding"] for e in router.snapshot(0.0)}
+    # outstanding / (weight x ramp) balanced: 2 on the ramping one, 8 on the other.
+    assert loads == {ramping: 2, other: 8}
