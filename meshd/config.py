@@ -322,6 +322,17 @@ class ThrottleSettings(_Strict):
     window_s: float = Field(default=120.0, gt=0)
 
 
+class SlowStartSettings(_Strict):
+    """A recovered or newly added endpoint's weight ramps from min_weight_percent to full
+    over window_s (Envoy's slow start: (elapsed / window) ** (1 / aggression)), so traffic
+    shed onto it does not flatten a cache that must rewarm."""
+
+    enabled: bool = True
+    window_s: float = Field(default=60.0, gt=0)
+    aggression: float = Field(default=1.0, gt=0)
+    min_weight_percent: float = Field(default=10.0, ge=0, le=100)
+
+
 class Reliability(_Strict):
     retry: RetrySettings = RetrySettings()
     breaker: BreakerSettings = BreakerSettings()
@@ -329,6 +340,11 @@ class Reliability(_Strict):
     admission: AdmissionSettings = AdmissionSettings()
     failover: FailoverSettings = FailoverSettings()
     throttle: ThrottleSettings = ThrottleSettings()
+    slow_start: SlowStartSettings = SlowStartSettings()
+    # An attempt the client abandons while it runs this many times slower than the pool's
+    # typical seconds per expected token counts against the endpoint (outlier ejection);
+    # null: abandonment is never held against an endpoint.
+    slow_abandon_factor: float | None = Field(default=3.0, gt=1)
 
 
 class TracingSettings(_Strict):
@@ -627,6 +643,12 @@ reliability:
     enabled: true
     k: 2.0
     window_s: 120
+  slow_start:                  # recovered / new endpoints ramp up (Envoy's slow start)
+    enabled: true
+    window_s: 60
+    aggression: 1.0
+    min_weight_percent: 10
+  slow_abandon_factor: 3.0     # abandoned at > 3x the pool's s/token: counts as a failure
 telemetry:
   tracing:
     otlp_endpoint: null        # e.g. otel-collector:4317

@@ -58,6 +58,7 @@ from filters.request import (
     parse_inference_request,
 )
 from filters.retry_budget import RetryBudget, RetryBudgetConfig, parse_retry_after
+from filters.slow_start import SlowStartConfig
 from filters.throttle import AdaptiveThrottleConfig
 from filters.token_breaker import Limits, TokenBreakerConfig
 from meshd import __version__
@@ -857,10 +858,15 @@ class Sidecar:
             error=error,
         )
 
-    def _screen(self, ctx: RequestContext, routes: list[Route]) -> Screened[Route]:
+    def _screen(
+        self, ctx: RequestContext, routes: list[Route], *, continuation: bool = False
+    ) -> Screened[Route]:
+        """`continuation`: a resumed stream (in-flight limits do not hold it back)."""
         guard = self.guards[ctx.pool]
         assert ctx.pick is not None
-        screened = guard.screen(routes, ctx.tokens, ctx.pick.priority, time.monotonic())
+        screened = guard.screen(
+            routes, ctx.tokens, ctx.pick.priority, time.monotonic(), continuation=continuation
+        )
         for _, why in screened.skipped:
             self.metrics.breaker_rejections.labels(ctx.pool, why).inc()
         return screened
@@ -1339,7 +1345,7 @@ class Sidecar:
         data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         routes = [r for r in self.routers[ctx.pool].order(ctx.pick, now) if r.url not in ctx.tried]
         loop = asyncio.get_running_loop()
-        for route in self._screen(ctx, routes).routes[:2]:
+        for route in self._screen(ctx, routes, continuation=True).routes[:2]:
             attempt = self._start_attempt(ctx, route, "resume")
             try:
                 async with asyncio.timeout(
@@ -1506,6 +1512,7 @@ def _precise_prefixes(
 def _guard_config(config: Config) -> GuardConfig:
     rel = config.reliability
     b, o, a, t = rel.breaker, rel.outlier, rel.admission, rel.throttle
+    ss = rel.slow_start
     return GuardConfig(
         throttle=AdaptiveThrottleConfig(k=t.k, window_s=t.window_s) if t.enabled else None,
         admission=AdmissionConfig(
@@ -1552,6 +1559,14 @@ def _guard_config(config: Config) -> GuardConfig:
         )
         if o.enabled
         else None,
+        slow_start=SlowStartConfig(
+            window_s=ss.window_s,
+            aggression=ss.aggression,
+            min_weight_percent=ss.min_weight_percent,
+        )
+        if ss.enabled
+        else None,
+        slow_abandon_factor=rel.slow_abandon_factor,
     )
 
 

@@ -188,3 +188,26 @@ def test_label_caps_default_to_the_observers_and_reach_it(tmp_path):
         ("other", "served"): 1,  # a third tenant is over the cap; the pool's model is kept
         ("gold", "other"): 1,  # an admission tenant is kept over the cap
     }
+
+
+def test_slow_start_and_slow_abandon_settings_reach_the_guard() -> None:
+    from meshd.sidecar import _guard_config
+
+    base = {"pools": [{"name": "p", "endpoints": ["http://a:1"]}]}
+    on = _guard_config(load_config(None, base=base, env={}))
+    assert on.slow_start is not None and on.slow_start.window_s == 60.0
+    assert on.slow_abandon_factor == 3.0
+    off = _guard_config(
+        load_config(
+            None,
+            base=base,
+            env={},
+            overrides=[
+                "reliability.slow_start.enabled=false",
+                "reliability.slow_abandon_factor=null",
+            ],
+        )
+    )
+    assert off.slow_start is None and off.slow_abandon_factor is None
+    with pytest.raises(ConfigError, match=r"reliability\.slow_start\.window_s"):
+        load_config(None, base=base, env={}, overrides=["reliability.slow_start.window_s=0"])
