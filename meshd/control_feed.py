@@ -112,7 +112,10 @@ class ControlFeed:
         *,
         backoff: Backoff | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_restart: Callable[[str, str, float], None] | None = None,
     ) -> None:
+        """`on_restart(pool, url, now)`: an engine's report came with a new epoch (it
+        restarted, its cache is empty); the sidecar ramps it back in (slow start)."""
         cp = config.control_plane
         if not cp.addresses:
             raise ConfigError(["control_plane.addresses: at least one address is needed"])
@@ -131,6 +134,7 @@ class ControlFeed:
                 self._targets.setdefault(_host_port(ep.url), []).append((pool.name, ep.url))
         self._engines: dict[str, list[tuple[str, str]]] = {}  # resource name -> its targets
         self._reports: dict[str, ReportedState] = {}  # resource name -> last state
+        self._on_restart = on_restart
         self._digest_names: set[str] = set()
         self._sub = Subscriber(
             cp.addresses,
@@ -248,9 +252,16 @@ class ControlFeed:
             return
         self._engines[name] = new
         assert state is not None
+        before = self._reports.get(name)
         reported = self._reports[name] = state.to_reported()
+        # From a known epoch to another (an unset one, "" or 0, says nothing).
+        restarted = (
+            before is not None and before.epoch not in ("", 0) and before.epoch != reported.epoch
+        )
         for pool, url in new:
             self.routers[pool].report(url, reported, now, ttl_s=self.stale_after_s)
+            if restarted and self._on_restart is not None:
+                self._on_restart(pool, url, now)
         self.stats.updates[ENDPOINT_STATE_TYPE] += 1
         self._want_digest(name, True)
 

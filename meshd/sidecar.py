@@ -255,7 +255,9 @@ class Sidecar:
         if cfg.control_plane.addresses and self._feed is None:
             from meshd.control_feed import ControlFeed
 
-            self._feed = ControlFeed(cfg, self.routers, self.metrics)
+            self._feed = ControlFeed(
+                cfg, self.routers, self.metrics, on_restart=self._engine_restarted
+            )
         for precise in self.precise.values():
             await precise.start()
         self._upstream = UpstreamPool(
@@ -790,6 +792,13 @@ class Sidecar:
             ev = guard.pump(time.monotonic())
         m.admission_queue_depth.labels(pool).set(guard.queued)
         m.tokens_in_flight.labels(pool).set(guard.tokens_in_flight())
+
+    def _engine_restarted(self, pool: str, url: str, now: float) -> None:
+        """The control plane says the engine restarted (new epoch): its cache is cold, so
+        it ramps back in."""
+        guard = self.guards[pool]
+        guard.restarted(url, now)
+        self._apply_guard(pool, guard.pump(now))
 
     def _set_router_flags(self, pool: str, ev: GuardEvents) -> None:
         """Breaker open, ejection and slow-start ramp, as the guard sees them, to the router

@@ -371,3 +371,17 @@ async def test_failover_backoff_is_quick_for_a_dead_first_replica(
     await until(feed, lambda: "e0" in feed.engines())
     assert feed.subscriber.target == f"127.0.0.1:{plane.port}"
     assert feed.health()["failovers"] >= 1
+
+
+async def test_a_restarted_engine_ramps_back_in(rig: Rig, publisher: Publisher) -> None:
+    bs, s = rig
+    feed = feed_of(s)
+    router = s.routers["default"]
+    await publish(publisher, {"e1": engine_state(bs[1], epoch="boot-1")})
+    await until(feed, lambda: feed.stats.updates[ENDPOINT_STATE_TYPE] >= 4)
+    assert [e["ramp"] for e in router.snapshot(time.monotonic())] == [1.0, 1.0, 1.0]
+    # A new epoch: the engine restarted with a cold cache, so slow start weighs it down.
+    await publish(publisher, {"e1": engine_state(bs[1], epoch="boot-2")})
+    await until(feed, lambda: router.snapshot(time.monotonic())[1]["ramp"] < 1.0)
+    ramps = [e["ramp"] for e in router.snapshot(time.monotonic())]
+    assert ramps[0] == ramps[2] == 1.0 and 0.0 < ramps[1] < 0.5
