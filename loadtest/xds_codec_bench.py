@@ -2,7 +2,17 @@
 bindings of Envoy's API: `xds-protos` (Google protobuf, upb in C) and `envoy-data-plane`
 (betterproto2 dataclasses, pure Python). Decides which one xds/ uses.
 
+With `--fanout`: the control plane's fan-out path in-process, without gRPC: E engines
+publish (EndpointState, EDS view on or off), each flush hands the changes to S delta
+wildcard subscribers and builds their responses; CPU microseconds per published update,
+split into publish (validate, cache, EDS) and push (flush + build responses for all S), the
+push compared with building each response as a protobuf message and serializing it per
+subscriber (what xds/server.py did before it shared encoded frames), measured in the same
+run.
+
 Run: .venv/bin/python -m loadtest.xds_codec_bench [--resources 100] [--rounds 200]
+     .venv/bin/python -m loadtest.xds_codec_bench --fanout [--engines 1000]
+         [--subscribers 100] [--per-flush 100] [--updates 5000]
 """
 
 from __future__ import annotations
@@ -137,11 +147,146 @@ def bench_envoy_data_plane(n: int, rounds: int) -> dict[str, float]:
     }
 
 
+# -- the fan-out path ---------------------------------------------------------------------
+
+
+def _legacy_delta(stream: object, sub: object) -> bytes | None:
+    """The response the server built before frames were shared: a protobuf message per
+    subscriber, serialized by gRPC (same bookkeeping as xds/server.py _Stream.build_delta)."""
+    from envoy.service.discovery.v3 import discovery_pb2 as pb
+
+    from xds.server import _Stream, _Subscription
+
+    assert isinstance(stream, _Stream) and isinstance(sub, _Subscription)
+    cache, t = stream.cp.cache, sub.type_url
+    table = cache.resources(t)
+    candidates, sub.pending = sub.pending, set()
+    resp = pb.DeltaDiscoveryResponse(type_url=t, system_version_info=str(cache.type_version(t)))
+    for name in sorted(candidates):
+        r = table.get(name)
+        if r is None or sub.sent.get(name) == r.version:
+            continue
+        sub.sent[name] = r.version
+        res = resp.resources.add(name=name, version=r.version)
+        res.resource.type_url = t
+        res.resource.value = r.body
+    if not resp.resources:
+        return None
+    resp.nonce = stream._next_nonce(sub)
+    out: bytes = resp.SerializeToString()
+    return out
+
+
+def bench_fanout(
+    engines: int,
+    subscribers: int,
+    per_flush: int,
+    updates: int,
+    *,
+    eds: bool,
+    legacy: bool,
+    envoy: bool = False,
+) -> dict[str, float]:
+    """CPU µs per update: publish side and push side (flush + all subscribers' responses).
+    `envoy`: one more stream follows the EDS view (every pool's ClusterLoadAssignment)."""
+    from envoy.service.discovery.v3 import discovery_pb2 as pb
+
+    from loadtest.xds_scale_bench import T, engine_body
+    from xds.eds import CLA_TYPE
+    from xds.server import ControlPlane, _Stream
+
+    cp = ControlPlane(eds=eds)
+    streams = []
+    for k in range(subscribers + int(envoy)):
+        s = _Stream(cp, f"sub-{k}", delta=True)
+        t = CLA_TYPE if k == subscribers else T
+        s.on_delta_request(pb.DeltaDiscoveryRequest(type_url=t, resource_names_subscribe=["*"]))
+        cp._streams.add(s)
+        streams.append(s)
+    for i in range(engines):
+        cp.publish(T, {f"engine-{i:05d}": engine_body(i, 0, 0.0)})
+    bodies = [engine_body(i % engines, 1 + i // engines, 0.0) for i in range(updates)]
+    publish_s = push_s = 0.0
+    sent_bytes = 0
+
+    def push() -> int:
+        cp.flush()
+        n = 0
+        for s in streams:
+            for t, sub in list(s.subs.items()):
+                if legacy:
+                    out = _legacy_delta(s, sub)
+                    n += len(out) if out is not None else 0
+                    sub.unacked.clear()  # the client ACKed
+                    continue
+                p = s.next_push(sub)
+                if p is not None:
+                    n += len(p.payload)
+                    # The client ACKs, as over the wire.
+                    s.on_delta_request(pb.DeltaDiscoveryRequest(type_url=t, response_nonce=p.nonce))
+        return n
+
+    push()  # everyone synced
+    for start in range(0, updates, per_flush):
+        t0 = time.process_time()
+        for i in range(start, min(updates, start + per_flush)):
+            cp.publish(T, {f"engine-{i % engines:05d}": bodies[i]})
+        t1 = time.process_time()
+        sent_bytes += push()
+        publish_s += t1 - t0
+        push_s += time.process_time() - t1
+    return {
+        "publish_us": publish_s / updates * 1e6,
+        "push_us": push_s / updates * 1e6,
+        "bytes_per_update": sent_bytes / updates,
+    }
+
+
+def fanout_main(args: argparse.Namespace) -> int:
+    print(
+        f"fan-out in-process: {args.engines} engines, {args.subscribers} delta subscribers, "
+        f"{args.per_flush} updates per flush, {args.updates} updates; CPU µs per update"
+    )
+    print(f"{'path':36}{'publish':>10}{'push':>10}{'push/sub':>10}{'bytes/upd':>12}")
+    rows = {}
+    for label, eds, legacy, envoy in (
+        ("protobuf per subscriber, EDS off", False, True, False),
+        ("shared frames, EDS off", False, False, False),
+        ("shared frames, EDS on, no Envoy", True, False, False),
+        ("shared frames, EDS on, + 1 Envoy", True, False, True),
+    ):
+        r = bench_fanout(
+            args.engines,
+            args.subscribers,
+            args.per_flush,
+            args.updates,
+            eds=eds,
+            legacy=legacy,
+            envoy=envoy,
+        )
+        rows[label] = r
+        print(
+            f"{label:36}{r['publish_us']:10.1f}{r['push_us']:10.1f}"
+            f"{r['push_us'] / args.subscribers:10.2f}{r['bytes_per_update']:12,.0f}"
+        )
+    base, new = rows["protobuf per subscriber, EDS off"], rows["shared frames, EDS off"]
+    ratio = new["push_us"] / base["push_us"]
+    print(f"push: shared frames cost x{ratio:.2f} of protobuf per subscriber")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--resources", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--fanout", action="store_true", help="the control plane's fan-out path")
+    ap.add_argument("--engines", type=int, default=1000)
+    ap.add_argument("--subscribers", type=int, default=100)
+    ap.add_argument("--per-flush", type=int, default=100, help="updates between flushes")
+    ap.add_argument("--updates", type=int, default=5000)
     args = ap.parse_args(argv)
+    if args.fanout:
+        return fanout_main(args)
     from google.protobuf.internal import api_implementation
 
     results = {

@@ -4,8 +4,9 @@ subscribers; measured per scenario in one run, and compared with the first (delt
 subscriber) as ratios:
 
 - update latency p50/p99/max: publish call started -> subscriber applied it (the publish
-  time travels in the resource's `epoch` field; CLOCK_MONOTONIC is system wide, so the
-  processes share it);
+  time travels in the resource's `tokens_in_flight` field, in microseconds: a per-request
+  figure the EDS view leaves out, so the engine's EDS metadata stays as stable as a real
+  one's; CLOCK_MONOTONIC is system wide, so the processes share it);
 - control-plane CPU per published update and CPU share; its RSS (current and peak);
 - bytes per second each subscriber receives (protobuf size of the responses), and the share
   of updates it saw (a subscriber that lags gets the latest of each resource: coalesced);
@@ -53,6 +54,11 @@ class Scenario:
 # -- the engines' updates -----------------------------------------------------------------
 
 
+def published_us(t: float) -> int:
+    """A CLOCK_MONOTONIC reading in whole microseconds (an int field carries it)."""
+    return round(t * 1e6)
+
+
 def engine_body(i: int, seq: int, published_at: float) -> bytes:
     from xds.resources import EndpointState
 
@@ -71,22 +77,24 @@ def engine_body(i: int, seq: int, published_at: float) -> bytes:
         kv_usage=round(rng.random(), 3),
         requests_running=rng.randrange(64),
         requests_waiting=rng.randrange(8),
-        tokens_in_flight=rng.randrange(200_000),
+        tokens_in_flight=published_us(published_at),  # the bench's clock
         ttft_s=round(rng.uniform(0.05, 0.5), 4),
         tpot_s=round(rng.uniform(0.01, 0.04), 4),
-        epoch=f"{published_at:.6f}",  # the bench's clock, in the field an engine's id takes
+        epoch=f"{i:08x}",  # stable, as a running engine's
     ).encode()
 
 
 # -- processes ----------------------------------------------------------------------------
 
 
-def _control_plane(conn: Connection) -> None:
+def _control_plane(conn: Connection, push_interval_s: float) -> None:
     import xds  # noqa: F401
-    from xds.server import ControlPlane
+    from xds.server import ControlPlane, ServerLimits
 
     async def main() -> None:
-        cp = ControlPlane()
+        # (ServerLimits() alone when 0, so the bench also runs against an older server.)
+        limits = ServerLimits(push_interval_s=push_interval_s) if push_interval_s else None
+        cp = ControlPlane(limits=limits)
         port = await cp.start("127.0.0.1", 0)
         conn.send(port)
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)
@@ -193,7 +201,7 @@ def _subscribers(conn: Connection, port: int, n: int, mode: str, engines: int) -
             now = time.monotonic()
             for e in u.changed.values():
                 assert isinstance(e.value, EndpointState)
-                w.seen(float(e.value.epoch), now)
+                w.seen(e.value.tokens_in_flight / 1e6, now)
 
         sub = Counting(target, {T: None}, backoff=Backoff(0.05, 1.0), on_update=on_update)
         sub.window = w
@@ -219,7 +227,8 @@ def _subscribers(conn: Connection, port: int, n: int, mode: str, engines: int) -
                     inner = pb.Resource.FromString(any_.value)
                     if versions.get(inner.name) != inner.version:
                         versions[inner.name] = inner.version
-                        w.seen(float(decode_endpoint_state(inner.resource.value).epoch), now)
+                        state = decode_endpoint_state(inner.resource.value)
+                        w.seen(state.tokens_in_flight / 1e6, now)
                 counts[k] = len(versions)
                 await call.write(
                     pb.DiscoveryRequest(
@@ -286,6 +295,11 @@ class Result:
     cp_cpu_share: float
     cp_rss_mib: float
     cp_peak_rss_mib: float
+    # Where the rest of the machine went, in the window: the publisher process's CPU per
+    # publish, and the subscriber processes' CPU per update applied (one subscriber's).
+    pub_cpu_us_per_update: float = float("nan")
+    sub_cpu_us_per_update: float = float("nan")
+    machine_cpu_share: float = float("nan")  # all of the bench's processes / window
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -302,6 +316,7 @@ def run_scenario(
     duration_s: float,
     streams: int,
     per_process: int,
+    push_interval_s: float = 0.0,
     tick: Callable[[float], None] = lambda s: None,
 ) -> Result:
     ctx = mp.get_context("spawn")
@@ -315,7 +330,7 @@ def run_scenario(
         return parent
 
     try:
-        cp = spawn(_control_plane)
+        cp = spawn(_control_plane, push_interval_s)
         port = cp.recv()
         cp_pid = procs[0].pid
         pub = spawn(_publisher, port, engines, rate, streams)
@@ -333,13 +348,16 @@ def run_scenario(
             s.send((start, end))
         while time.monotonic() < start:
             time.sleep(0.01)
+        others = [p.pid for p in procs[1:] if p.pid is not None]
         before = procstats.sample(cp_pid)
+        before_others = [procstats.sample(pid) for pid in others]
         t = start
         while t < end:
             time.sleep(min(1.0, end - t))
             tick(min(1.0, end - t))
             t = time.monotonic()
         after = procstats.sample(cp_pid)
+        after_others = [procstats.sample(pid) for pid in others]
         published = pub.recv()
         time.sleep(min(2.0, 0.25 + duration_s * 0.05))  # the window's last updates land
         lat: list[float] = []
@@ -362,6 +380,8 @@ def run_scenario(
     lat.sort()
     window = end - start
     cpu = after.cpu_since(before)
+    other_cpu = [a.cpu_since(b) for a, b in zip(after_others, before_others, strict=True)]
+    pub_cpu, sub_cpu = other_cpu[0], sum(other_cpu[1:])
     return Result(
         scenario=sc,
         published=published,
@@ -375,6 +395,9 @@ def run_scenario(
         cp_cpu_share=cpu / window,
         cp_rss_mib=after.rss / 2**20,
         cp_peak_rss_mib=after.peak_rss / 2**20,
+        pub_cpu_us_per_update=pub_cpu / max(1, published) * 1e6,
+        sub_cpu_us_per_update=sub_cpu / max(1, len(lat)) * 1e6,
+        machine_cpu_share=(cpu + pub_cpu + sub_cpu) / window,
     )
 
 
@@ -403,6 +426,13 @@ def report(results: list[Result], *, engines: int, rate: float) -> str:
             f"{_fmt_bytes(r.bytes_per_s):>14}{r.cp_cpu_us_per_update:>11.1f}"
             f"{r.cp_cpu_share:>8.0%}{r.cp_rss_mib:>7.0f}Mi{r.cp_peak_rss_mib:>6.0f}Mi"
         )
+    lines.append("CPU elsewhere: publisher us/publish, subscriber us/update applied, all processes")
+    for r in results:
+        lines.append(
+            f"  {r.scenario.name:<10} publisher {r.pub_cpu_us_per_update:7.1f}  "
+            f"subscriber {r.sub_cpu_us_per_update:7.1f}  "
+            f"bench total {r.machine_cpu_share:5.0%} of one core"
+        )
     base = results[0]
     lines.append(f"ratios against {base.scenario.name}:")
     for r in results[1:]:
@@ -429,6 +459,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per scenario window")
     ap.add_argument("--streams", type=int, default=16, help="publish streams")
     ap.add_argument("--per-process", type=int, default=25, help="subscribers per process")
+    ap.add_argument(
+        "--push-interval",
+        type=float,
+        default=0.0,
+        help="the control plane's push_interval_s (seconds; 0: every loop turn)",
+    )
     ap.add_argument("--no-sotw", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -460,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                     duration_s=args.duration,
                     streams=args.streams,
                     per_process=args.per_process,
+                    push_interval_s=args.push_interval,
                     tick=lambda s: bar.update(round(s)),
                 )
             )

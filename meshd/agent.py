@@ -1,6 +1,14 @@
 """`meshd agent`: runs next to one engine (vLLM or SGLang), scrapes its /metrics and /health,
-follows its KV events (ZMQ SUB, with replay after a gap), reads its GPUs through NVML when
-there are any, and publishes EndpointState and PrefixDigest to every control plane.
+follows its KV events (ZMQ SUB, with replay after a gap: meshd/kv_events.py's
+KVEventSubscriber, the one the precise prefix path uses, feeding a KVDigestTracker), reads
+its GPUs through NVML when there are any, and publishes EndpointState and PrefixDigest to
+every control plane.
+
+Publishing is per tick (`interval_s`), not per change: KV events only move the tracker, and
+each tick offers at most one EndpointState (when it changed, or as a heartbeat) and one
+digest (cumulative since its base). Each control plane's link sends what is offered as one
+message per type, and what is offered while a send is in flight replaces what was waiting
+(latest wins), so a slow control plane gets fewer, newer updates.
 
 The decisions are in filters/vllm_metrics.py and filters/kv_digest.py; this file is I/O.
 Nothing here may crash the agent: an engine that stops answering is published unhealthy,
@@ -26,11 +34,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
-import zmq
 import zmq.asyncio
 
 from filters.gpu import normalise_gpu_name
-from filters.kv_digest import Digest, KVDigestTracker, KVEventError
+from filters.kv_digest import Digest, KVDigestTracker
 from filters.vllm_metrics import (
     EngineMetrics,
     Flavor,
@@ -39,15 +46,13 @@ from filters.vllm_metrics import (
     parse_engine_metrics,
 )
 from meshd import telemetry
+from meshd.kv_events import KVEventSubscriber, SubscriberStats
 from xds.client import Backoff, Publisher
 from xds.resources import ENDPOINT_STATE_TYPE, PREFIX_DIGEST_TYPE, EndpointState, PrefixDigest
 
 __all__ = ["AgentConfig", "AgentStats", "EngineAgent", "GpuReading", "read_nvml", "register"]
 
 log = logging.getLogger("meshd.agent")
-
-# vLLM's replay socket ends an answer with this seq and an empty payload.
-REPLAY_END_SEQ = 0xFFFFFFFFFFFFFFFF
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +92,22 @@ class AgentStats:
     scrapes: int = 0
     scrape_failures: int = 0
     epochs: int = 1
-    kv_batches: int = 0
-    kv_bad_payloads: int = 0
-    replays: int = 0
-    publishes: int = 0
+    publishes: int = 0  # resources sent
+    publish_messages: int = 0  # publish messages (one per type per send)
     publish_failures: int = 0
+    kv: SubscriberStats = field(default_factory=SubscriberStats)  # the KV event subscriber's
+
+    @property
+    def kv_batches(self) -> int:
+        return self.kv.messages
+
+    @property
+    def kv_bad_payloads(self) -> int:
+        return self.kv.bad_frames + self.kv.bad_payloads
+
+    @property
+    def replays(self) -> int:
+        return self.kv.replays
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,9 +189,13 @@ class _Link:
             batch, self._pending = self._pending, {}
             if publisher is None:
                 publisher = Publisher(self.target)
+            by_type: dict[str, dict[str, bytes]] = {}
+            for (type_url, name), body in batch.items():
+                by_type.setdefault(type_url, {})[name] = body
             try:
-                for (type_url, name), body in batch.items():
-                    await asyncio.wait_for(publisher.publish(type_url, {name: body}), 5.0)
+                for type_url, resources in by_type.items():
+                    await asyncio.wait_for(publisher.publish(type_url, resources), 5.0)
+                    self.agent.stats.publish_messages += 1
                 self.agent.stats.publishes += len(batch)
                 if not self.connected:
                     self.connected = True
@@ -232,6 +252,20 @@ class EngineAgent:
         self._tasks: list[asyncio.Task[None]] = []
         self._zmq = zmq.asyncio.Context()
         self._changed = asyncio.Condition()
+        self.kv_events: KVEventSubscriber | None = None
+        if config.kv_events:
+            self.kv_events = KVEventSubscriber(
+                self.tracker,
+                config.kv_events,
+                replay=config.kv_events_replay,
+                topic=config.kv_events_topic,
+                bind=config.kv_events_bind,
+                context=self._zmq,
+                replay_timeout_s=config.replay_timeout_s,
+                on_restart=lambda: self.new_epoch("KV event sequence restarted"),
+                on_replay=self._on_replay,
+            )
+            self.stats.kv = self.kv_events.stats
 
     @staticmethod
     def _new_epoch() -> str:
@@ -245,8 +279,8 @@ class EngineAgent:
         for link in self._links:
             link.start()
         self._tasks.append(asyncio.ensure_future(self._scrape_loop()))
-        if self.config.kv_events:
-            self._tasks.append(asyncio.ensure_future(self._kv_loop()))
+        if self.kv_events is not None:
+            await self.kv_events.start()
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -254,6 +288,8 @@ class EngineAgent:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        if self.kv_events is not None:
+            await self.kv_events.close()
         for link in self._links:
             await link.close()
         if self._session is not None:
@@ -436,95 +472,23 @@ class EngineAgent:
 
     # -- KV events ------------------------------------------------------------------------
 
-    async def _kv_loop(self) -> None:
-        cfg = self.config
-        assert cfg.kv_events is not None
-        sub = self._zmq.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, cfg.kv_events_topic.encode())
-        if cfg.kv_events_bind:
-            sub.bind(cfg.kv_events)
-        else:
-            sub.connect(cfg.kv_events)
-        try:
-            while True:
-                frames = await sub.recv_multipart()
-                try:
-                    await self._on_kv_frames(frames)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.exception("KV event handling failed")
-        finally:
-            sub.close(linger=0)
-
-    async def _on_kv_frames(self, frames: list[bytes]) -> None:
-        if len(frames) != 3 or len(frames[1]) != 8:
-            self.stats.kv_bad_payloads += 1
+    def _on_replay(self, start_seq: int, replayed: int, lost: bool, started_ns: int) -> None:
+        """A span per replay (the subscriber logs a lost gap itself)."""
+        if self._tracer is None:
             return
-        _, seq_raw, payload = frames
-        seq = int.from_bytes(seq_raw, "big")
-        now = time.monotonic()
-        self.stats.kv_batches += 1
-        try:
-            result = self.tracker.feed(seq, payload, now)
-        except KVEventError as exc:
-            self.stats.kv_bad_payloads += 1
-            log.warning("engine %s: bad KV event batch %d: %s", self.config.name, seq, exc)
-            return
-        if result.restarted:
-            self.new_epoch("KV event sequence restarted")
-        if result.replay_from is not None:
-            await self._replay(result.replay_from)
-
-    async def _replay(self, start_seq: int) -> None:
-        """Ask the engine's replay socket (ROUTER) for batches from `start_seq`; give up
-        the gap when it has no such socket or its answer does not fill the gap."""
-        cfg = self.config
-        if not cfg.kv_events_replay:
-            self.tracker.abandon_gap()
-            return
-        self.stats.replays += 1
-        span = None
-        if self._tracer is not None:
-            span = self._tracer.start_span(
-                telemetry.SPAN_AGENT_KV_REPLAY,
-                attributes={telemetry.ATTR_ENGINE: cfg.name, telemetry.ATTR_REPLAY_FROM: start_seq},
-            )
-        replayed = 0
-        lost = False
-        dealer = self._zmq.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(cfg.kv_events_replay)
-        try:
-            await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + cfg.replay_timeout_s
-            while True:
-                left = deadline - loop.time()
-                if left <= 0 or not await dealer.poll(left * 1000):
-                    log.warning("engine %s: replay from %d timed out", cfg.name, start_seq)
-                    break
-                frames = await dealer.recv_multipart()
-                if len(frames) != 4 or len(frames[2]) != 8:
-                    continue
-                seq = int.from_bytes(frames[2], "big")
-                if seq == REPLAY_END_SEQ:
-                    break
-                with contextlib.suppress(KVEventError):
-                    self.tracker.feed(seq, frames[3], time.monotonic())
-                    replayed += 1
-        finally:
-            dealer.close(linger=0)
-            if self.tracker.end_replay():
-                lost = True
-                log.warning("engine %s: KV events from %d lost; digest reset", cfg.name, start_seq)
-            if span is not None:
-                span.set_attribute(telemetry.ATTR_REPLAYED, replayed)
-                span.set_attribute(telemetry.ATTR_REPLAY_LOST, lost)
-                if lost:
-                    span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, "gap lost"))
-                span.end()
+        span = self._tracer.start_span(
+            telemetry.SPAN_AGENT_KV_REPLAY,
+            start_time=started_ns,
+            attributes={
+                telemetry.ATTR_ENGINE: self.config.name,
+                telemetry.ATTR_REPLAY_FROM: start_seq,
+                telemetry.ATTR_REPLAYED: replayed,
+                telemetry.ATTR_REPLAY_LOST: lost,
+            },
+        )
+        if lost:
+            span.set_status(telemetry.Status(telemetry.StatusCode.ERROR, "gap lost"))
+        span.end()
 
 
 def _to_resource(d: Digest) -> PrefixDigest:

@@ -279,7 +279,12 @@ class SubscriberStats:
 class KVEventSubscriber:
     """One engine's KV event stream into a KVSequencer (a KVIndexFeed here, a
     KVDigestTracker in `meshd agent`): a SUB socket, a DEALER to the engine's replay ROUTER
-    when a gap opens, and a periodic `tick` for feeds that watch for silence."""
+    when a gap opens, and a periodic `tick` for feeds that watch for silence.
+
+    `on_restart()` is called when the feed saw the engine's sequence start again (a new
+    process); `on_replay(start_seq, replayed, lost, started_ns)` after each replay (how many
+    batches it brought, whether the gap was given up, when it began: wall-clock ns).
+    """
 
     def __init__(
         self,
@@ -294,6 +299,7 @@ class KVEventSubscriber:
         tick_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         on_restart: Callable[[], None] | None = None,
+        on_replay: Callable[[int, int, bool, int], None] | None = None,
     ) -> None:
         self.feed = feed
         self.endpoint = endpoint
@@ -304,6 +310,7 @@ class KVEventSubscriber:
         self.tick_s = tick_s
         self.clock = clock
         self.on_restart = on_restart
+        self.on_replay = on_replay
         self.stats = SubscriberStats()
         self._own_ctx = context is None
         self._ctx = context or zmq.asyncio.Context()
@@ -339,7 +346,11 @@ class KVEventSubscriber:
             tick = getattr(self.feed, "tick", None)
             next_tick = self.clock() + self.tick_s
             while True:
-                timeout_ms = max(0, int((next_tick - self.clock()) * 1000))
+                # A feed without `tick` (the agent's KVDigestTracker) waits for frames alone:
+                # a timeout that stayed at 0 would spin without yielding to the loop.
+                timeout_ms = (
+                    None if tick is None else max(0, int((next_tick - self.clock()) * 1000))
+                )
                 if await sub.poll(timeout_ms):
                     frames = await sub.recv_multipart()
                     try:
@@ -381,6 +392,9 @@ class KVEventSubscriber:
             self.feed.abandon_gap(self.clock())
             return
         self.stats.replays += 1
+        started_ns = time.time_ns()
+        replayed = 0
+        lost = False
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(self.replay)
@@ -402,14 +416,18 @@ class KVEventSubscriber:
                 if item is None:
                     break
                 self.stats.replayed += 1
+                replayed += 1
                 with contextlib.suppress(KVEventError):
                     self.feed.feed(item[0], item[1], self.clock())
         finally:
             dealer.close(linger=0)
             if self.feed.end_replay(self.clock()):
+                lost = True
                 log.warning(
                     "%s: KV events from %d lost; its entries cleared", self.endpoint, start_seq
                 )
+            if self.on_replay is not None:
+                self.on_replay(start_seq, replayed, lost, started_ns)
 
 
 @dataclass(slots=True)

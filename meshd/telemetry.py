@@ -157,6 +157,10 @@ ATTR_XDS_RESOURCES = "meshd.xds.resources"  # resources in the message
 ATTR_XDS_REMOVED = "meshd.xds.removed"
 ATTR_XDS_DELTA = "meshd.xds.delta"  # delta xDS (else state of the world)
 ATTR_XDS_NACK = "meshd.xds.nack"  # the client's error_detail, on the push it refused
+ATTR_XDS_CHANGED = "meshd.xds.changed"  # resources a publish actually changed
+ATTR_XDS_PEER = "meshd.xds.peer"  # the publisher's gRPC peer
+ATTR_XDS_UNANSWERED = "meshd.xds.unanswered"  # the stream closed before the client answered
+EVENT_XDS_NACK = "meshd.xds.nack"  # on a push span: the client refused it (error_detail)
 
 
 _KNOWN_FLAGS = 0x03

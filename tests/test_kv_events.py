@@ -269,6 +269,60 @@ async def test_bind_mode_and_bad_frames() -> None:
         ctx.destroy(0)
 
 
+async def test_a_feed_without_tick_waits_for_frames_without_spinning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The agent's KVDigestTracker has no `tick`: once the tick time passed, the SUB socket
+    was polled with a timeout of 0 in a loop, a busy spin (it starved the agent's gRPC
+    calls). It must wait for frames with no timeout."""
+    import faulthandler
+
+    from filters.kv_digest import KVDigestTracker
+
+    timeouts: list[object] = []
+    original: Any = zmq.asyncio.Socket.poll
+
+    def spy(self: zmq.asyncio.Socket, timeout: object = None, flags: int = zmq.POLLIN) -> Any:
+        if self.type == zmq.SUB:
+            timeouts.append(timeout)
+        return original(self, timeout, flags)
+
+    monkeypatch.setattr(zmq.asyncio.Socket, "poll", spy)
+    # With the spin the event loop never gets here again: end the run with a traceback
+    # rather than hang the suite.
+    faulthandler.dump_traceback_later(30, exit=True)
+    ctx = zmq.asyncio.Context()
+    tracker = KVDigestTracker("e", "epoch-1", block_size=4, catch_up=False)
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 10.0  # every reading is past the next tick
+        return now[0]
+
+    sub = KVEventSubscriber(
+        tracker, "tcp://127.0.0.1:*", bind=True, context=ctx, tick_s=0.001, clock=clock
+    )
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    try:
+        await sub.start()
+        assert sub.bound is not None
+        pub.connect(sub.bound)
+        h = VllmBlockHasher("sha256", 4)
+        a = list(range(8))
+        batch = encode_batch(1.0, [SimStored(h.hashes(a), None, a, 4)])
+        while sub.stats.messages < 2:
+            await pub.send_multipart([b"", b"\x00" * 8, batch])
+            await asyncio.sleep(0.01)
+        assert tracker.blocks == set(h.hashes(a))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        pub.close(0)
+        await sub.close()
+        ctx.destroy(0)
+    assert len(timeouts) >= 2 and all(t is None for t in timeouts)
+
+
 # -- tokenizer and chat template -------------------------------------------------------------
 
 TEMPLATE = (

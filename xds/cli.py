@@ -43,6 +43,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(default %(default)s)",
     )
     p.add_argument(
+        "--push-interval-s",
+        type=float,
+        default=d.push_interval_s,
+        help="changes reach subscribers at most this often, merged (0: at once; a burst is "
+        "still merged) (default %(default)s)",
+    )
+    p.add_argument(
         "--resource-ttl-s",
         type=float,
         default=30.0,
@@ -60,6 +67,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="HOST:PORT",
         help="admin listener: /healthz, /readyz, /metrics (default %(default)s: loopback; "
         "set 0.0.0.0:PORT for kubelet probes and scraping)",
+    )
+    p.add_argument(
+        "--otlp-endpoint",
+        metavar="HOST:PORT",
+        help="export a span per publish and per response pushed over OTLP/gRPC",
+    )
+    p.add_argument(
+        "--trace-sample-ratio", type=float, default=1.0, help="share of traces kept (0..1)"
     )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
@@ -113,14 +128,23 @@ def run(args: argparse.Namespace) -> int:
     host, _, port = args.listen.rpartition(":")
     limits = ServerLimits(
         max_unacked_per_type=args.max_unacked,
+        push_interval_s=args.push_interval_s,
         keepalive_time_s=args.keepalive_time_s,
         keepalive_timeout_s=args.keepalive_timeout_s,
         resource_ttl_s=args.resource_ttl_s if args.resource_ttl_s > 0 else None,
     )
     tls = _tls(args)
 
+    provider = None
+    if args.otlp_endpoint:
+        from meshd import telemetry
+
+        provider = telemetry.setup_tracing(
+            "meshd-control-plane", args.otlp_endpoint, args.trace_sample_ratio
+        )
+
     async def serve() -> None:
-        plane = ControlPlane(limits=limits, eds=not args.no_eds)
+        plane = ControlPlane(limits=limits, eds=not args.no_eds, tracer_provider=provider)
         admin = await _start_admin(args.admin, plane)
         bound = await plane.start(host.strip("[]") or "0.0.0.0", int(port), tls)
         print(f"meshd control plane on {host}:{bound}", flush=True)
@@ -133,4 +157,6 @@ def run(args: argparse.Namespace) -> int:
         await admin.cleanup()
 
     asyncio.run(serve())
+    if provider is not None:
+        provider.shutdown()
     return 0

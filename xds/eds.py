@@ -22,11 +22,12 @@ state (a cache watcher), no I/O.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from envoy.config.core.v3 import address_pb2, base_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
@@ -35,6 +36,8 @@ from google.protobuf import struct_pb2
 from filters.gpu import GPUS, UNKNOWN
 from xds.cache import SnapshotCache
 from xds.resources import ENDPOINT_STATE_TYPE, EndpointState, ResourceError, decode_endpoint_state
+from xds.wire import len_field as _len_field
+from xds.wire import varint
 
 __all__ = [
     "CLA_TYPE",
@@ -50,6 +53,7 @@ log = logging.getLogger("meshd.xds.eds")
 
 CLA_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 METADATA_NAMESPACE = "meshd"
+_NAMESPACE_BYTES = METADATA_NAMESPACE.encode()
 # Weight per GPU at full headroom, for a GPU of the reference ("unknown": A100) speed.
 WEIGHT_PER_GPU = 10
 # Headroom is rounded up to a multiple of 1 / WEIGHT_STEPS before it scales the weight.
@@ -95,6 +99,7 @@ class EdsEntry:
     lb_endpoint: bytes = field(default=b"", compare=False, repr=False)
 
 
+@functools.lru_cache(maxsize=65536)  # an engine's address rarely changes: parse it once
 def _split_address(address: str) -> tuple[str, int] | None:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
@@ -142,16 +147,27 @@ def entry_for(name: str, state: EndpointState) -> EdsEntry | None:
 
 
 def _with_bytes(entry: EdsEntry) -> EdsEntry:
-    return replace(entry, lb_endpoint=_len_field(2, _lb_endpoint(entry)))
+    """entry with its serialized LbEndpoint; `entry` must be fresh (from entry_for, not yet
+    shared): the bytes are set on it in place, dataclasses.replace costing more than all
+    the encoding."""
+    object.__setattr__(entry, "lb_endpoint", _len_field(2, _lb_endpoint(entry)))
+    return entry
 
 
-def _lb_endpoint(e: EdsEntry) -> bytes:
+def _lb_endpoint_reference(e: EdsEntry) -> bytes:
+    """The LbEndpoint as protobuf builds it (what `_lb_endpoint` must equal; tests)."""
     lb = endpoint_components_pb2.LbEndpoint()
     sa = lb.endpoint.address.socket_address
     sa.address, sa.port_value = e.host, e.port
     sa.protocol = address_pb2.SocketAddress.TCP
     lb.health_status = e.health
     lb.load_balancing_weight.value = e.weight
+    lb.metadata.filter_metadata[METADATA_NAMESPACE].CopyFrom(_metadata(e, with_weight=True))
+    out: bytes = lb.SerializeToString(deterministic=True)
+    return out
+
+
+def _metadata(e: EdsEntry, *, with_weight: bool) -> struct_pb2.Struct:
     meta = struct_pb2.Struct()
     meta.update(
         {
@@ -162,30 +178,68 @@ def _lb_endpoint(e: EdsEntry) -> bytes:
             "gpu_count": e.gpu_count,
             "epoch": e.epoch,
             "draining": e.draining,
-            "weight": e.weight,
         }
     )
+    if with_weight:
+        meta["weight"] = e.weight
     if e.memory_total_bytes is not None:
         meta["memory_total_bytes"] = e.memory_total_bytes
     if e.kv_capacity_tokens is not None:
         meta["kv_capacity_tokens"] = e.kv_capacity_tokens
-    lb.metadata.filter_metadata[METADATA_NAMESPACE].CopyFrom(meta)
+    return meta
+
+
+@functools.lru_cache(maxsize=65536)
+def _endpoint_field(host: str, port: int) -> bytes:
+    lb = endpoint_components_pb2.LbEndpoint()
+    sa = lb.endpoint.address.socket_address
+    sa.address, sa.port_value = host, port
+    sa.protocol = address_pb2.SocketAddress.TCP
     out: bytes = lb.SerializeToString(deterministic=True)
     return out
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+_StaticFacts = tuple[str, str, str, str, int, str, bool, int | None, int | None]
 
 
-def _len_field(number: int, payload: bytes) -> bytes:
-    """A length-delimited protobuf field (wire type 2)."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+@functools.lru_cache(maxsize=16384)
+def _static_struct(facts: _StaticFacts) -> bytes:
+    """The metadata Struct's entries but "weight", for one engine's slow-moving facts."""
+    engine, pool, model, gpu, gpu_count, epoch, draining, memory, kv_cap = facts
+    e = EdsEntry(engine, pool, "", 0, 0, 0, gpu, gpu_count, model, epoch, memory, kv_cap, draining)
+    out: bytes = _metadata(e, with_weight=False).SerializeToString(deterministic=True)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _weight_fields(w: int) -> tuple[bytes, bytes]:
+    """The "weight" entry of the metadata Struct, and LbEndpoint.load_balancing_weight."""
+    entry = struct_pb2.Struct()
+    entry["weight"] = w
+    return entry.SerializeToString(deterministic=True), _len_field(4, b"\x08" + varint(w))
+
+
+def _lb_endpoint(e: EdsEntry) -> bytes:
+    """The LbEndpoint, assembled from parts cached per address, per engine's static facts
+    and per weight: the bytes protobuf's deterministic serialization gives (fields by
+    number; Struct map entries by key, and "weight" sorts after every other key), at a
+    fraction of building a Struct per change."""
+    weight_entry, weight_field = _weight_fields(e.weight)
+    facts = (
+        e.engine,
+        e.pool,
+        e.model,
+        e.gpu,
+        e.gpu_count,
+        e.epoch,
+        e.draining,
+        e.memory_total_bytes,
+        e.kv_capacity_tokens,
+    )
+    struct = _static_struct(facts) + weight_entry
+    meta = _len_field(1, _len_field(1, _NAMESPACE_BYTES) + _len_field(2, struct))
+    health = b"\x10" + varint(e.health) if e.health else b""
+    return _endpoint_field(e.host, e.port) + health + _len_field(3, meta) + weight_field
 
 
 def encode_assignment(pool: str, entries: Iterable[EdsEntry]) -> bytes:
@@ -219,48 +273,94 @@ class EdsView:
     An engine with no pool goes into the pool named `default_pool`. A pool whose last
     engine left is kept as an empty assignment (Envoy then has no hosts for it, rather
     than its last ones) until `drop_empty` is called for it.
+
+    With `deferred=True` a change only marks the engine dirty, and `flush()` (which the
+    control plane calls once per fan-out, and `assignment` calls first) rebuilds the pools
+    touched since: an engine that published ten times in between costs one decode and its
+    pool one encoding, and Envoy one update (Istio's push debounce does the same, for the
+    same reason). `hint(name, body, state)` hands over a body's decoded state (the control
+    plane decodes every publish to validate it), used when the cache still holds that body.
     """
 
-    def __init__(self, cache: SnapshotCache, *, default_pool: str = "default") -> None:
+    def __init__(
+        self, cache: SnapshotCache, *, default_pool: str = "default", deferred: bool = False
+    ) -> None:
         self.cache = cache
         self.default_pool = default_pool
+        self.deferred = deferred
         self._entries: dict[str, EdsEntry] = {}  # engine name -> its entry
         self._pools: dict[str, set[str]] = {}  # pool -> engine names
         # pool -> its engines grouped by GPU, in assignment order (None: membership changed)
         self._order: dict[str, list[tuple[str, list[str]]] | None] = {}
-        self.skipped: set[str] = set()  # engines whose address Envoy could not use
+        self._dirty: set[str] = set()  # engines changed since the last flush (deferred)
+        self._hints: dict[str, tuple[bytes, EndpointState]] = {}
+        self._skipped: set[str] = set()  # engines whose address Envoy could not use
         self.rebuilds = 0
         self._unwatch = cache.watch(self._on_change)
-        self._on_change(ENDPOINT_STATE_TYPE, frozenset(cache.resources(ENDPOINT_STATE_TYPE)))
+        self._apply(frozenset(cache.resources(ENDPOINT_STATE_TYPE)))
 
     def close(self) -> None:
         self._unwatch()
 
     def pools(self) -> list[str]:
+        self.flush()
         return sorted(self._pools)
 
+    @property
+    def skipped(self) -> frozenset[str]:
+        """Engines left out because their address is not IP:port."""
+        self.flush()
+        return frozenset(self._skipped)
+
     def assignment(self, pool: str) -> endpoint_pb2.ClusterLoadAssignment | None:
+        self.flush()
         r = self.cache.get(CLA_TYPE, pool)
         return None if r is None else endpoint_pb2.ClusterLoadAssignment.FromString(r.body)
+
+    def hint(self, name: str, body: bytes, state: EndpointState) -> None:
+        self._hints[name] = (body, state)
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self._dirty)
+
+    def flush(self) -> None:
+        """Rebuild the pools of the engines changed since the last flush (deferred mode)."""
+        if self._dirty:
+            names, self._dirty = frozenset(self._dirty), set()
+            self._apply(names)
 
     def _on_change(self, type_url: str, names: frozenset[str]) -> None:
         if type_url != ENDPOINT_STATE_TYPE:
             return
+        if self.deferred:
+            self._dirty |= names
+        else:
+            self._apply(names)
+
+    def _decode(self, name: str, body: bytes) -> EndpointState:
+        hinted = self._hints.pop(name, None)
+        if hinted is not None and hinted[0] is body:
+            return hinted[1]
+        return decode_endpoint_state(body)
+
+    def _apply(self, names: frozenset[str]) -> None:
         dirty: set[str] = set()
         for name in names:
             r = self.cache.get(ENDPOINT_STATE_TYPE, name)
             entry = None
             if r is not None:
                 try:
-                    entry = entry_for(name, decode_endpoint_state(r.body))
+                    entry = entry_for(name, self._decode(name, r.body))
                 except ResourceError:  # validated on publish; a direct cache write may not be
                     entry = None
                 if entry is None:
-                    self.skipped.add(name)
+                    self._skipped.add(name)
                 else:
-                    self.skipped.discard(name)
+                    self._skipped.discard(name)
             else:
-                self.skipped.discard(name)
+                self._hints.pop(name, None)
+                self._skipped.discard(name)
             old = self._entries.get(name)
             if entry == old:
                 continue  # nothing Envoy sees changed (lb_endpoint is not compared)
@@ -296,6 +396,7 @@ class EdsView:
 
     def drop_empty(self, pool: str) -> bool:
         """Remove an empty pool's assignment; False when it still has engines."""
+        self.flush()
         if self._pools.get(pool):
             return False
         self._pools.pop(pool, None)

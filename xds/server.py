@@ -15,6 +15,21 @@ slow subscriber's updates coalesce to the latest per resource and it never delay
 A NACK is logged and counted; nothing is re-sent for it, a resource goes out again only
 when its version changes.
 
+Fan-out, the part that scales with subscribers x updates: the cache has one watcher, the
+control plane's, which only collects changed names per type; one flush per event-loop turn
+(at most one per `push_interval_s`, a debounce like Istio's) hands the collected set to
+every stream, so a hundred publishes cost each stream one set union rather than a hundred
+callbacks. Responses are assembled from bytes: each resource version is encoded once (its
+`Resource` message framed as a response field, xds/wire.py) and the same bytes go to every
+subscriber. Delta wildcard subscribers that hold the same versions (sidecars that keep up:
+the usual case) are kept in lockstep (`_Lockstep`): a flush turns its changes into one
+batch, encoded once, that each of them sends with its own nonce; one that falls behind
+queues batches and sends them merged, and one that changes its subscription or falls far
+behind goes on alone, with its own versions, until it is in step again. Measured in-process
+(loadtest/xds_codec_bench.py --fanout: 1000 engines, 100 subscribers, 100 updates per
+flush, 2-core dev box): 0.16-0.3 us per update per subscriber, against 2.4-3.9 us building
+and serializing a protobuf response per subscriber.
+
 Besides meshd's own types the cache holds the EDS view (xds/eds.py): one
 ClusterLoadAssignment per pool, derived from the EndpointStates, for Envoy. With
 `resource_ttl_s` set, an engine whose agent has published nothing for that long (agents
@@ -35,13 +50,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from envoy.service.discovery.v3 import ads_pb2_grpc
 from envoy.service.discovery.v3 import discovery_pb2 as pb
 from grpc import aio
 
-from xds.cache import SnapshotCache
-from xds.eds import EdsView
-from xds.resources import DECODERS, ResourceError
+from xds.cache import Resource, SnapshotCache
+from xds.eds import CLA_TYPE, EdsView
+from xds.resources import DECODERS, ENDPOINT_STATE_TYPE, EndpointState, ResourceError
+from xds.wire import len_field
 
 __all__ = [
     "PUBLISH_METHOD",
@@ -61,7 +76,9 @@ WILDCARD = "*"
 # (error_detail).
 PUBLISH_SERVICE = "meshd.xds.v1.ResourcePublisher"
 PUBLISH_METHOD = f"/{PUBLISH_SERVICE}/Publish"
+ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 RESOURCE_WRAPPER_TYPE = "type.googleapis.com/envoy.service.discovery.v3.Resource"
+_WRAPPER_TYPE_BYTES = RESOURCE_WRAPPER_TYPE.encode()
 _INVALID_ARGUMENT = 3  # google.rpc.Code
 
 
@@ -71,6 +88,9 @@ class ServerLimits:
 
     # Responses per stream and type sent but not yet ACKed/NACKed; more changes coalesce.
     max_unacked_per_type: int = 1
+    # Changes reach the streams at most this often (0: at the next event-loop turn, which
+    # still merges what arrived together). A bound on responses per stream and second.
+    push_interval_s: float = 0.0
     max_message_bytes: int = 64 * 2**20
     keepalive_time_s: float = 30.0  # server pings an idle connection this often
     keepalive_timeout_s: float = 10.0  # and drops it when a ping goes unanswered this long
@@ -131,13 +151,120 @@ class StreamInfo:
     unacked: int
 
 
+def _resource_message(r: Resource) -> bytes:
+    """r as an envoy.service.discovery.v3.Resource (name, version, the body in an Any)."""
+    msg = pb.Resource(name=r.name, version=r.version)
+    msg.resource.type_url = r.type_url
+    msg.resource.value = r.body
+    out: bytes = msg.SerializeToString(deterministic=True)
+    return out
+
+
+class _Frames:
+    """Each resource version's encoding as a field of a response, made the first time a
+    stream needs it and shared by all: `delta` frames it as DeltaDiscoveryResponse.resources
+    (field 2), `sotw` as DiscoveryResponse.resources (field 2, an Any: wrapped in Resource
+    for meshd's types, the bare body for Envoy's own)."""
+
+    __slots__ = ("_delta", "_sotw")
+
+    def __init__(self) -> None:
+        # name -> (the Resource it encodes, its frame); keyed by name per type URL, so a
+        # new version replaces the old one and memory stays one frame per resource.
+        self._delta: dict[str, dict[str, tuple[Resource, bytes]]] = {}
+        self._sotw: dict[str, dict[str, tuple[Resource, bytes]]] = {}
+
+    def delta_table(self, type_url: str) -> dict[str, tuple[Resource, bytes]]:
+        """The delta frames of one type by name (read by build_delta's loop)."""
+        return self._delta.setdefault(type_url, {})
+
+    def delta(self, r: Resource) -> bytes:
+        table = self._delta.setdefault(r.type_url, {})
+        hit = table.get(r.name)
+        if hit is not None and hit[0] is r:
+            return hit[1]
+        frame = len_field(2, _resource_message(r))
+        table[r.name] = (r, frame)
+        return frame
+
+    def sotw(self, r: Resource) -> bytes:
+        table = self._sotw.setdefault(r.type_url, {})
+        hit = table.get(r.name)
+        if hit is not None and hit[0] is r:
+            return hit[1]
+        if r.type_url in DECODERS:
+            any_ = len_field(1, _WRAPPER_TYPE_BYTES) + len_field(2, _resource_message(r))
+        else:
+            any_ = len_field(1, r.type_url.encode()) + len_field(2, r.body)
+        frame = len_field(2, any_)
+        table[r.name] = (r, frame)
+        return frame
+
+    def forget(self, type_url: str, names: frozenset[str], live: Mapping[str, Resource]) -> None:
+        """Drop the frames of `names` that are no longer in `live` (removed resources)."""
+        for tables in (self._delta, self._sotw):
+            table = tables.get(type_url)
+            if table:
+                for n in names:
+                    if n not in live:
+                        table.pop(n, None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Push:
+    """One response, serialized, and what tracing says of it."""
+
+    payload: bytes
+    type_url: str
+    version: str
+    nonce: str
+    resources: int
+    removed: int
+
+
+# A lockstep member more batches behind than this goes on alone (bounds what it holds).
+MAX_BACKLOG = 64
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """One flush's changes of one type, encoded once for every subscriber in lockstep:
+    `body` is a DeltaDiscoveryResponse but for its nonce (resources, removed_resources,
+    system_version_info, type_url); `entries` the same changes by name (a frame, or None
+    for a removal), to merge the batches a member fell behind by."""
+
+    body: bytes
+    version: str
+    resources: int
+    removed: int
+    entries: tuple[tuple[str, bytes | None], ...]
+
+
+class _Lockstep:
+    """The delta wildcard subscriptions of one type that hold, or have been given, exactly
+    `sent` (name -> version: what the cache held at the last flush). Each flush turns its
+    changes into one _Batch that every member gets, instead of each working out its own
+    response; a member still waiting for an answer to its last response queues the batch
+    (its backlog, sent merged once it may send). A member that changes its subscription or
+    falls MAX_BACKLOG batches behind leaves with a copy of `sent` (its backlog still goes
+    out first) and goes on alone; an idle one whose versions equal `sent` joins back."""
+
+    __slots__ = ("members", "sent")
+
+    def __init__(self, sent: dict[str, str]) -> None:
+        self.sent = sent
+        self.members: dict[_Subscription, _Stream] = {}
+
+
 class _Subscription:
     """One stream's state for one type URL."""
 
     __slots__ = (
         "announce_absent",
+        "backlog",
         "full",
         "legacy_wildcard",
+        "lockstep",
         "names",
         "pending",
         "sent",
@@ -156,6 +283,10 @@ class _Subscription:
         self.sent: dict[str, str] = {}  # delta: name -> version the client was sent or has
         self.announce_absent: set[str] = set()  # delta: newly subscribed, maybe nonexistent
         self.unacked: deque[str] = deque()
+        # Delta, in lockstep: its versions are the _Lockstep's `sent` (its own `sent` is
+        # then unused); `backlog` the batches given to it and not yet sent.
+        self.lockstep: _Lockstep | None = None
+        self.backlog: list[_Batch] = []
 
     def relevant(self, name: str) -> bool:
         return self.wildcard or name in self.names
@@ -173,12 +304,13 @@ class _Stream:
         self.wake = asyncio.Event()
         self._nonces = itertools.count(1)
         self._last_nonce: dict[str, str] = {}
+        self._push_spans: dict[str, Any] = {}  # nonce -> its open span (tracing on)
 
     # -- cache -> stream ------------------------------------------------------------------
 
     def on_change(self, type_url: str, names: frozenset[str]) -> None:
         sub = self.subs.get(type_url)
-        if sub is None:
+        if sub is None or sub.lockstep is not None:
             return
         relevant = names if sub.wildcard else names & sub.names
         if not relevant:
@@ -192,9 +324,16 @@ class _Stream:
 
     # -- requests -------------------------------------------------------------------------
 
+    def _first_subscription(self, type_url: str) -> None:
+        eds = self.cp.eds
+        if type_url == CLA_TYPE and eds is not None:
+            eds.flush()  # the view waits while no one follows it (ControlPlane._eds_wanted)
+
     def _ack(self, sub: _Subscription, nonce: str, error: Any | None) -> None:
         """Account for an ACK (error None) or a NACK of `nonce`."""
         t = sub.type_url
+        if self._push_spans:
+            self._end_push_span(nonce, error)
         if error is None:
             self.cp.stats.acks[t] += 1
             return
@@ -215,12 +354,17 @@ class _Stream:
         first = sub is None
         if sub is None:
             sub = self.subs[t] = _Subscription(t)
+            self._first_subscription(t)
         elif req.response_nonce != self._last_nonce.get(t, ""):
             # The protocol: a request carrying an older nonce than the latest response is
             # superseded by that response, and ignored.
             self.cp.stats.stale_nonces += 1
             return
         if req.response_nonce and not first:
+            if self._push_spans:
+                for n in sub.unacked:
+                    if n != req.response_nonce:
+                        self._end_push_span(n, None)
             sub.unacked.clear()
             self._ack(
                 sub, req.response_nonce, req.error_detail if req.HasField("error_detail") else None
@@ -242,18 +386,25 @@ class _Stream:
         sub = self.subs.get(t)
         if sub is None:
             sub = self.subs[t] = _Subscription(t)
+            self._first_subscription(t)
             # Resumption: what the client already holds is what we consider sent, so it
             # gets only what differs (and removals of what is gone).
             sub.sent = dict(req.initial_resource_versions)
             sub.wildcard = not req.resource_names_subscribe
         if req.response_nonce:
             if req.response_nonce in sub.unacked:
-                while sub.unacked and sub.unacked.popleft() != req.response_nonce:
-                    pass
+                # Older responses still unanswered are answered by this one.
+                while sub.unacked and (n := sub.unacked.popleft()) != req.response_nonce:
+                    if self._push_spans:
+                        self._end_push_span(n, None)
                 err = req.error_detail if req.HasField("error_detail") else None
                 self._ack(sub, req.response_nonce, err)
             else:
                 self.cp.stats.stale_nonces += 1
+        if sub.lockstep is not None and (
+            req.resource_names_subscribe or req.resource_names_unsubscribe
+        ):
+            self.cp._leave_lockstep(sub)
         for name in req.resource_names_subscribe:
             if name == WILDCARD:
                 if not sub.wildcard:
@@ -277,7 +428,19 @@ class _Stream:
                     sub.sent.pop(name, None)
                     sub.pending.discard(name)
                 sub.announce_absent.discard(name)
+        self._maybe_join(sub)
         self.wake.set()
+
+    def _maybe_join(self, sub: _Subscription) -> None:
+        """An idle delta wildcard subscription may join its type's lockstep group."""
+        if (
+            self.delta
+            and sub.lockstep is None
+            and sub.wildcard
+            and not (sub.names or sub.full or sub.pending or sub.announce_absent or sub.unacked)
+            and not sub.backlog
+        ):
+            self.cp._join_lockstep(sub, self)
 
     # -- responses ------------------------------------------------------------------------
 
@@ -288,7 +451,7 @@ class _Stream:
         self.cp.stats.responses[sub.type_url] += 1
         return nonce
 
-    def build_delta(self, sub: _Subscription) -> pb.DeltaDiscoveryResponse | None:
+    def build_delta(self, sub: _Subscription) -> _Push | None:
         cache, t = self.cp.cache, sub.type_url
         table = cache.resources(t)
         candidates = sub.pending
@@ -297,64 +460,151 @@ class _Stream:
             sub.full = False
         sub.pending = set()
         absent, sub.announce_absent = sub.announce_absent, set()
-        resp = pb.DeltaDiscoveryResponse(type_url=t, system_version_info=str(cache.type_version(t)))
-        for name in sorted(candidates):
-            if not sub.relevant(name):
-                sub.sent.pop(name, None)
+        frames = self.cp._frames
+        shared = frames.delta_table(t)
+        sent, wildcard, subscribed = sub.sent, sub.wildcard, sub.names
+        parts: list[bytes] = []
+        add = parts.append
+        removed: list[str] = []
+        # The per-resource loop of every response to every subscriber: kept to dict
+        # operations and one shared frame each (order is not part of the protocol).
+        for name in candidates:
+            if not (wildcard or name in subscribed):
+                sent.pop(name, None)
                 continue
             r = table.get(name)
             if r is None:
                 # Gone, or (first time asked for) never existed: the protocol says both
                 # through removed_resources.
-                if sub.sent.pop(name, None) is not None or name in absent:
-                    resp.removed_resources.append(name)
+                if sent.pop(name, None) is not None or name in absent:
+                    removed.append(name)
                 continue
-            if sub.sent.get(name) == r.version:
+            v = r.version
+            if sent.get(name) == v:
                 continue
-            sub.sent[name] = r.version
-            res = resp.resources.add(name=name, version=r.version)
-            res.resource.type_url = t
-            res.resource.value = r.body
-        if not resp.resources and not resp.removed_resources:
+            sent[name] = v
+            hit = shared.get(name)
+            add(hit[1] if hit is not None and hit[0] is r else frames.delta(r))
+        if not parts and not removed:
             return None
-        resp.nonce = self._next_nonce(sub)
-        return resp
+        version = str(cache.type_version(t))
+        nonce = self._next_nonce(sub)
+        n = len(parts)
+        parts.append(len_field(1, version.encode()))  # system_version_info
+        parts.append(len_field(4, t.encode()))  # type_url
+        parts.extend(len_field(6, name.encode()) for name in removed)  # removed_resources
+        parts.append(len_field(5, nonce.encode()))  # nonce
+        return _Push(b"".join(parts), t, version, nonce, n, len(removed))
 
-    def build_sotw(self, sub: _Subscription) -> pb.DiscoveryResponse | None:
+    def next_push(self, sub: _Subscription) -> _Push | None:
+        """The response to send `sub` now, if any (the caller checks flow control)."""
+        if sub.backlog:
+            return self._shared(sub)
+        if sub.lockstep is not None:
+            return None  # a member has nothing of its own to send
+        if not self.delta:
+            return self.build_sotw(sub)
+        push = self.build_delta(sub)
+        if push is None:
+            self._maybe_join(sub)  # nothing was left to send: it may be in step now
+        return push
+
+    def _shared(self, sub: _Subscription) -> _Push:
+        batches, sub.backlog = sub.backlog, []
+        nonce = self._next_nonce(sub)
+        if len(batches) == 1:
+            b = batches[0]
+            payload = b.body + len_field(5, nonce.encode())
+            return _Push(payload, sub.type_url, b.version, nonce, b.resources, b.removed)
+        # Behind by several: each resource once, as its latest batch has it.
+        latest: dict[str, bytes | None] = {}
+        for b in batches:
+            latest.update(b.entries)
+        self.cp.stats.coalesced[sub.type_url] += sum(len(b.entries) for b in batches) - len(latest)
+        parts = [f for f in latest.values() if f is not None]
+        n = len(parts)
+        removed = [len_field(6, name.encode()) for name, f in latest.items() if f is None]
+        version = batches[-1].version
+        parts.extend(removed)
+        parts.append(len_field(1, version.encode()))
+        parts.append(len_field(4, sub.type_url.encode()))
+        parts.append(len_field(5, nonce.encode()))
+        return _Push(b"".join(parts), sub.type_url, version, nonce, n, len(removed))
+
+    def build_sotw(self, sub: _Subscription) -> _Push | None:
         if not (sub.full or sub.pending):
             return None
         cache, t = self.cp.cache, sub.type_url
         table = cache.resources(t)
         sub.full, sub.pending = False, set()
-        resp = pb.DiscoveryResponse(type_url=t, version_info=str(cache.type_version(t)))
         names = sorted(table) if sub.wildcard else sorted(n for n in sub.names if n in table)
         # Every response carries the full subscribed set, so absence means removal (as LDS
         # and CDS). meshd's types carry no name of their own, so they travel wrapped in
         # envoy.service.discovery.v3.Resource (name + version), which SotW clients accept.
-        wrap = t in DECODERS
-        for name in names:
-            r = table[name]
-            if wrap:
-                inner = pb.Resource(name=name, version=r.version)
-                inner.resource.type_url = t
-                inner.resource.value = r.body
-                resp.resources.add().Pack(inner)
-            else:
-                resp.resources.add(type_url=t, value=r.body)
-        resp.nonce = self._next_nonce(sub)
-        return resp
+        frame = self.cp._frames.sotw
+        parts = [frame(table[name]) for name in names]
+        version = str(cache.type_version(t))
+        nonce = self._next_nonce(sub)
+        parts.append(len_field(1, version.encode()))  # version_info
+        parts.append(len_field(4, t.encode()))  # type_url
+        parts.append(len_field(5, nonce.encode()))  # nonce
+        return _Push(b"".join(parts), t, version, nonce, len(names), 0)
 
-    async def write_loop(self, write: Callable[[Any], Any]) -> None:
+    async def write_loop(self, write: Callable[[bytes], Any]) -> None:
         limit = self.cp.limits.max_unacked_per_type
+        tracer = self.cp._tracer
         while True:
             await self.wake.wait()
             self.wake.clear()
             for sub in list(self.subs.values()):
                 if len(sub.unacked) >= limit:
                     continue
-                resp = self.build_delta(sub) if self.delta else self.build_sotw(sub)
-                if resp is not None:
-                    await write(resp)
+                push = self.next_push(sub)
+                if push is None:
+                    continue
+                if tracer is not None:
+                    self._start_push_span(tracer, push)
+                await write(push.payload)
+
+    # -- tracing (only with a tracer provider) -------------------------------------------
+
+    def _start_push_span(self, tracer: Any, push: _Push) -> None:
+        from meshd import telemetry as tm
+
+        attrs: dict[str, Any] = {
+            tm.ATTR_XDS_TYPE_URL: push.type_url,
+            tm.ATTR_XDS_VERSION: push.version,
+            tm.ATTR_XDS_NONCE: push.nonce,
+            tm.ATTR_XDS_RESOURCES: push.resources,
+            tm.ATTR_XDS_REMOVED: push.removed,
+            tm.ATTR_XDS_DELTA: self.delta,
+            tm.ATTR_XDS_NODE: self.node_id,
+        }
+        # Open until the client ACKs or NACKs it: the span's length is the round trip.
+        self._push_spans[push.nonce] = tracer.start_span(tm.SPAN_XDS_PUSH, attributes=attrs)
+
+    def _end_push_span(self, nonce: str, error: Any | None) -> None:
+        span = self._push_spans.pop(nonce, None)
+        if span is None:
+            return
+        from meshd import telemetry as tm
+
+        if error is not None:
+            span.set_attribute(tm.ATTR_XDS_NACK, error.message)
+            span.add_event(tm.EVENT_XDS_NACK, {tm.ATTR_XDS_NACK: error.message})
+            span.set_status(tm.Status(tm.StatusCode.ERROR, "NACK"))
+        span.end()
+
+    def end_spans(self) -> None:
+        """End the spans of responses never answered (the stream closed)."""
+        if not self._push_spans:
+            return
+        from meshd import telemetry as tm
+
+        for span in self._push_spans.values():
+            span.set_attribute(tm.ATTR_XDS_UNANSWERED, True)
+            span.end()
+        self._push_spans.clear()
 
     def info(self) -> list[StreamInfo]:
         return [
@@ -372,7 +622,13 @@ class _Stream:
         ]
 
 
-class _AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+def _raw(payload: bytes) -> bytes:
+    return payload
+
+
+class _AdsServicer:
+    """Both ADS methods; responses leave as the bytes the streams assembled (`_raw`)."""
+
     def __init__(self, cp: ControlPlane) -> None:
         self.cp = cp
 
@@ -407,16 +663,30 @@ class ControlPlane:
         *,
         eds: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        tracer_provider: Any = None,
     ) -> None:
-        """`eds`: also serve the pools as ClusterLoadAssignments (xds/eds.py)."""
+        """`eds`: also serve the pools as ClusterLoadAssignments (xds/eds.py).
+        `tracer_provider`: an OpenTelemetry TracerProvider (meshd.telemetry.setup_tracing);
+        then each accepted or refused publish makes a SPAN_XDS_PUBLISH span and each
+        response a SPAN_XDS_PUSH span, open until the client answers it (a NACK sets
+        ATTR_XDS_NACK and an event). None (the default): no spans, and no tracing cost."""
         self.cache = cache if cache is not None else SnapshotCache()
         self.limits = limits or ServerLimits()
         self.stats = ServerStats()
-        self.eds = EdsView(self.cache) if eds else None
+        self.eds = EdsView(self.cache, deferred=True) if eds else None
+        self._tracer = tracer_provider.get_tracer("meshd.xds") if tracer_provider else None
         self._clock = clock
         self._server: aio.Server | None = None
         self._streams: set[_Stream] = set()
         self._events = asyncio.Condition()
+        self._waiters = 0  # coroutines in wait_until (requests notify only when there are)
+        self._frames = _Frames()
+        self._dirty: dict[str, set[str]] = {}  # type URL -> names changed since the flush
+        self._flush_handle: asyncio.Handle | None = None
+        self._flushing = False
+        self._last_flush = float("-inf")
+        self._lockstep: dict[str, _Lockstep] = {}  # type URL -> its lockstep group
+        self._unwatch = self.cache.watch(self._on_change)
         self._published_at: dict[str, float] = {}  # resource name -> last publish
         self._sweeper: asyncio.Task[None] | None = None
         self.port = 0
@@ -443,7 +713,26 @@ class ControlPlane:
     ) -> int:
         """Bind and serve; returns the port (useful with port 0)."""
         server = aio.server(options=self.grpc_options())
-        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(_AdsServicer(self), server)
+        ads = _AdsServicer(self)
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    ADS_SERVICE,
+                    {
+                        "StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(
+                            ads.StreamAggregatedResources,
+                            request_deserializer=pb.DiscoveryRequest.FromString,
+                            response_serializer=_raw,
+                        ),
+                        "DeltaAggregatedResources": grpc.stream_stream_rpc_method_handler(
+                            ads.DeltaAggregatedResources,
+                            request_deserializer=pb.DeltaDiscoveryRequest.FromString,
+                            response_serializer=_raw,
+                        ),
+                    },
+                ),
+            )
+        )
         publish = grpc.stream_stream_rpc_method_handler(
             self._publish_stream,
             request_deserializer=pb.DeltaDiscoveryResponse.FromString,
@@ -485,29 +774,153 @@ class ControlPlane:
 
     # -- publishing -----------------------------------------------------------------------
 
-    def validate(self, type_url: str, resources: Mapping[str, bytes]) -> None:
-        """Raise ResourceError unless every resource decodes as `type_url`."""
+    def validate(self, type_url: str, resources: Mapping[str, bytes]) -> dict[str, Any]:
+        """Raise ResourceError unless every resource decodes as `type_url`; returns the
+        decoded values by name (empty for a type without a decoder)."""
         if type_url not in self.limits.accepted_types:
             raise ResourceError(f"type {type_url!r} not accepted")
         decoder = DECODERS.get(type_url)
+        values: dict[str, Any] = {}
         for name, body in resources.items():
             if not name:
                 raise ResourceError("resource without a name")
             if decoder is not None:
                 try:
-                    decoder(body)
+                    values[name] = decoder(body)
                 except ResourceError as exc:
                     raise ResourceError(f"{name}: {exc}") from None
+        return values
 
     def publish(
         self, type_url: str, resources: Mapping[str, bytes], removed: tuple[str, ...] = ()
     ) -> frozenset[str]:
         """Validate then apply a batch (all or nothing); returns the names changed."""
-        self.validate(type_url, resources)
+        values = self.validate(type_url, resources)
         now = self._clock()
         for name in resources:
             self._published_at[name] = now
+        if self.eds is not None and type_url == ENDPOINT_STATE_TYPE:
+            for name, value in values.items():
+                if isinstance(value, EndpointState):
+                    self.eds.hint(name, resources[name], value)
         return self.cache.update(type_url, resources, removed)
+
+    # -- fan-out --------------------------------------------------------------------------
+
+    def _eds_wanted(self) -> bool:
+        """Whether a stream follows the EDS view (else it waits, dirty, until one does or
+        it is read: an engine's publish costs nothing for EDS while no Envoy listens)."""
+        return any(CLA_TYPE in s.subs for s in self._streams)
+
+    def _on_change(self, type_url: str, names: frozenset[str]) -> None:
+        pending = self._dirty.get(type_url)
+        if pending is None:
+            self._dirty[type_url] = set(names)
+        else:
+            pending |= names
+        if not self._flushing and self._flush_handle is None:
+            self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop, so no streams: the next flush (or `flush()`) takes it
+        due = self._last_flush + self.limits.push_interval_s
+        if due <= loop.time():
+            self._flush_handle = loop.call_soon(self.flush)
+        else:
+            self._flush_handle = loop.call_at(due, self.flush)
+
+    def flush(self) -> None:
+        """Hand the changes collected since the last flush to every stream (the event loop
+        calls it; a test may call it to skip the wait)."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        if self.eds is not None and self.eds.dirty and self._eds_wanted():
+            self._flushing = True
+            try:
+                self.eds.flush()  # its assignments join this flush
+            finally:
+                self._flushing = False
+        with contextlib.suppress(RuntimeError):
+            self._last_flush = asyncio.get_running_loop().time()
+        dirty, self._dirty = self._dirty, {}
+        streams = list(self._streams)
+        for type_url, names in dirty.items():
+            frozen = frozenset(names)
+            table = self.cache.resources(type_url)
+            group = self._lockstep.get(type_url)
+            if group is not None:
+                self._step(type_url, group, frozen, table)
+            self._frames.forget(type_url, frozen, table)
+            for stream in streams:
+                stream.on_change(type_url, frozen)  # lockstep members ignore it
+
+    # -- lockstep (delta wildcard subscribers that hold the same versions) ---------------
+
+    def _step(
+        self, t: str, group: _Lockstep, names: frozenset[str], table: Mapping[str, Resource]
+    ) -> None:
+        sent, frame = group.sent, self._frames.delta
+        parts: list[bytes] = []
+        removed: list[bytes] = []
+        entries: list[tuple[str, bytes | None]] = []
+        for name in names:
+            r = table.get(name)
+            old = sent.get(name)
+            if r is None:
+                if old is not None:
+                    del sent[name]
+                    removed.append(len_field(6, name.encode()))  # removed_resources
+                    entries.append((name, None))
+            elif old != r.version:
+                sent[name] = r.version
+                f = frame(r)
+                parts.append(f)
+                entries.append((name, f))
+        if not entries:
+            return
+        version = str(self.cache.type_version(t))
+        n = len(parts)
+        parts.extend(removed)
+        parts.append(len_field(1, version.encode()))  # system_version_info
+        parts.append(len_field(4, t.encode()))  # type_url
+        batch = _Batch(b"".join(parts), version, n, len(removed), tuple(entries))
+        behind: list[_Subscription] = []
+        for sub, stream in group.members.items():
+            sub.backlog.append(batch)
+            if len(sub.backlog) > MAX_BACKLOG:
+                behind.append(sub)
+            stream.wake.set()
+        for sub in behind:
+            self._leave_lockstep(sub)
+
+    def _join_lockstep(self, sub: _Subscription, stream: _Stream) -> None:
+        """Make an idle delta wildcard subscription a member when it holds the group's
+        versions (a group is made of it when there is none)."""
+        t = sub.type_url
+        group = self._lockstep.get(t)
+        if group is None:
+            # Its versions become the group's: with nothing pending, all it lacks is what
+            # changed since the last flush, which the next flush's batch carries.
+            group = self._lockstep[t] = _Lockstep(sub.sent)
+        elif sub.sent != group.sent:
+            return
+        sub.lockstep, sub.sent = group, {}
+        group.members[sub] = stream
+
+    def _leave_lockstep(self, sub: _Subscription) -> None:
+        """Back on its own, holding the group's versions. Its backlog (whose versions those
+        include) still goes out first, as its next response."""
+        group = sub.lockstep
+        if group is None:
+            return
+        group.members.pop(sub, None)
+        sub.lockstep, sub.sent = None, dict(group.sent)
+        if not group.members and self._lockstep.get(sub.type_url) is group:
+            del self._lockstep[sub.type_url]
 
     def expire(self, now: float) -> list[str]:
         """Remove every resource of the engines that published nothing for
@@ -543,8 +956,12 @@ class ControlPlane:
         request_iterator: AsyncIterator[pb.DeltaDiscoveryResponse],
         context: aio.ServicerContext,
     ) -> AsyncIterator[pb.DeltaDiscoveryRequest]:
+        tracer = self._tracer
         async for msg in request_iterator:
             reply = pb.DeltaDiscoveryRequest(type_url=msg.type_url, response_nonce=msg.nonce)
+            started_ns = time.time_ns() if tracer is not None else 0
+            changed: frozenset[str] = frozenset()
+            error: str | None = None
             try:
                 upserts: dict[str, bytes] = {}
                 for r in msg.resources:
@@ -553,15 +970,48 @@ class ControlPlane:
                             f"{r.name}: Any type {r.resource.type_url!r} != {msg.type_url!r}"
                         )
                     upserts[r.name] = r.resource.value
-                self.publish(msg.type_url, upserts, tuple(msg.removed_resources))
+                changed = self.publish(msg.type_url, upserts, tuple(msg.removed_resources))
                 self.stats.publishes += 1
             except ResourceError as exc:
+                error = str(exc)
                 self.stats.publishes_rejected += 1
-                self.stats.last_publish_error = str(exc)
+                self.stats.last_publish_error = error
                 log.warning("refused publish from %s: %s", context.peer(), exc)
                 reply.error_detail.code = _INVALID_ARGUMENT
-                reply.error_detail.message = str(exc)
+                reply.error_detail.message = error
+            if tracer is not None:
+                self._trace_publish(tracer, started_ns, msg, changed, error, context.peer())
             yield reply
+
+    def _trace_publish(
+        self,
+        tracer: Any,
+        started_ns: int,
+        msg: pb.DeltaDiscoveryResponse,
+        changed: frozenset[str],
+        error: str | None,
+        peer: str,
+    ) -> None:
+        from meshd import telemetry as tm
+
+        t = msg.type_url
+        attrs: dict[str, Any] = {
+            tm.ATTR_XDS_TYPE_URL: t,
+            tm.ATTR_XDS_NONCE: msg.nonce,
+            tm.ATTR_XDS_RESOURCES: len(msg.resources),
+            tm.ATTR_XDS_REMOVED: len(msg.removed_resources),
+            tm.ATTR_XDS_CHANGED: len(changed),
+            tm.ATTR_XDS_VERSION: str(self.cache.type_version(t)),
+            tm.ATTR_XDS_PEER: peer,
+        }
+        names = [r.name for r in msg.resources[:8]]
+        if names:
+            attrs[tm.ATTR_ENGINE] = names[0] if len(names) == 1 else names
+        span = tracer.start_span(tm.SPAN_XDS_PUBLISH, start_time=started_ns, attributes=attrs)
+        if error is not None:
+            span.set_attribute(tm.ATTR_REASON, error)
+            span.set_status(tm.Status(tm.StatusCode.ERROR, "publish refused"))
+        span.end()
 
     # -- streams --------------------------------------------------------------------------
 
@@ -570,7 +1020,6 @@ class ControlPlane:
     ) -> None:
         # Headers now, so a client knows it is connected before any response.
         await context.send_initial_metadata(())
-        unwatch = self.cache.watch(stream.on_change)
         self._streams.add(stream)
         self.stats.streams_open += 1
         self.stats.streams_total += 1
@@ -581,12 +1030,14 @@ class ControlPlane:
             for task in done:
                 task.result()
         finally:
-            unwatch()
             self._streams.discard(stream)
+            for sub in stream.subs.values():
+                self._leave_lockstep(sub)
             self.stats.streams_open -= 1
             for task in (reader, writer):
                 task.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
+            stream.end_spans()
 
     async def _read(self, stream: _Stream, requests: AsyncIterator[Any]) -> None:
         async for req in requests:
@@ -599,8 +1050,9 @@ class ControlPlane:
                 stream.on_delta_request(req)
             else:
                 stream.on_sotw_request(req)
-            async with self._events:
-                self._events.notify_all()
+            if self._waiters:
+                async with self._events:
+                    self._events.notify_all()
 
     # -- introspection --------------------------------------------------------------------
 
@@ -609,5 +1061,9 @@ class ControlPlane:
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Return once `predicate()` holds; it is re-checked after every request handled."""
-        async with self._events:
-            await self._events.wait_for(predicate)
+        self._waiters += 1
+        try:
+            async with self._events:
+                await self._events.wait_for(predicate)
+        finally:
+            self._waiters -= 1
