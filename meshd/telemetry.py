@@ -33,8 +33,36 @@ from opentelemetry.trace import (
 )
 
 from filters.routing_headers import TraceContext
+from xds.spans import (
+    ATTR_XDS_CHANGED,
+    ATTR_XDS_DELTA,
+    ATTR_XDS_NACK,
+    ATTR_XDS_NODE,
+    ATTR_XDS_NONCE,
+    ATTR_XDS_PEER,
+    ATTR_XDS_REMOVED,
+    ATTR_XDS_RESOURCES,
+    ATTR_XDS_TYPE_URL,
+    ATTR_XDS_UNANSWERED,
+    ATTR_XDS_VERSION,
+    EVENT_XDS_NACK,
+    SPAN_XDS_PUBLISH,
+    SPAN_XDS_PUSH,
+)
 
 __all__ = [
+    "ATTR_XDS_CHANGED",
+    "ATTR_XDS_DELTA",
+    "ATTR_XDS_NACK",
+    "ATTR_XDS_NODE",
+    "ATTR_XDS_NONCE",
+    "ATTR_XDS_PEER",
+    "ATTR_XDS_REMOVED",
+    "ATTR_XDS_RESOURCES",
+    "ATTR_XDS_TYPE_URL",
+    "ATTR_XDS_UNANSWERED",
+    "ATTR_XDS_VERSION",
+    "EVENT_XDS_NACK",
     "GEN_AI_CONVERSATION_ID",
     "GEN_AI_OPERATION_NAME",
     "GEN_AI_PROVIDER_NAME",
@@ -54,6 +82,8 @@ __all__ = [
     "SPAN_PICK",
     "SPAN_QUEUE",
     "SPAN_STREAM",
+    "SPAN_XDS_PUBLISH",
+    "SPAN_XDS_PUSH",
     "Status",
     "StatusCode",
     "context_from_trace",
@@ -146,22 +176,7 @@ ATTR_REPLAY_FROM = "meshd.replay.from_seq"
 ATTR_REPLAYED = "meshd.replay.batches"
 ATTR_REPLAY_LOST = "meshd.replay.lost"
 
-# The control plane (xds/): a span per accepted publish and per response pushed to a stream.
-SPAN_XDS_PUBLISH = "meshd.xds.publish"
-SPAN_XDS_PUSH = "meshd.xds.push"
-ATTR_XDS_NODE = "meshd.xds.node"
-ATTR_XDS_TYPE_URL = "meshd.xds.type_url"
-ATTR_XDS_VERSION = "meshd.xds.version"
-ATTR_XDS_NONCE = "meshd.xds.nonce"
-ATTR_XDS_RESOURCES = "meshd.xds.resources"  # resources in the message
-ATTR_XDS_REMOVED = "meshd.xds.removed"
-ATTR_XDS_DELTA = "meshd.xds.delta"  # delta xDS (else state of the world)
-ATTR_XDS_NACK = "meshd.xds.nack"  # the client's error_detail, on the push it refused
-ATTR_XDS_CHANGED = "meshd.xds.changed"  # resources a publish actually changed
-ATTR_XDS_PEER = "meshd.xds.peer"  # the publisher's gRPC peer
-ATTR_XDS_UNANSWERED = "meshd.xds.unanswered"  # the stream closed before the client answered
-EVENT_XDS_NACK = "meshd.xds.nack"  # on a push span: the client refused it (error_detail)
-
+# The control plane's span names: xds/spans.py (imported above, re-exported).
 
 _KNOWN_FLAGS = 0x03
 

@@ -569,7 +569,7 @@ class _Stream:
     # -- tracing (only with a tracer provider) -------------------------------------------
 
     def _start_push_span(self, tracer: Any, push: _Push) -> None:
-        from meshd import telemetry as tm
+        from xds import spans as tm
 
         attrs: dict[str, Any] = {
             tm.ATTR_XDS_TYPE_URL: push.type_url,
@@ -587,19 +587,21 @@ class _Stream:
         span = self._push_spans.pop(nonce, None)
         if span is None:
             return
-        from meshd import telemetry as tm
+        from xds import spans as tm
 
         if error is not None:
             span.set_attribute(tm.ATTR_XDS_NACK, error.message)
             span.add_event(tm.EVENT_XDS_NACK, {tm.ATTR_XDS_NACK: error.message})
-            span.set_status(tm.Status(tm.StatusCode.ERROR, "NACK"))
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR, "NACK"))
         span.end()
 
     def end_spans(self) -> None:
         """End the spans of responses never answered (the stream closed)."""
         if not self._push_spans:
             return
-        from meshd import telemetry as tm
+        from xds import spans as tm
 
         for span in self._push_spans.values():
             span.set_attribute(tm.ATTR_XDS_UNANSWERED, True)
@@ -992,7 +994,7 @@ class ControlPlane:
         error: str | None,
         peer: str,
     ) -> None:
-        from meshd import telemetry as tm
+        from xds import spans as tm
 
         t = msg.type_url
         attrs: dict[str, Any] = {
@@ -1010,7 +1012,9 @@ class ControlPlane:
         span = tracer.start_span(tm.SPAN_XDS_PUBLISH, start_time=started_ns, attributes=attrs)
         if error is not None:
             span.set_attribute(tm.ATTR_REASON, error)
-            span.set_status(tm.Status(tm.StatusCode.ERROR, "publish refused"))
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR, "publish refused"))
         span.end()
 
     # -- streams --------------------------------------------------------------------------
