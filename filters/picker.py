@@ -102,6 +102,7 @@ the previous output (sticky_output_fraction x its max_tokens) counts as cached t
 from __future__ import annotations
 
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -124,6 +125,8 @@ DECODE_REF_BATCH = 64
 _REF_DECODE_TOKEN_S = _REF.decode_step_s(DECODE_REF_BATCH) / DECODE_REF_BATCH
 # Bound on remembered (model, adapter, priority) classes: model names come from clients.
 MAX_REQUEST_CLASSES = 1024
+# Bound on remembered rendezvous draws (one float per group key x endpoint name).
+RENDEZVOUS_CACHE_SIZE = 65_536
 # ttft_ratio is an EWMA from 1.0: after n samples the start still weighs _CAL_KEEP ** n.
 _CAL_KEEP = 1.0 - CALIBRATION_ALPHA
 # A GPU class's pooled calibration counts once its endpoints hold this much evidence
@@ -269,7 +272,9 @@ class _View:
     __slots__ = (
         "adapters",
         "budget",
+        "cal",
         "cal_key",
+        "cal_seen",
         "cap_blocks",
         "cold",
         "cold_now",
@@ -281,6 +286,7 @@ class _View:
         "k1",
         "kc",
         "kkey",
+        "kkey_cold",
         "kv_cap",
         "kv_wait_per_token",
         "load",
@@ -337,6 +343,9 @@ class _View:
     version: int
     weight: float  # nominal prefill tok/s x slow-start ramp: the capacity weight
     cal_key: str  # GPU class for calibration pooling
+    cal: float  # the calibration the load part used
+    # (samples, ttft_ratio, class, class's pushed prior) it was computed from, or None.
+    cal_seen: tuple[int, float, _CalClass, float] | None
     why: str | None
     # Per request class (model, adapter, lambda), recomputed after any change.
     kkey: _KKey | None
@@ -346,6 +355,7 @@ class _View:
     # or None when this endpoint cannot serve the class.
     kc: tuple[float, float, float, float, float, float, float, str] | None
     cold_now: float
+    kkey_cold: _KKey | None  # the class cold_now was computed for (static, like `cold`)
     # Static part (rebuilt on a report, a flag, a failure or a freshness deadline).
     static_version: int
     tps0: float  # nominal prefill tok/s, unloaded
@@ -371,6 +381,69 @@ _Cand = tuple[float, str, _View]
 
 def _always(t: _Cand) -> bool:
     return True
+
+
+def price_candidates(
+    endpoints: Sequence[EndpointState],
+    kkey: _KKey,
+    base: int,
+    big_p: int,
+    big_m: int,
+    refresh: Callable[[EndpointState, _View | None, _KKey, float], _View],
+    hook: Callable[[EndpointState, PickRequest, float], bool] | None,
+    req: PickRequest,
+    now: float,
+) -> tuple[list[_Cand], float, float]:
+    """The hot loop of Picker.pick: every eligible endpoint priced as if nothing were
+    cached (U = P), in endpoint order, each view stamped with base + its slot (a view
+    stamped >= base already is a duplicate), plus the sums of load and capacity weight.
+    The reference for the compiled twin in filters/_picker_c.pyx, which must agree exactly
+    (tests/test_picker_twins.py)."""
+    pm = big_p + big_m
+    cands: list[_Cand] = []
+    append = cands.append
+    slot = base
+    load_sum = 0.0
+    weight_sum = 0.0
+    for e in endpoints:
+        v = e._pick_view
+        if v is None or v.kkey is not kkey:
+            v = refresh(e, v, kkey, now)
+        kc = v.kc
+        if kc is None or v.stamp >= base:
+            continue
+        if hook is not None and not hook(e, req, now):
+            continue
+        v.stamp = slot
+        slot += 1
+        k0, k1, u, free, kvw, load, weight, name = kc
+        j = k0 + big_p * k1 + big_m * u
+        if pm > free:
+            j += (pm - free) * kvw
+        append((j, name, v))
+        load_sum += load
+        weight_sum += weight
+    return cands, load_sum, weight_sum
+
+
+def sort_candidates(cands: list[_Cand]) -> None:
+    """By J, then name (names are unique). The reference for the compiled twin."""
+    cands.sort()
+
+
+# The compiled twins (filters/_picker_c.pyx) when built, unless MESHD_PURE_PYTHON is set.
+_price = price_candidates
+_sort = sort_candidates
+IMPLEMENTATION = "python (forced by MESHD_PURE_PYTHON)"
+if not os.environ.get("MESHD_PURE_PYTHON"):
+    try:
+        from filters import _picker_c  # type: ignore[attr-defined]
+    except ImportError:
+        IMPLEMENTATION = "python (compiled extension not built)"
+    else:
+        _price = _picker_c.price_candidates
+        _sort = _picker_c.sort_candidates
+        IMPLEMENTATION = "cython"
 
 
 @dataclass(slots=True)
@@ -450,6 +523,9 @@ class Picker:
         self.gpus = gpus or GpuTable()
         self._eligible = eligible
         self._lambda = [c.lambda_usd_per_s * c.lambda_priority_base ** (p - 5) for p in range(10)]
+        self._batch_pricing = c.decode_pricing == "batch"
+        self._load_requests = c.load_metric == "requests"
+        self._residence = c.default_residence_s
         floor = c.load_floor
         if floor is None:
             floor = 8.0 if c.load_metric == "requests" else 16_384.0
@@ -460,6 +536,7 @@ class Picker:
         self._kkeys: dict[_KKey, _KKey] = {}
         self._min_until = _INF  # earliest freshness deadline among the views
         self._by_name: dict[str, _View] = {}
+        self._draws: dict[int, float] = {}  # key ^ salt -> -ln(u), see _cold_hash
         # Calibration pooling: requests dispatched per endpoint (its samples, once they
         # finish), each endpoint's (class, d, ratio - d) contribution, and the classes.
         self._dispatched: dict[str, int] = {}
@@ -507,32 +584,9 @@ class Picker:
         # with a prefix match or the task's stickiness are re-priced below.
         if now >= self._min_until:
             self._expire_views(now)
-        cands: list[_Cand] = []
-        append = cands.append
-        slot = base
-        load_sum = 0.0
-        weight_sum = 0.0
-        for e in endpoints:
-            v = e._pick_view
-            if v is None:
-                v = self._view(e, now)
-            if v.kkey is not kkey:
-                self._constants(v, e, kkey, now)  # (also adopts another picker's view)
-                v = e._pick_view
-            kc = v.kc
-            if kc is None or v.stamp >= base:
-                continue
-            if hook is not None and not hook(e, req, now):
-                continue
-            v.stamp = slot
-            slot += 1
-            k0, k1, u, free, kvw, load, weight, name = kc
-            j = k0 + big_p * k1 + big_m * u
-            if pm > free:
-                j += (pm - free) * kvw
-            append((j, name, v))
-            load_sum += load
-            weight_sum += weight
+        cands, load_sum, weight_sum = _price(
+            endpoints, kkey, base, big_p, big_m, self._refresh, hook, req, now
+        )
         if not cands:
             return []
 
@@ -570,7 +624,7 @@ class Picker:
         sticky_t: _Cand | None = None
         if sticky is not None:
             sticky_t = cands[by_name[sticky].stamp - base]
-        cands.sort()
+        _sort(cands)
 
         limit = len(cands) if c.max_choices is None else c.max_choices
         if req.deadline_s is not None:
@@ -723,6 +777,15 @@ class Picker:
                 nxt = v.until
         self._min_until = nxt
 
+    def _refresh(self, e: EndpointState, v: _View | None, kkey: _KKey, now: float) -> _View:
+        """The hot loop found e's view changed (None) or priced for another request class."""
+        if v is None:
+            v = self._view(e, now)
+        if v.kkey is not kkey:
+            self._constants(v, e, kkey, now)  # (also adopts another picker's view)
+            v = e._pick_view
+        return v
+
     def _view(self, e: EndpointState, now: float) -> _View:
         """The endpoint's view, rebuilt: the static part (GPU, report, eligibility) only when
         a report, flag or failure changed it or a freshness deadline passed; the load part
@@ -737,44 +800,75 @@ class Picker:
             or now >= v.until
         ):
             v = self._static_view(e, now, v)
-        c = self.config
         local_running = e.outstanding - e.waiting
-        running = local_running if local_running > v.r_running else v.r_running
-        queued = e.waiting if e.waiting > v.r_waiting else v.r_waiting
+        r_running = v.r_running
+        running = local_running if local_running > r_running else r_running
+        waiting = e.waiting
+        r_waiting = v.r_waiting
+        queued = waiting if waiting > r_waiting else r_waiting
         pending = float(e.pending_prefill_tokens)
-        if v.r_waiting and v.r_waiting * e.prompt_tokens_avg > pending:
-            pending = v.r_waiting * e.prompt_tokens_avg
-        tps = v.tps0 * max(0.1, 1.0 - running / v.budget)
-        if c.decode_pricing == "batch":
+        if r_waiting and r_waiting * e.prompt_tokens_avg > pending:
+            pending = r_waiting * e.prompt_tokens_avg
+        tps = 1.0 - running / v.budget
+        tps = v.tps0 * (tps if tps > 0.1 else 0.1)
+        step1 = v.step1
+        step_slope = v.step_slope
+        if self._batch_pricing:
             # This request's share of a decode step in the batch it joins (capped at the
             # healthy batch): joining a running batch is nearly free, waking an idle engine
             # pays its whole step, so traffic packs into batches until queueing outweighs it.
             b = running + queued + 1
             if b > DECODE_REF_BATCH:
                 b = DECODE_REF_BATCH
-            v.usd_per_out_tok = v.price_s * (v.step1 + v.step_slope * (b - 1)) / b
-        cal = self._calibration(v, e)
-        step = v.step1 + v.step_slope * running
-        residence = e.residence_s if e.residence_s is not None else c.default_residence_s
-        v.inv_nominal = 1.0 / tps
+            v.usd_per_out_tok = v.price_s * (step1 + step_slope * (b - 1)) / b
+        # The calibration, unchanged since this view last computed it unless a sample
+        # finished, the ratio moved or the class's pooled prior was pushed (_calibration).
+        name = e.name
+        n = self._dispatched.get(name, 0) - e.outstanding
+        ratio = e.ttft_ratio
+        cv = v.cal_seen
+        if cv is not None and cv[0] == n and cv[1] == ratio and cv[2].pushed == cv[3]:
+            cal = v.cal
+        else:
+            cal = v.cal = self._calibration(v, e)
+            k = self._cal_of[name].cls
+            v.cal_seen = (n, ratio, k, k.pushed)
+        step = step1 + step_slope * running
+        residence = e.residence_s
+        if residence is None:
+            residence = self._residence
+        inv_nominal = 1.0 / tps
+        v.inv_nominal = inv_nominal
         v.inv = cal / tps
-        v.q_nominal = pending / tps + step
-        excess = running + queued + 1 - v.slots
-        v.q_fixed = excess / v.slots * residence if excess > 0 else 0.0
-        v.q = cal * v.q_nominal + v.q_fixed
+        q_nominal = pending / tps + step
+        v.q_nominal = q_nominal
+        slots = v.slots
+        excess = running + queued + 1 - slots
+        q_fixed = excess / slots * residence if excess > 0 else 0.0
+        v.q_fixed = q_fixed
+        v.q = cal * q_nominal + q_fixed
         used = float(e.tokens_in_flight)
         if v.r_kv_used > used:
             used = v.r_kv_used
-        v.free_kv = max(0.0, v.kv_cap - used)
-        v.kv_wait_per_token = residence / v.kv_cap if v.kv_cap > 0 else 0.0
-        if c.load_metric == "requests":
-            v.load = float(max(e.outstanding, v.r_requests))
+        kv_cap = v.kv_cap
+        free = kv_cap - used
+        v.free_kv = free if free > 0.0 else 0.0
+        v.kv_wait_per_token = residence / kv_cap if kv_cap > 0 else 0.0
+        if self._load_requests:
+            load = e.outstanding
+            if v.r_requests > load:
+                load = v.r_requests
         else:
-            v.load = float(max(e.tokens_in_flight, v.r_tokens))
+            load = e.tokens_in_flight
+            if v.r_tokens > load:
+                load = v.r_tokens
+        v.load = float(load)
         v.version = e.version
+        # The request-class constants depend on the load part: recompute them, but the
+        # class's cold-load cost is static (kept in `cold_now` for `kkey_cold`).
         v.kkey = None
         e._pick_view = v
-        self._by_name[e.name] = v
+        self._by_name[name] = v
         return v
 
     def _calibration(self, v: _View, e: EndpointState) -> float:
@@ -836,6 +930,8 @@ class Picker:
         v.cold = {}
         v.adapters = {}
         v.kkey = None
+        v.kkey_cold = None
+        v.cal_seen = None
         v.why = e.ineligible_reason(now)
         v.cal_key = normalise_gpu_name(e.gpu_name(now))
         until = e.next_change(now)
@@ -900,6 +996,22 @@ class Picker:
             v = self._view(e, now)
         model, adapter, lam = kkey
         v.kkey = kkey
+        if v.kkey_cold is kkey:  # a load change: the class's cold-load cost is static
+            cold_s = v.cold_now
+            price_s = v.price_s
+            v.k0 = k0 = price_s * cold_s + lam * (cold_s + v.q)
+            v.k1 = k1 = v.inv * (price_s + lam)
+            v.kc = (
+                k0,
+                k1,
+                v.usd_per_out_tok,
+                v.free_kv,
+                v.kv_wait_per_token * lam,
+                v.load,
+                v.weight,
+                v.name,
+            )
+            return
         v.kc = None
         if v.why is not None:
             return
@@ -921,6 +1033,7 @@ class Picker:
                 return
             cold += ac
         v.cold_now = cold
+        v.kkey_cold = kkey
         v.k0 = v.price_s * cold + lam * (cold + v.q)
         v.k1 = v.inv * (v.price_s + lam)
         v.kc = (
@@ -1034,15 +1147,22 @@ class Picker:
         window = best[0] + abs(best[0] - max_tokens * best[2].usd_per_out_tok) * tolerance
         top = best
         top_score = _INF
-        log = math.log
+        draws = self._draws
         for t in meet:
             if t[0] > window:
                 break
             if not within(t):
                 continue
             v = t[2]
-            u = ((_mix(key ^ v.salt) >> 11) + 0.5) * _TWO_M53
-            s = -log(u) / v.weight
+            x = key ^ v.salt
+            draw = draws.get(x)
+            if draw is None:
+                # -ln(u), a pure function of the key and the name: the 64-bit mixing costs
+                # ~1 us in Python integers, a hot group's picks meet the same few again.
+                if len(draws) >= RENDEZVOUS_CACHE_SIZE:
+                    draws.clear()
+                draw = draws[x] = -math.log(((_mix(x) >> 11) + 0.5) * _TWO_M53)
+            s = draw / v.weight
             if s < top_score:
                 top, top_score = t, s
         return top

@@ -3,7 +3,9 @@ of a whole pick (hashes precomputed), of the index match alone, of hashing the p
 of a naive O(blocks x endpoints) matcher over the same holdings, as a ratio.
 
 Wall-clock percentiles on a shared machine include other processes' preemptions, so it
-also prints the quietest round and thread CPU time. Run:
+also prints the quietest round and thread CPU time, and, to tell the cyclic GC's share of
+the tail from the rest, the percentiles of the picks no collection overlapped (--no-gc
+turns the GC off, --gc-freeze moves the setup's objects out of its reach). Run:
 `python -m loadtest.picker_bench [--endpoints 64] [--tokens 32768] [--picks 2000] [--rounds 5]`.
 """
 
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 
 from filters.endpoint_state import EndpointState, ReportedState
 from filters.hotpath import IMPLEMENTATION, block_hashes
+from filters.picker import IMPLEMENTATION as PICK_IMPLEMENTATION
 from filters.picker import Picker, PickRequest
 
 GPUS = ("A100", "H100", "H200", "B200")
@@ -72,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument(
         "--no-gc", action="store_true", help="disable the cyclic GC while timing (default: on)"
+    )
+    ap.add_argument(
+        "--gc-freeze", action="store_true", help="gc.freeze() the setup's objects before timing"
     )
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
@@ -128,9 +134,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     clock = time.perf_counter_ns
     cpu = time.thread_time_ns
     rid = 0
+    collections = [0]  # cyclic GC passes started so far
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections[0] += 1
+
+    overlapped: list[bool] = []  # per timed pick: did a collection run inside it
     gc.collect()
+    if args.gc_freeze:
+        gc.freeze()
     if args.no_gc:
         gc.disable()
+    gc.callbacks.append(on_gc)
     try:
         for _ in range(args.rounds):
             wall: list[int] = []
@@ -138,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for _ in range(args.picks):
                 now += 0.02  # 50 picks/s of virtual time: the run outlives the index TTL
                 r = reqs[rng.randrange(len(reqs))]
+                g0 = collections[0]
                 c0 = cpu()
                 t0 = clock()
                 out = picker.pick(r, endpoints, now)
@@ -145,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 c1 = cpu()
                 wall.append(t1 - t0)
                 cpu_ns.append(c1 - c0)
+                overlapped.append(collections[0] != g0)
                 picker.dispatch(out[0], r, rid, now)
                 inflight.append((out[0].state, rid))
                 rid += 1
@@ -171,7 +189,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             for r in sample_reqs[:10]
         )
     finally:
+        gc.callbacks.remove(on_gc)
         gc.enable()
+        if args.gc_freeze:
+            gc.unfreeze()
 
     pick_samples = [t for wall, _ in rounds for t in wall]
     cpu_samples = [t for _, c in rounds for t in c]
@@ -182,14 +203,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     m50, m99 = _percentiles(match_samples)
     h50, h99 = _percentiles(hash_samples)
     n50, n99 = _percentiles(naive_samples)
+    no_gc_samples = [t for t, hit in zip(cpu_samples, overlapped, strict=True) if not hit]
+    g50, g99 = _percentiles(no_gc_samples)
+    gc_mode = "off" if args.no_gc else ("on, setup frozen" if args.gc_freeze else "on")
     print(
         f"picker bench: {args.endpoints} endpoints, ~{args.tokens} tokens "
         f"({blocks} blocks of 64 B), {args.rounds} x {args.picks} picks, "
-        f"hashing: {IMPLEMENTATION}, cpus: {os.cpu_count()}, gc: {'off' if args.no_gc else 'on'}"
+        f"hashing: {IMPLEMENTATION}, pick loop: {PICK_IMPLEMENTATION}, cpus: {os.cpu_count()}, "
+        f"gc: {gc_mode}"
     )
     print(f"  pick, wall (hashes precomputed) p50 {p50:8.1f} us   p99 {p99:8.1f} us")
     print(f"  pick, quietest round             p50 {q50:8.1f} us   p99 {q99:8.1f} us")
     print(f"  pick, thread CPU time            p50 {c50:8.1f} us   p99 {c99:8.1f} us")
+    print(
+        f"  pick, CPU, no GC pass inside     p50 {g50:8.1f} us   p99 {g99:8.1f} us   "
+        f"({len(cpu_samples) - len(no_gc_samples)} of {len(cpu_samples)} picks overlapped "
+        "a collection)"
+    )
     print(f"  index match alone                p50 {m50:8.1f} us   p99 {m99:8.1f} us")
     print(f"  block hashing of the prompt      p50 {h50:8.1f} us   p99 {h99:8.1f} us")
     print(f"  naive matcher (baseline)         p50 {n50:8.1f} us   p99 {n99:8.1f} us")

@@ -24,4 +24,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"meshd {__version__}")
     print(f"python {platform.python_version()} ({platform.python_implementation()})")
     print(f"hot path: {IMPLEMENTATION}")
+    from filters.picker import IMPLEMENTATION as PICKER
+
+    print(f"picker loop: {PICKER}")
     return 0
