@@ -134,7 +134,10 @@ async def test_subscriber_that_never_reads_does_not_stall_others(cp: ControlPlan
     async with aio.insecure_channel(f"127.0.0.1:{cp.port}") as ch:
         slow = RawStream(ch)
         await slow.send(pb.DeltaDiscoveryRequest(type_url=T, resource_names_subscribe=["*"]))
-        await cp.wait_until(lambda: any(s.unacked == 1 for s in cp.streams()))
+        # (The push, not a request, makes this true: wait_until must wake on pushes too;
+        # it hung in CI when the request was read before the push went out.)
+        async with asyncio.timeout(15):
+            await cp.wait_until(lambda: any(s.unacked == 1 for s in cp.streams()))
         sub, _ = make_sub(cp.port)
         try:
             await sub.wait_until(lambda: len(sub.entries(T)) == 10)
@@ -153,6 +156,24 @@ async def test_subscriber_that_never_reads_does_not_stall_others(cp: ControlPlan
             assert cp.stats.coalesced[T] == 40
         finally:
             await sub.close()
+        slow.call.cancel()
+
+
+async def test_wait_until_wakes_on_a_push_to_a_client_that_never_answers(
+    cp: ControlPlane,
+) -> None:
+    cp.cache.update(T, {"e0": state("e0")})
+    async with aio.insecure_channel(f"127.0.0.1:{cp.port}") as ch:
+        # Waiting before the request: it is read (one wake-up, nothing unacked yet), then
+        # the push goes out and only that can make the predicate true.
+        waiting = asyncio.ensure_future(
+            cp.wait_until(lambda: any(s.unacked == 1 for s in cp.streams()))
+        )
+        await asyncio.sleep(0)
+        slow = RawStream(ch)
+        await slow.send(pb.DeltaDiscoveryRequest(type_url=T, resource_names_subscribe=["*"]))
+        async with asyncio.timeout(10):
+            await waiting
         slow.call.cancel()
 
 

@@ -565,6 +565,10 @@ class _Stream:
                 if tracer is not None:
                     self._start_push_span(tracer, push)
                 await write(push.payload)
+                # A push changes what wait_until predicates see (unacked responses): wake
+                # them here too, not only when a request arrives (a client that never
+                # answers sends none).
+                await self.cp._notify_waiters()
 
     # -- tracing (only with a tracer provider) -------------------------------------------
 
@@ -1054,9 +1058,12 @@ class ControlPlane:
                 stream.on_delta_request(req)
             else:
                 stream.on_sotw_request(req)
-            if self._waiters:
-                async with self._events:
-                    self._events.notify_all()
+            await self._notify_waiters()
+
+    async def _notify_waiters(self) -> None:
+        if self._waiters:
+            async with self._events:
+                self._events.notify_all()
 
     # -- introspection --------------------------------------------------------------------
 
