@@ -30,8 +30,7 @@ from typing import Any
 
 from loadtest import real_vllm
 from loadtest.bench.client import ClientSettings, run_load
-from loadtest.bench.fleet import read_ready_line
-from loadtest.bench.policies import READY_TIMEOUT_S, ProcessRouter, sidecar_config
+from loadtest.bench.policies import ProcessRouter, sidecar_config, start_sidecar_process
 from loadtest.workloads.generators import shared_prefix
 from loadtest.workloads.request import PlannedRequest
 
@@ -90,28 +89,9 @@ async def start_sidecar(
 ) -> ProcessRouter:
     """`meshd sidecar` in front of the engines, as loadtest.bench.policies starts it, but
     with each endpoint's KV capacity in its config (the picker's memory-headroom input)."""
-    import yaml
-
-    workdir.mkdir(parents=True, exist_ok=True)
     cfg = sidecar_config([e["url"] for e in endpoints], policy)
     cfg["pools"] = [{"name": "default", "endpoints": list(endpoints)}]
-    path = workdir / "meshd-sidecar.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    log_path = workdir / "meshd-sidecar.log"
-    with log_path.open("ab") as log:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "meshd.cli",
-            "sidecar",
-            "--config",
-            str(path),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=log,
-        )
-    ready = await read_ready_line(proc, READY_TIMEOUT_S, "meshd sidecar", log_path)
-    return ProcessRouter(url=f"http://{ready['outbound']}", proc=proc, log_path=log_path)
+    return await start_sidecar_process(cfg, workdir)
 
 
 def pct(xs: Sequence[float], q: float) -> float:

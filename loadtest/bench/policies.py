@@ -115,9 +115,15 @@ def sidecar_config(endpoints: Sequence[str], policy: str) -> dict[str, object]:
 
 async def start_meshd(endpoints: Sequence[str], workdir: Path, policy: str) -> ProcessRouter:
     """`meshd sidecar --config FILE` as a subprocess; ready when it prints its ready line."""
+    return await start_sidecar_process(sidecar_config(endpoints, policy), workdir)
+
+
+async def start_sidecar_process(config: dict[str, object], workdir: Path) -> ProcessRouter:
+    """`meshd sidecar` with `config` (written to workdir/meshd-sidecar.yaml) as a
+    subprocess; ready when it prints its ready line."""
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "meshd-sidecar.yaml"
-    config_path.write_text(yaml.safe_dump(sidecar_config(endpoints, policy), sort_keys=False))
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     log_path = workdir / "meshd-sidecar.log"
     with log_path.open("ab") as log:
         proc = await asyncio.create_subprocess_exec(
@@ -421,31 +427,7 @@ async def start_meshd_on_fleet(
     picker: dict[str, object] | None = None,
 ) -> ProcessRouter:
     """start_meshd, with the endpoints' GPUs (and `picker` settings) in the config."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    config_path = workdir / "meshd-sidecar.yaml"
-    config = sidecar_config_for_fleet(engines, policy, picker)
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    log_path = workdir / "meshd-sidecar.log"
-    with log_path.open("ab") as log:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "meshd.cli",
-            "sidecar",
-            "--config",
-            str(config_path),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=log,
-        )
-    ready = await read_ready_line(proc, READY_TIMEOUT_S, "meshd sidecar", log_path)
-    return ProcessRouter(
-        url=f"http://{ready['outbound']}",
-        proc=proc,
-        log_path=log_path,
-        admin_url=f"http://{ready['admin']}",
-        reader=asyncio.create_task(_discard(proc.stdout)),
-    )
+    return await start_sidecar_process(sidecar_config_for_fleet(engines, policy, picker), workdir)
 
 
 def meshd_fleet_policy(
@@ -507,31 +489,7 @@ async def start_meshd_config(
     endpoints: Sequence[str], workdir: Path, policy: str, overrides: dict[str, object]
 ) -> ProcessRouter:
     """start_meshd with sections of `overrides` replacing those of sidecar_config."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    config_path = workdir / "meshd-sidecar.yaml"
-    config = {**sidecar_config(endpoints, policy), **overrides}
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    log_path = workdir / "meshd-sidecar.log"
-    with log_path.open("ab") as log:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "meshd.cli",
-            "sidecar",
-            "--config",
-            str(config_path),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=log,
-        )
-    ready = await read_ready_line(proc, READY_TIMEOUT_S, "meshd sidecar", log_path)
-    return ProcessRouter(
-        url=f"http://{ready['outbound']}",
-        proc=proc,
-        log_path=log_path,
-        admin_url=f"http://{ready['admin']}",
-        reader=asyncio.create_task(_discard(proc.stdout)),
-    )
+    return await start_sidecar_process({**sidecar_config(endpoints, policy), **overrides}, workdir)
 
 
 def meshd_config_policy(
