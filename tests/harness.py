@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+import pytest
+
+from loadtest.envoy_bin import EnvoyNotInstalled, envoy_binary
 from meshd.config import Config, load_config
 from meshd.sidecar import Sidecar
 
@@ -21,3 +25,27 @@ def sidecar_config(endpoints: list[str], **sections: Any) -> Config:
 
 def url(s: Sidecar, path: str, listener: str = "outbound") -> str:
     return f"http://{s.addresses[listener]}{path}"
+
+
+def _envoy_missing() -> str:
+    try:
+        envoy_binary()
+    except EnvoyNotInstalled as exc:
+        return str(exc)
+    return ""
+
+
+ENVOY_MISSING = _envoy_missing()
+# `pytestmark = NEEDS_ENVOY` in a module whose tests all run the real Envoy.
+NEEDS_ENVOY = [
+    pytest.mark.envoy,
+    pytest.mark.skipif(bool(ENVOY_MISSING), reason=f"needs the Envoy binary: {ENVOY_MISSING}"),
+]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def envoy_only(test: F) -> F:
+    """The marks of NEEDS_ENVOY on one test."""
+    for mark in reversed(NEEDS_ENVOY):
+        test = mark(test)
+    return test

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 from aiohttp import web
+from harness import NEEDS_ENVOY
 
 from loadtest.envoy_bin import (
     STATIC_CONFIG,
-    EnvoyNotInstalled,
-    envoy_binary,
     render_static_config,
     start_envoy,
     validate_config,
@@ -24,16 +23,7 @@ from loadtest.envoy_bin import (
 from loadtest.openloop import Endpoint, LoadGenerator, completion_request
 from loadtest.stub_backend import StubConfig, answer_text, make_app
 
-try:
-    envoy_binary()
-    _MISSING = ""
-except EnvoyNotInstalled as exc:
-    _MISSING = str(exc)
-
-pytestmark = [
-    pytest.mark.envoy,
-    pytest.mark.skipif(bool(_MISSING), reason=f"needs the Envoy binary: {_MISSING}"),
-]
+pytestmark = NEEDS_ENVOY
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -18,12 +18,11 @@ import aiohttp
 import pytest
 import yaml
 from aiohttp import web
+from harness import NEEDS_ENVOY
 
 from loadtest.envoy_bin import (
     REPO_ROOT,
-    EnvoyNotInstalled,
     EnvoyProcess,
-    envoy_binary,
     start_envoy,
     validate_config,
 )
@@ -32,16 +31,7 @@ from xds.client import Publisher
 from xds.resources import ENDPOINT_STATE_TYPE, EndpointState
 from xds.server import ControlPlane
 
-try:
-    envoy_binary()
-    _MISSING = ""
-except EnvoyNotInstalled as exc:
-    _MISSING = str(exc)
-
-pytestmark = [
-    pytest.mark.envoy,
-    pytest.mark.skipif(bool(_MISSING), reason=f"needs the Envoy binary: {_MISSING}"),
-]
+pytestmark = NEEDS_ENVOY
 
 EDS_CONFIG = REPO_ROOT / "envoy" / "eds.yaml"
 POOL = "gpu-pool"

@@ -19,14 +19,13 @@ import yaml
 from backends import TestBackend as Backend
 from backends import sse_events
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from harness import envoy_only
 
 from filters.endpoint_state import BlockDigest, ReportedState
 from filters.picker import PickRequest
 from filters.pool_router import Policy, PoolRouter, Route, make_router
 from loadtest.envoy_bin import (
-    EnvoyNotInstalled,
     EnvoyProcess,
-    envoy_binary,
     start_envoy,
     validate_config,
 )
@@ -38,21 +37,6 @@ from meshd.extproc import (
     PickerSettings,
     endpoint_spec,
 )
-
-try:
-    envoy_binary()
-    _MISSING = ""
-except EnvoyNotInstalled as exc:
-    _MISSING = str(exc)
-
-F = Callable[..., Any]
-
-
-def envoy_only(test: F) -> F:
-    marked: F = pytest.mark.envoy(
-        pytest.mark.skipif(bool(_MISSING), reason=f"needs the Envoy binary: {_MISSING}")(test)
-    )
-    return marked
 
 
 def addr(url: str) -> str:
