@@ -145,30 +145,7 @@ cdef object _parse_priority(str v):
     return _PRIORITY_NAMES.get(v.lower())
 
 
-cdef object _parse_deadline(str v):
-    cdef Py_ssize_t i = 0, n = PyUnicode_GET_LENGTH(v), digits = 0
-    cdef unsigned int c
-    cdef long ms = 0
-    if n == 0:
-        return None
-    # Leading zeros are allowed and do not count towards the 8-digit bound.
-    while i < n and _ch(v, i) == 48:
-        i += 1
-    while i < n:
-        c = _ch(v, i)
-        if not (48 <= c <= 57):
-            return None
-        digits += 1
-        if digits > 8:
-            return None
-        ms = ms * 10 + (c - 48)
-        i += 1
-    if 1 <= ms <= _DEADLINE_MAX:
-        return ms
-    return None
-
-
-cdef object _parse_count(str v, long lo, long hi):
+cdef object _parse_count(str v, long lo, long hi, Py_ssize_t max_digits=7):
     cdef Py_ssize_t i = 0, n = PyUnicode_GET_LENGTH(v), digits = 0
     cdef unsigned int c
     cdef long count = 0
@@ -181,13 +158,17 @@ cdef object _parse_count(str v, long lo, long hi):
         if not (48 <= c <= 57):
             return None
         digits += 1
-        if digits > 7:
+        if digits > max_digits:  # leading zeros do not count
             return None
         count = count * 10 + (c - 48)
         i += 1
     if lo <= count <= hi:
         return count
     return None
+
+
+cdef object _parse_deadline(str v):
+    return _parse_count(v, 1, _DEADLINE_MAX, 8)
 
 
 cdef object _parse_final(str v):

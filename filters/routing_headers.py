@@ -140,21 +140,16 @@ def parse_priority(v: str) -> int | None:
 
 
 def parse_deadline(v: str) -> int | None:
+    return parse_count(v, 1, DEADLINE_MS_MAX, max_digits=8)  # DEADLINE_MS_MAX: 8 digits
+
+
+def parse_count(v: str, lo: int, hi: int, max_digits: int = 7) -> int | None:
+    """A decimal integer in lo..hi (ASCII digits, leading zeros allowed, at most
+    `max_digits` after them: that bounds int()'s work; TASK_STEPS_MAX has 7), else None."""
     if not (v.isascii() and v.isdigit()):
         return None
     digits = v.lstrip("0")
-    if len(digits) > 8:  # bounds int() work; DEADLINE_MS_MAX has 8 digits
-        return None
-    ms = int(digits) if digits else 0
-    return ms if 1 <= ms <= DEADLINE_MS_MAX else None
-
-
-def parse_count(v: str, lo: int, hi: int) -> int | None:
-    """A decimal integer in lo..hi (ASCII digits, leading zeros allowed), else None."""
-    if not (v.isascii() and v.isdigit()):
-        return None
-    digits = v.lstrip("0")
-    if len(digits) > 7:  # bounds int() work; TASK_STEPS_MAX has 7 digits
+    if len(digits) > max_digits:
         return None
     n = int(digits) if digits else 0
     return n if lo <= n <= hi else None
