@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import aiohttp
 
-from loadtest.bench.client import ClientSettings, RequestOutcome, _headers, request_body
+from loadtest.bench.client import ClientSettings, RequestOutcome, request_body, request_headers
 from loadtest.bench.fleet import FleetSpec
 from loadtest.bench.policies import sidecar_config
 from loadtest.bench.results import PolicyResult
@@ -78,7 +78,7 @@ async def _real_run(
                 async with session.post(
                     base + "/v1/completions",
                     data=request_body(r, r.prompt or "", model),
-                    headers=_headers(r, r.deadline_ms),
+                    headers=request_headers(r, r.deadline_ms),
                 ) as resp:
                     assert resp.status == 200, await resp.text()
                     async for chunk in resp.content.iter_any():

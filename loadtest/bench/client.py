@@ -130,7 +130,7 @@ def task_key(request: PlannedRequest) -> str:
     return request.chain_id if request.chain_id is not None else request.request_id
 
 
-def _headers(request: PlannedRequest, deadline_ms: int | None) -> dict[str, str]:
+def request_headers(request: PlannedRequest, deadline_ms: int | None) -> dict[str, str]:
     headers = {
         "Content-Type": "application/json",
         "Accept": "text/event-stream",
@@ -219,7 +219,7 @@ class LoadClient:
         starts.sort(key=lambda s: s[0].at_s if isinstance(s, list) else s.at_s)
 
         self._not_sent.extend(orphans)
-        self._progress = _progress_bar(len(requests) - len(orphans), self.settings)
+        self._progress = progress_bar(len(requests) - len(orphans), self.settings)
         connector = aiohttp.TCPConnector(
             limit=self.settings.max_concurrency, limit_per_host=0, enable_cleanup_closed=False
         )
@@ -334,7 +334,7 @@ class LoadClient:
         s = self.settings
         path = "/v1/completions" if request.kind == "completion" else "/v1/chat/completions"
         body = request_body(request, sent, s.model, s.ignore_eos)
-        headers = _headers(request, deadline_ms)
+        headers = request_headers(request, deadline_ms)
         loop = asyncio.get_running_loop()
         queued_at = loop.time()
         status = 0
@@ -436,7 +436,9 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:_ERROR_TEXT_CHARS]
 
 
-def _progress_bar(total: int, settings: ClientSettings) -> Any:
+def progress_bar(total: int, settings: ClientSettings, desc: str = "requests") -> Any:
+    """A tqdm bar over `total` requests (None: progress off, or no tqdm); `desc` unless
+    settings.progress_desc says otherwise."""
     if not settings.progress:
         return None
     try:
@@ -445,7 +447,7 @@ def _progress_bar(total: int, settings: ClientSettings) -> Any:
         return None
     return tqdm(
         total=total,
-        desc=settings.progress_desc or "requests",
+        desc=settings.progress_desc or desc,
         unit="req",
         file=sys.stderr,
         mininterval=0.5,

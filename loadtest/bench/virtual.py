@@ -57,8 +57,9 @@ from loadtest.bench.client import (
     TRUNCATED,
     ClientSettings,
     RequestOutcome,
-    _headers,
+    progress_bar,
     request_body,
+    request_headers,
     task_key,
 )
 from loadtest.bench.fleet import FleetSpec
@@ -314,7 +315,9 @@ class VirtualPass:
         if horizon / self._sample_period > MAX_SAMPLES:
             self._sample_period = horizon / MAX_SAMPLES
         self._at(0.0, self._sample)
-        self._progress = _progress_bar(len(requests) - len(self._not_sent), self.settings)
+        self._progress = progress_bar(
+            len(requests) - len(self._not_sent), self.settings, "requests (virtual clock)"
+        )
         fleet = self.fleet
         heap = self._heap
         try:
@@ -455,7 +458,7 @@ class VirtualPass:
         body = request_body(r, flight.sent, self.model, self.settings.ignore_eos)
         inference = parse_inference_request(r.kind, body)
         routing, _ = parse_routing_headers(
-            list(_headers(r, flight.deadline_ms).items()), sc.trusted
+            list(request_headers(r, flight.deadline_ms).items()), sc.trusted
         )
         hashes: Sequence[int] = ()
         if sc.policy == "meshd":  # only the prefix-aware picker reads them
@@ -585,25 +588,6 @@ def _items(item: PlannedRequest | list[PlannedRequest]) -> list[PlannedRequest]:
 
 def _sent_order(flight: _Flight) -> tuple[float, str]:
     return (flight.queued_at, flight.planned.request_id)
-
-
-def _progress_bar(total: int, settings: ClientSettings) -> Any:
-    if not settings.progress:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(
-        total=total,
-        desc=settings.progress_desc or "requests (virtual clock)",
-        unit="req",
-        file=sys.stderr,
-        mininterval=0.5,
-        dynamic_ncols=True,
-        leave=False,
-        disable=None,
-    )
 
 
 # ---- passes and the report ---------------------------------------------------------------
