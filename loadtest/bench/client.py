@@ -130,6 +130,32 @@ def task_key(request: PlannedRequest) -> str:
     return request.chain_id if request.chain_id is not None else request.request_id
 
 
+def plan_starts(
+    requests: Sequence[PlannedRequest],
+) -> tuple[list[PlannedRequest | list[PlannedRequest]], list[str]]:
+    """What starts when, by `at_s`: lone requests, and chains (a task's steps in order,
+    each sent when the one before it ends); plus the ids of dependent steps whose first
+    step is not in the list (cut by a cap: nothing to extend)."""
+    chains: dict[str, list[PlannedRequest]] = defaultdict(list)
+    starts: list[PlannedRequest | list[PlannedRequest]] = []
+    orphans: list[str] = []
+    for r in requests:
+        if r.depends_on_previous:
+            if r.chain_id is not None and r.chain_id in chains:
+                chains[r.chain_id].append(r)
+            else:
+                orphans.append(r.request_id)
+        elif r.chain_id is not None and (r.step or 0) == 0:
+            chain = chains[r.chain_id] = [r]
+            starts.append(chain)
+        else:
+            starts.append(r)
+    for chain in chains.values():
+        chain.sort(key=lambda r: r.step or 0)
+    starts.sort(key=lambda s: s[0].at_s if isinstance(s, list) else s.at_s)
+    return starts, orphans
+
+
 def request_headers(request: PlannedRequest, deadline_ms: int | None) -> dict[str, str]:
     headers = {
         "Content-Type": "application/json",
@@ -199,25 +225,7 @@ class LoadClient:
 
     async def run(self, requests: Sequence[PlannedRequest]) -> LoadRun:
         loop = asyncio.get_running_loop()
-        chains: dict[str, list[PlannedRequest]] = defaultdict(list)
-        starts: list[PlannedRequest | list[PlannedRequest]] = []
-        orphans: list[str] = []
-        for r in requests:
-            if r.depends_on_previous:
-                if r.chain_id is not None and r.chain_id in chains:
-                    chains[r.chain_id].append(r)
-                else:
-                    # Its first step is not in this list (cut by a cap): nothing to extend.
-                    orphans.append(r.request_id)
-            elif r.chain_id is not None and (r.step or 0) == 0:
-                chain = chains[r.chain_id] = [r]
-                starts.append(chain)
-            else:
-                starts.append(r)
-        for chain in chains.values():
-            chain.sort(key=lambda r: r.step or 0)
-        starts.sort(key=lambda s: s[0].at_s if isinstance(s, list) else s.at_s)
-
+        starts, orphans = plan_starts(requests)
         self._not_sent.extend(orphans)
         self._progress = progress_bar(len(requests) - len(orphans), self.settings)
         connector = aiohttp.TCPConnector(

@@ -37,7 +37,7 @@ import ipaddress
 import itertools
 import sys
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -57,6 +57,7 @@ from loadtest.bench.client import (
     TRUNCATED,
     ClientSettings,
     RequestOutcome,
+    plan_starts,
     progress_bar,
     request_body,
     request_headers,
@@ -285,21 +286,8 @@ class VirtualPass:
     # ---- the event loop ------------------------------------------------------------
     def run(self, requests: Sequence[PlannedRequest]) -> VirtualRun:
         wall0 = time.perf_counter()
-        chains: dict[str, list[PlannedRequest]] = defaultdict(list)
-        starts: list[PlannedRequest | list[PlannedRequest]] = []
-        for r in requests:
-            if r.depends_on_previous:
-                if r.chain_id is not None and r.chain_id in chains:
-                    chains[r.chain_id].append(r)
-                else:
-                    self._not_sent.append(r.request_id)  # its first step was cut by a cap
-            elif r.chain_id is not None and (r.step or 0) == 0:
-                chain = chains[r.chain_id] = [r]
-                starts.append(chain)
-            else:
-                starts.append(r)
-        for chain in chains.values():
-            chain.sort(key=lambda r: r.step or 0)
+        starts, orphans = plan_starts(requests)
+        self._not_sent.extend(orphans)
         horizon = 0.0
         for item in starts:
             first = item[0] if isinstance(item, list) else item
