@@ -997,48 +997,37 @@ class Picker:
         model, adapter, lam = kkey
         v.kkey = kkey
         if v.kkey_cold is kkey:  # a load change: the class's cold-load cost is static
-            cold_s = v.cold_now
-            price_s = v.price_s
-            v.k0 = k0 = price_s * cold_s + lam * (cold_s + v.q)
-            v.k1 = k1 = v.inv * (price_s + lam)
-            v.kc = (
-                k0,
-                k1,
-                v.usd_per_out_tok,
-                v.free_kv,
-                v.kv_wait_per_token * lam,
-                v.load,
-                v.weight,
-                v.name,
-            )
-            return
-        v.kc = None
-        if v.why is not None:
-            return
-        if model in v.cold:
-            cold = v.cold[model]
+            cold = v.cold_now
         else:
-            if len(v.cold) >= MAX_REQUEST_CLASSES:
-                v.cold.clear()
-                v.adapters.clear()
-            cold = v.cold[model] = self._model_cold(e, model, now)
-        if cold is None:
-            return
-        if adapter is not None:
-            if adapter in v.adapters:
-                ac = v.adapters[adapter]
-            else:
-                ac = v.adapters[adapter] = self._adapter_cold(e, adapter, now)
-            if ac is None:
+            v.kc = None
+            if v.why is not None:
                 return
-            cold += ac
-        v.cold_now = cold
-        v.kkey_cold = kkey
-        v.k0 = v.price_s * cold + lam * (cold + v.q)
-        v.k1 = v.inv * (v.price_s + lam)
+            if model in v.cold:
+                found = v.cold[model]
+            else:
+                if len(v.cold) >= MAX_REQUEST_CLASSES:
+                    v.cold.clear()
+                    v.adapters.clear()
+                found = v.cold[model] = self._model_cold(e, model, now)
+            if found is None:
+                return
+            cold = found
+            if adapter is not None:
+                if adapter in v.adapters:
+                    ac = v.adapters[adapter]
+                else:
+                    ac = v.adapters[adapter] = self._adapter_cold(e, adapter, now)
+                if ac is None:
+                    return
+                cold += ac
+            v.cold_now = cold
+            v.kkey_cold = kkey
+        price_s = v.price_s
+        v.k0 = k0 = price_s * cold + lam * (cold + v.q)
+        v.k1 = k1 = v.inv * (price_s + lam)
         v.kc = (
-            v.k0,
-            v.k1,
+            k0,
+            k1,
             v.usd_per_out_tok,
             v.free_kv,
             v.kv_wait_per_token * lam,
