@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from loadtest import real_vllm
 from loadtest.envoy_bin import EnvoyNotInstalled, envoy_binary
 from meshd.config import Config, load_config
 from meshd.sidecar import Sidecar
@@ -49,3 +50,13 @@ def envoy_only(test: F) -> F:
     for mark in reversed(NEEDS_ENVOY):
         test = mark(test)
     return test
+
+
+# `pytestmark = NEEDS_REAL_VLLM`: the module starts real vLLM engines from .venv-vllm.
+NEEDS_REAL_VLLM = [
+    pytest.mark.real_vllm,
+    pytest.mark.skipif(
+        not real_vllm.available(),
+        reason="no real vLLM here: run `python -m loadtest.real_vllm setup` (.venv-vllm)",
+    ),
+]

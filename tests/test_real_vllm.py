@@ -11,17 +11,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+from harness import NEEDS_REAL_VLLM
 
 from filters.prefix_index import PrefixIndex
 from loadtest import real_vllm
 
-pytestmark = [
-    pytest.mark.real_vllm,
-    pytest.mark.skipif(
-        not real_vllm.available(),
-        reason="no real vLLM here: run `python -m loadtest.real_vllm setup` (.venv-vllm)",
-    ),
-]
+pytestmark = NEEDS_REAL_VLLM
 
 SEED = "1234"
 

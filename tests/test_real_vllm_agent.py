@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 import zmq
+from harness import NEEDS_REAL_VLLM
 
 from filters.kv_digest import (
     GPU_MEDIA,
@@ -31,13 +32,7 @@ from xds.client import Backoff, Subscriber, Update
 from xds.resources import ENDPOINT_STATE_TYPE, PREFIX_DIGEST_TYPE, EndpointState, PrefixDigest
 from xds.server import ControlPlane
 
-pytestmark = [
-    pytest.mark.real_vllm,
-    pytest.mark.skipif(
-        not real_vllm.available(),
-        reason="no real vLLM here: run `python -m loadtest.real_vllm setup` (.venv-vllm)",
-    ),
-]
+pytestmark = NEEDS_REAL_VLLM
 
 NAME = "vllm0"
 
