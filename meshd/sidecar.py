@@ -49,7 +49,7 @@ from filters.hotpath import (
 )
 from filters.outlier import OutlierConfig
 from filters.picker import PickerConfig, PickRequest
-from filters.pool_router import EndpointSpec, PoolRouter, Route, make_router
+from filters.pool_router import EndpointSpec, PickerRouter, PoolRouter, Route, make_router
 from filters.request import (
     CHARS_PER_TOKEN,
     PATH_KINDS,
@@ -1507,10 +1507,10 @@ def _precise_prefixes(
     out: dict[str, PrecisePrefix] = {}
     for pool in config.pools:
         served = [m for m in models if pool.serves(m)]
-        index = getattr(getattr(routers.get(pool.name), "picker", None), "index", None)
-        if not served or index is None:
+        router = routers.get(pool.name)
+        if not served or not isinstance(router, PickerRouter):
             continue
-        precise = PrecisePrefix(index)
+        precise = PrecisePrefix(router.picker.index)
         for m in served:
             precise.add_model(m, models[m])
         for ep in pool.endpoints:
