@@ -392,7 +392,8 @@ class LoadGenerator:
                 break
         if conn is None:
             try:
-                conn = await asyncio.wait_for(self._connect(ep), self._timeout_s)
+                async with asyncio.timeout(self._timeout_s):
+                    conn = await self._connect(ep)
             except (OSError, TimeoutError) as exc:
                 now = time.perf_counter()
                 self.completed += 1

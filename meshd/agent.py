@@ -165,6 +165,7 @@ class _Link:
         self._pending: dict[tuple[str, str], bytes] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
         self._rng = random.Random()
 
     def offer(self, type_url: str, name: str, body: bytes) -> None:
@@ -175,6 +176,10 @@ class _Link:
         self._task = asyncio.ensure_future(self._run())
 
     async def close(self) -> None:
+        # The flag as well as the cancel: a cancel that lands as an await completes can
+        # be lost (3.11's wait_for returned the result instead), and the loop must still end.
+        self._closed = True
+        self._wake.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -183,9 +188,14 @@ class _Link:
     async def _run(self) -> None:
         attempt = 0
         publisher: Publisher | None = None
-        while True:
+        while not self._closed:
             await self._wake.wait()
             self._wake.clear()
+            if self._closed:
+                if publisher is not None:
+                    with contextlib.suppress(Exception):
+                        await publisher.close()
+                return
             batch, self._pending = self._pending, {}
             if publisher is None:
                 publisher = Publisher(self.target)
@@ -194,7 +204,8 @@ class _Link:
                 by_type.setdefault(type_url, {})[name] = body
             try:
                 for type_url, resources in by_type.items():
-                    await asyncio.wait_for(publisher.publish(type_url, resources), 5.0)
+                    async with asyncio.timeout(5.0):
+                        await publisher.publish(type_url, resources)
                     self.agent.stats.publish_messages += 1
                 self.agent.stats.publishes += len(batch)
                 if not self.connected:

@@ -335,7 +335,10 @@ class Subscriber:
                 await call.wait_for_connection()
 
             try:
-                await asyncio.wait_for(open_stream(), self.connect_timeout_s)
+                # asyncio.timeout, not wait_for: 3.11's wait_for drops a cancel that lands
+                # as the inner await completes, and close() would then wait on a live stream.
+                async with asyncio.timeout(self.connect_timeout_s):
+                    await open_stream()
             except TimeoutError:
                 call.cancel()
                 raise
