@@ -2,6 +2,10 @@
 bindings of Envoy's API: `xds-protos` (Google protobuf, upb in C) and `envoy-data-plane`
 (betterproto2 dataclasses, pure Python). Decides which one xds/ uses.
 
+Then a subscriber's side: µs per EndpointState resource decoded and applied
+(Subscriber._apply), the one-pass decoder against the field-by-field one it replaced and
+against bare msgpack.unpackb of the same bodies, measured in the same run.
+
 With `--fanout`: the control plane's fan-out path in-process, without gRPC: E engines
 publish (EndpointState, EDS view on or off), each flush hands the changes to S delta
 wildcard subscribers and builds their responses; CPU microseconds per published update,
@@ -10,7 +14,7 @@ push compared with building each response as a protobuf message and serializing 
 subscriber (what xds/server.py did before it shared encoded frames), measured in the same
 run.
 
-Run: .venv/bin/python -m loadtest.xds_codec_bench [--resources 100] [--rounds 200]
+Run: .venv/bin/python -m loadtest.xds_codec_bench [--resources 100] [--rounds 200] [--apply]
      .venv/bin/python -m loadtest.xds_codec_bench --fanout [--engines 1000]
          [--subscribers 100] [--per-flush 100] [--updates 5000]
 """
@@ -21,6 +25,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgpack
 
@@ -275,6 +280,129 @@ def fanout_main(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- a subscriber applying EndpointState resources ---------------------------------------
+
+
+def _legacy_apply(sub: Any, resp: Any) -> Any:
+    """Subscriber._apply as it was before the one-pass decoder (xds/client.py; run with the
+    field-by-field decoder): protobuf fields read again per use, Entry built through its
+    frozen dataclass __init__."""
+    from types import MappingProxyType
+
+    from envoy.service.discovery.v3 import discovery_pb2 as pb
+
+    from xds.client import Entry, Update
+    from xds.resources import ResourceError
+
+    now = sub._clock()
+    sub._last_update_at = now
+    sub.stats.responses += 1
+    t = resp.type_url
+    reply = pb.DeltaDiscoveryRequest(type_url=t, response_nonce=resp.nonce)
+    interest = sub._interest.get(t)
+    if interest is None:
+        return reply
+    decoder = sub._decoders.get(t)
+    changed: dict[str, Entry] = {}
+    try:
+        for r in resp.resources:
+            if not (interest.wildcard or r.name in interest.names):
+                continue
+            if r.resource.type_url != t:
+                raise ResourceError(f"Any type {r.resource.type_url!r} in a {t} response")
+            try:
+                value = r.resource.value if decoder is None else decoder(r.resource.value)
+            except ResourceError as exc:
+                raise ResourceError(f"{r.name}: {exc}") from None
+            changed[r.name] = Entry(r.name, r.version, value, now)
+    except ResourceError as exc:
+        sub.stats.nacks += 1
+        reply.error_detail.message = str(exc)
+        return reply
+    table = sub._state.setdefault(t, {})
+    table.update(changed)
+    removed = frozenset(n for n in resp.removed_resources if table.pop(n, None) is not None)
+    sub.stats.acks += 1
+    if sub._on_update is not None and (changed or removed):
+        sub._on_update(Update(t, MappingProxyType(changed), removed))
+    return reply
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median microseconds per call of each, the candidates taking turns within every
+    round (on a shared machine, a busy spell then slows all of them alike)."""
+    for fn in fns.values():
+        for _ in range(min(20, rounds)):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e6 for k, v in samples.items()}
+
+
+def bench_apply(n: int, rounds: int) -> dict[str, float]:
+    """µs per EndpointState resource: bare msgpack.unpackb of its body, decoding it (the
+    one-pass decoder and the field-by-field one it replaced), and a subscriber applying a
+    response of `n` of them (Subscriber._apply, and the old _apply with the old decoder)."""
+    from envoy.service.discovery.v3 import discovery_pb2 as pb
+
+    from loadtest.xds_scale_bench import engine_body
+    from xds.client import Subscriber
+    from xds.resources import _decode_endpoint_state_checked, decode_endpoint_state
+
+    msg = pb.DeltaDiscoveryResponse(type_url=TYPE_URL, nonce="1")
+    for i in range(n):
+        r = msg.resources.add(name=f"engine-{i:05d}", version=f"{i:016x}")
+        r.resource.type_url = TYPE_URL
+        r.resource.value = engine_body(i, 1, time.monotonic())
+    resp = pb.DeltaDiscoveryResponse.FromString(msg.SerializeToString())  # as received
+    bodies = [r.resource.value for r in resp.resources]
+    new = Subscriber("127.0.0.1:1", {TYPE_URL: None}, on_update=lambda u: None)
+    old = Subscriber(
+        "127.0.0.1:1",
+        {TYPE_URL: None},
+        decoders={TYPE_URL: _decode_endpoint_state_checked},
+        on_update=lambda u: None,
+    )
+    unpackb = msgpack.unpackb
+
+    def each(fn: Callable[[bytes], object]) -> Callable[[], None]:
+        def run() -> None:
+            for b in bodies:
+                fn(b)
+
+        return run
+
+    us = _interleaved(
+        {
+            "unpackb": each(lambda b: unpackb(b, raw=False, strict_map_key=True)),
+            "decode_old": each(_decode_endpoint_state_checked),
+            "decode_new": each(decode_endpoint_state),
+            "apply_old": lambda: _legacy_apply(old, resp),
+            "apply_new": lambda: new._apply(resp),
+        },
+        rounds,
+    )
+    return {k: v / n for k, v in us.items()}
+
+
+def apply_main(n: int, rounds: int) -> None:
+    r = bench_apply(n, rounds)
+    print(
+        f"\ndecode+apply one EndpointState ({n} per response, median of {rounds} rounds, "
+        "µs per resource)"
+    )
+    print(f"{'':34}{'old':>10}{'new':>10}{'new/old':>10}{'old/unpackb':>13}{'new/unpackb':>13}")
+    u = r["unpackb"]
+    print(f"{'msgpack.unpackb alone':34}{u:10.2f}")
+    for label, k in (("decode", "decode"), ("decode+apply (Subscriber._apply)", "apply")):
+        o, w = r[f"{k}_old"], r[f"{k}_new"]
+        print(f"{label:34}{o:10.2f}{w:10.2f}{w / o:10.2f}{o / u:13.2f}{w / u:13.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--resources", type=int, default=100)
@@ -284,25 +412,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--subscribers", type=int, default=100)
     ap.add_argument("--per-flush", type=int, default=100, help="updates between flushes")
     ap.add_argument("--updates", type=int, default=5000)
+    ap.add_argument("--apply", action="store_true", help="only the subscriber's decode+apply line")
     args = ap.parse_args(argv)
     if args.fanout:
         return fanout_main(args)
+    if not args.apply:
+        bindings_main(args.resources, args.rounds)
+    apply_main(args.resources, args.rounds)
+    return 0
+
+
+def bindings_main(n: int, rounds: int) -> None:
     from google.protobuf.internal import api_implementation
 
-    results = {
-        f"xds-protos ({api_implementation.Type()})": bench_xds_protos(args.resources, args.rounds),
-        "envoy-data-plane (betterproto2)": bench_envoy_data_plane(args.resources, args.rounds),
-    }
+    results = {f"xds-protos ({api_implementation.Type()})": bench_xds_protos(n, rounds)}
+    try:
+        results["envoy-data-plane (betterproto2)"] = bench_envoy_data_plane(n, rounds)
+    except ImportError:  # not a dependency since xds/ chose xds-protos
+        print("(envoy-data-plane is not installed: xds-protos alone)")
     keys = ["sotw_encode_us", "sotw_decode_us", "delta_encode_us", "delta_decode_us"]
-    print(f"{args.resources} resources per message, median of {args.rounds} rounds (µs)")
+    print(f"{n} resources per message, median of {rounds} rounds (µs)")
     print(f"{'binding':34}" + "".join(f"{k[:-3]:>15}" for k in keys) + f"{'bytes (delta)':>15}")
     for name, r in results.items():
         row = "".join(f"{r[k]:15.1f}" for k in keys)
         print(f"{name:34}{row}{int(r['delta_bytes']):15d}")
-    a, b = results.values()
-    ratio = "".join(f"{b[k] / a[k]:14.1f}x" for k in keys)
-    print(f"{'betterproto / protobuf':34}{ratio}")
-    return 0
+    if len(results) == 2:
+        a, b = results.values()
+        ratio = "".join(f"{b[k] / a[k]:14.1f}x" for k in keys)
+        print(f"{'betterproto / protobuf':34}{ratio}")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,29 @@ class Entry:
     received_at: float
 
 
+_new = object.__new__
+
+
+class _EntrySlots:
+    """Entry's slot layout without its frozen `__setattr__` (see _entry)."""
+
+    __slots__ = Entry.__slots__
+
+
+def _entry(name: str, version: str, value: Any, received_at: float) -> Entry:
+    """Entry(name, version, value, received_at), built with plain slot stores and then
+    given Entry's class (allowed between classes of identical layout): the frozen
+    dataclass's __init__ stores through object.__setattr__, several times the cost, once
+    per resource applied (loadtest/xds_codec_bench.py, "decode+apply")."""
+    e: Any = _new(_EntrySlots)
+    e.name = name
+    e.version = version
+    e.value = value
+    e.received_at = received_at
+    e.__class__ = Entry
+    return e
+
+
 @dataclass(frozen=True, slots=True)
 class Update:
     """What one applied response changed."""
@@ -367,20 +390,24 @@ class Subscriber:
         if interest is None:
             return reply  # a type we unsubscribed from entirely: ACK and ignore
         decoder = self._decoders.get(t)
+        wildcard, names = interest.wildcard, interest.names
         changed: dict[str, Entry] = {}
+        # Per resource, each protobuf field is read once (every read builds a new object).
         try:
             for r in resp.resources:
-                if not (interest.wildcard or r.name in interest.names):
+                name = r.name
+                if not (wildcard or name in names):
                     continue
-                if r.resource.type_url != t:
-                    raise ResourceError(f"Any type {r.resource.type_url!r} in a {t} response")
+                any_ = r.resource
+                if any_.type_url != t:
+                    raise ResourceError(f"Any type {any_.type_url!r} in a {t} response")
                 try:
-                    value = r.resource.value if decoder is None else decoder(r.resource.value)
+                    value = any_.value if decoder is None else decoder(any_.value)
                 except ResourceError as exc:
-                    raise ResourceError(f"{r.name}: {exc}") from None
+                    raise ResourceError(f"{name}: {exc}") from None
                 except Exception as exc:  # a decoder bug must not take the subscriber down
-                    raise ResourceError(f"{r.name}: {type(exc).__name__}: {exc}") from None
-                changed[r.name] = Entry(r.name, r.version, value, now)
+                    raise ResourceError(f"{name}: {type(exc).__name__}: {exc}") from None
+                changed[name] = _entry(name, r.version, value, now)
         except ResourceError as exc:
             self.stats.nacks += 1
             self.stats.last_nack = str(exc)
