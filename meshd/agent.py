@@ -31,9 +31,11 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import zmq.asyncio
 
 from filters.gpu import normalise_gpu_name
@@ -50,7 +52,15 @@ from meshd.kv_events import KVEventSubscriber, SubscriberStats
 from xds.client import Backoff, Publisher
 from xds.resources import ENDPOINT_STATE_TYPE, PREFIX_DIGEST_TYPE, EndpointState, PrefixDigest
 
-__all__ = ["AgentConfig", "AgentStats", "EngineAgent", "GpuReading", "read_nvml", "register"]
+__all__ = [
+    "AgentConfig",
+    "AgentStats",
+    "EngineAgent",
+    "GpuReading",
+    "channel_credentials",
+    "read_nvml",
+    "register",
+]
 
 log = logging.getLogger("meshd.agent")
 
@@ -85,6 +95,34 @@ class AgentConfig:
     otlp_endpoint: str | None = None  # host:port of an OTLP/gRPC collector; None: no spans
     trace_sample_ratio: float = 1.0
     service_name: str = "meshd-agent"
+    # TLS to the control planes (PEM files): the CA that signed their certificates, and
+    # this agent's client certificate and key where they verify clients (mTLS).
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+
+def channel_credentials(config: AgentConfig) -> grpc.ChannelCredentials | None:
+    """TLS credentials for the publish channels, or None for plaintext. ValueError names
+    the setting (the CLI flag of the same name) of a file that cannot be read."""
+    if config.tls_ca_file is None and config.tls_cert_file is None and config.tls_key_file is None:
+        return None
+    if (config.tls_cert_file is None) != (config.tls_key_file is None):
+        raise ValueError("tls_cert_file and tls_key_file (--tls-cert, --tls-key) go together")
+
+    def read(key: str, path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{key}: cannot read {path}: {exc}") from None
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read("tls_ca_file", config.tls_ca_file),
+        private_key=read("tls_key_file", config.tls_key_file),
+        certificate_chain=read("tls_cert_file", config.tls_cert_file),
+    )
 
 
 @dataclass(slots=True)
@@ -244,7 +282,7 @@ class _Link:
             batch, self._pending = self._pending, {}
             bases, self._bases = self._bases, set()
             if publisher is None:
-                publisher = Publisher(self.target)
+                publisher = Publisher(self.target, credentials=self.agent.credentials)
             try:
                 if first:
                     await self._publish(publisher, first)
@@ -283,6 +321,7 @@ class EngineAgent:
         """tracer_provider: an OpenTelemetry TracerProvider (tests pass one); else one is
         made for config.otlp_endpoint, else no spans."""
         self.config = config
+        self.credentials = channel_credentials(config)  # ValueError names a bad TLS file
         self._own_provider = tracer_provider is None and config.otlp_endpoint is not None
         if self._own_provider:
             tracer_provider = telemetry.setup_tracing(
@@ -596,6 +635,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--gpu-memory-gib", type=float, help="total GPU memory when NVML cannot tell")
     p.add_argument("--gpu-index", type=int, action="append", default=[], help="NVML indices")
     p.add_argument("--no-nvml", action="store_true")
+    p.add_argument(
+        "--tls-ca", metavar="PEM", help="CA of the control planes' certificates (TLS on)"
+    )
+    p.add_argument(
+        "--tls-cert", metavar="PEM", help="client certificate, for control planes that verify"
+    )
+    p.add_argument("--tls-key", metavar="PEM", help="the client certificate's private key")
     p.add_argument("--otlp-endpoint", metavar="HOST:PORT", help="export traces over OTLP/gRPC")
     p.add_argument(
         "--trace-sample-ratio", type=float, default=1.0, help="share of traces kept (0..1)"
@@ -630,12 +676,19 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         gpu_indices=tuple(args.gpu_index),
         otlp_endpoint=args.otlp_endpoint,
         trace_sample_ratio=args.trace_sample_ratio,
+        tls_ca_file=args.tls_ca,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     config = config_from_args(args)
+    try:
+        channel_credentials(config)
+    except ValueError as exc:
+        raise SystemExit(f"meshd agent: {exc}") from None
 
     async def serve() -> None:
         stop = asyncio.Event()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -14,10 +15,10 @@ import pytest
 from loadtest.engine import EngineSpec, SimEngine
 from loadtest.engine.blocks import external_hash
 from loadtest.engine.faults import FaultSpec
-from meshd.agent import AgentConfig, EngineAgent, config_from_args, register
+from meshd.agent import AgentConfig, EngineAgent, channel_credentials, config_from_args, register
 from xds.client import Backoff, Subscriber, Update
 from xds.resources import ENDPOINT_STATE_TYPE, PREFIX_DIGEST_TYPE, EndpointState, PrefixDigest
-from xds.server import ControlPlane
+from xds.server import ControlPlane, TlsConfig
 
 NAME = "engine-0"
 WAIT_S = 10.0
@@ -239,6 +240,10 @@ def test_cli_flags() -> None:
         ]
     )
     c = config_from_args(args)
+    assert channel_credentials(c) is None  # plaintext unless a --tls-* flag is given
+    flags = ["--control-plane=cp:1", "--tls-ca=ca", "--tls-cert=c", "--tls-key=k"]
+    tls = config_from_args(parser.parse_args(["agent", "--name=e1", *flags]))
+    assert (tls.tls_ca_file, tls.tls_cert_file, tls.tls_key_file) == ("ca", "c", "k")
     assert c.control_planes == ("cp-a:18000", "cp-b:18000")
     assert c.address == "10.0.0.5:8000" and c.interval_s == 0.1
     assert c.memory_total_bytes == 80 * 2**30 and c.gpu == "H100"
@@ -289,3 +294,65 @@ async def test_publishing_ticks_are_traced() -> None:
     (epoch,) = by[telemetry.SPAN_AGENT_EPOCH]
     assert epoch.attributes[telemetry.ATTR_REASON] == "test asked"
     assert all(s.end_ns >= s.start_ns for s in publishes)
+
+
+async def test_agent_publishes_over_mtls_and_a_rogue_certificate_is_refused(
+    tmp_path: Path,
+) -> None:
+    from test_xds_client import _ca, _leaf, _pem
+
+    ca, rogue = _ca("meshd-ca"), _ca("rogue-ca")
+    server_cert, server_key = _leaf(ca, "control-plane")
+    files: dict[str, str] = {}
+    for name, data in (
+        ("ca.pem", _pem(ca[1])),
+        *zip(("cert.pem", "key.pem"), _leaf(ca, "agent"), strict=True),
+        *zip(("rogue-cert.pem", "rogue-key.pem"), _leaf(rogue, "agent"), strict=True),
+    ):
+        (tmp_path / name).write_bytes(data)
+        files[name] = str(tmp_path / name)
+    engine = SimEngine(
+        EngineSpec(name=NAME, time_scale=50.0, kv_events_endpoint="tcp://127.0.0.1:*")
+    )
+    await engine.start()
+    plane = ControlPlane()
+    port = await plane.start("127.0.0.1", 0, TlsConfig(server_cert, server_key, _pem(ca[1])))
+    base = agent_config(engine, port)
+    good = EngineAgent(
+        replace(
+            base,
+            tls_ca_file=files["ca.pem"],
+            tls_cert_file=files["cert.pem"],
+            tls_key_file=files["key.pem"],
+        )
+    )
+    rogue_agent = EngineAgent(
+        replace(
+            base,
+            name="rogue",
+            tls_ca_file=files["ca.pem"],
+            tls_cert_file=files["rogue-cert.pem"],
+            tls_key_file=files["rogue-key.pem"],
+        )
+    )
+    plain = EngineAgent(replace(base, name="plain"))
+    agents = (good, rogue_agent, plain)
+    try:
+        for a in agents:
+            await a.start()
+        await until(lambda: good.stats.publishes > 0, good.wait_until)
+        assert NAME in plane.cache.resources(ENDPOINT_STATE_TYPE)
+        await until(lambda: rogue_agent.stats.publish_failures >= 2, rogue_agent.wait_until)
+        await until(lambda: plain.stats.publish_failures >= 2, plain.wait_until)
+        names = set(plane.cache.resources(ENDPOINT_STATE_TYPE))
+        assert names == {NAME} and rogue_agent.stats.publishes == plain.stats.publishes == 0
+    finally:
+        for a in agents:
+            await a.close()
+        await plane.stop(0)
+        await engine.stop()
+
+    with pytest.raises(ValueError, match=r"tls_key_file: cannot read .*missing\.pem"):
+        EngineAgent(replace(base, tls_cert_file=files["cert.pem"], tls_key_file="missing.pem"))
+    with pytest.raises(ValueError, match=r"--tls-cert, --tls-key"):
+        EngineAgent(replace(base, tls_cert_file=files["cert.pem"]))

@@ -26,6 +26,7 @@ STATE = "type.googleapis.com/meshd.v1.EndpointState"
 class FakeAgent:
     stats: AgentStats = field(default_factory=AgentStats)
     lost: int = 0
+    credentials: None = None
 
     @dataclass
     class _Config:
@@ -42,7 +43,7 @@ class FakePublisher:
     fail_next = 0
     gate: asyncio.Event | None = None  # when set: publish waits for it (a slow send)
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, *, credentials: object = None) -> None:
         self.target = target
 
     async def publish(self, type_url: str, resources: dict[str, bytes]) -> None:
