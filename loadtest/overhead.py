@@ -85,6 +85,11 @@ class Phase:
     summary: Summary
     proxy_cpu_s: float | None
     backend_cpu_s: float
+    # Machine-wide CPU seconds the phase saw spent outside the benchmark's own processes
+    # (other jobs on the machine) and stolen by the hypervisor; None without /proc/stat.
+    other_cpu_s: float | None = None
+    steal_s: float | None = None
+    wall_s: float = 0.0
 
 
 @dataclass
@@ -260,6 +265,21 @@ def _backend_cpu(backends: Sequence[Child]) -> float:
     return sum(_cpu(b.proc.pid) for b in backends)
 
 
+def machine_cpu() -> tuple[float, float] | None:
+    """(busy, steal) CPU seconds of the whole machine so far, from /proc/stat's `cpu` line:
+    busy is user+nice+system+irq+softirq; steal is time the hypervisor ran something else."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
 async def _measure(
     target: Target,
     backends: Sequence[Child],
@@ -275,6 +295,8 @@ async def _measure(
         proxy0 = _cpu(target.pid) if target.pid is not None else None
         backend0 = _backend_cpu(backends)
         gen0 = procstats.self_cpu_seconds()
+        machine0 = machine_cpu()
+        wall0 = time.monotonic()
         if rate is not None:
             samples = await gen.open_loop(
                 rate, settings.duration_s, seed=settings.seed, progress=True
@@ -286,8 +308,15 @@ async def _measure(
             _cpu(target.pid) - proxy0 if target.pid is not None and proxy0 is not None else None
         )
         backend_cpu = _backend_cpu(backends) - backend0
+        machine1 = machine_cpu()
+        wall = time.monotonic() - wall0
     finally:
         await gen.close()
+    other = steal = None
+    if machine0 is not None and machine1 is not None:
+        ours = (proxy_cpu or 0.0) + backend_cpu + gen_cpu
+        other = max(0.0, machine1[0] - machine0[0] - ours)
+        steal = machine1[1] - machine0[1]
     summary = summarize(
         samples,
         "open" if rate is not None else "closed",
@@ -296,7 +325,7 @@ async def _measure(
         connections=gen.connections_opened,
         generator_cpu_s=gen_cpu,
     )
-    return Phase(target.name, kind, rate, summary, proxy_cpu, backend_cpu)
+    return Phase(target.name, kind, rate, summary, proxy_cpu, backend_cpu, other, steal, wall)
 
 
 async def _warm(target: Target, settings: Settings) -> None:
@@ -504,6 +533,22 @@ def checks(targets: dict[str, Target], settings: Settings) -> list[Check]:
     return out
 
 
+def _cores(cpu_s: float | None, wall_s: float) -> str:
+    return "-" if cpu_s is None or wall_s <= 0 else f"{cpu_s / wall_s:.2f}"
+
+
+def other_work(targets: dict[str, Target]) -> tuple[float, float] | None:
+    """Mean CPU cores busy outside the benchmark, and stolen, over every measured phase."""
+    phases = [p for t in targets.values() for p in t.phases if p.other_cpu_s is not None]
+    wall = sum(p.wall_s for p in phases)
+    if not phases or wall <= 0:
+        return None
+    return (
+        sum(p.other_cpu_s or 0.0 for p in phases) / wall,
+        sum(p.steal_s or 0.0 for p in phases) / wall,
+    )
+
+
 def format_details(targets: dict[str, Target]) -> str:
     lines = ["per phase (absolute ms; offered/achieved rate; errors):"]
     for t in targets.values():
@@ -515,7 +560,9 @@ def format_details(targets: dict[str, Target]) -> str:
                 f"TTFB p50/p99 {s.ttfb_ms.p50:7.3f}/{s.ttfb_ms.p99:7.3f}  "
                 f"TTLB p50/p99 {s.ttlb_ms.p50:7.3f}/{s.ttlb_ms.p99:7.3f}  "
                 f"rate {s.offered_rate:6.1f}/{s.throughput:6.1f}  "
-                f"lag p99 {s.lag_p99_ms:5.2f}  err {s.error_kinds or 0}"
+                f"lag p99 {s.lag_p99_ms:5.2f}  err {s.error_kinds or 0}  "
+                f"other work {_cores(p.other_cpu_s, p.wall_s)} cores, "
+                f"steal {_cores(p.steal_s, p.wall_s)}"
             )
     return "\n".join(lines)
 
@@ -670,6 +717,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for t in targets.values():
         state = f"error: {t.error}" if t.error else t.version
         print(f"  {t.name:<6} {state}")
+    contention = other_work(targets)
+    if contention is not None:
+        print(
+            f"other work on the machine during the phases: {contention[0]:.2f} CPU cores busy "
+            f"outside the benchmark, {contention[1]:.2f} stolen by the hypervisor (of "
+            f"{env_before['cpus']}). While other work holds a core, a proxy shares the other "
+            "with its backend, and the latency rows measure the scheduler as much as the proxy."
+        )
     print()
     print(format_table(rows))
     print("  (direct) = the direct figure itself; other latency cells are added to it.")

@@ -114,6 +114,9 @@ class _Watch:
     expired: str | None = None
 
 
+# Entries kept in each per-peer / per-model answer cache before it starts over.
+_CACHE_LIMIT = 4096
+
 # A whole (non-streamed) response is parsed for its usage only below this size.
 _MAX_USAGE_PARSE_BYTES = 1 << 20
 
@@ -207,6 +210,10 @@ class Sidecar:
         self.observer = RequestObserver.from_config(config, self.metrics)
         self._rng = random.Random()
         self._trusted_nets = config.trust.networks()
+        # Per-request answers that depend only on the peer address or the model name, kept
+        # (bounded) so the request path does not parse an address or match globs each time.
+        self._trust_cache: dict[str, bool] = {}
+        self._pool_cache: dict[str | None, str | None] = {}
         self._active = 0
         self._draining = False
         self._watches: set[_Watch] = set()
@@ -384,11 +391,19 @@ class Sidecar:
         remote = request.remote
         if not remote:
             return False
-        try:
-            addr = ipaddress.ip_address(remote)
-        except ValueError:
-            return False
-        return any(addr in net for net in self._trusted_nets)
+        cache = self._trust_cache
+        trusted = cache.get(remote)
+        if trusted is None:
+            try:
+                addr = ipaddress.ip_address(remote)
+            except ValueError:
+                trusted = False
+            else:
+                trusted = any(addr in net for net in self._trusted_nets)
+            if len(cache) >= _CACHE_LIMIT:
+                cache.clear()
+            cache[remote] = trusted
+        return trusted
 
     def _check_header_limits(self, request: web.BaseRequest) -> web.Response | None:
         limits = self.config.limits
@@ -425,6 +440,19 @@ class Sidecar:
                 "body_too_large",
                 close=True,
             )
+        content = request.content
+        if content.is_eof() and content.exception() is None:
+            # The whole body came with the head (the usual small JSON request): take it
+            # without arming the body timer or going round the loop.
+            body = content.read_nowait()
+            if len(body) > limits.max_body_bytes:
+                return self._reject(
+                    413,
+                    f"request body exceeds limits.max_body_bytes ({limits.max_body_bytes})",
+                    "body_too_large",
+                    close=True,
+                )
+            return body
         chunks: list[bytes] = []
         size = 0
         try:
@@ -475,12 +503,17 @@ class Sidecar:
         pool = self._intercepted_pool(request)
         if pool is not None:
             return pool
+        cache = self._pool_cache
+        if model in cache:
+            return cache[model]
         if model is None:
-            return self.config.pools[0].name
-        for p in self.config.pools:
-            if p.serves(model):
-                return p.name
-        return None
+            pool = self.config.pools[0].name
+        else:
+            pool = next((p.name for p in self.config.pools if p.serves(model)), None)
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        cache[model] = pool
+        return pool
 
     async def _inference(self, request: web.Request) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
@@ -1185,6 +1218,18 @@ class Sidecar:
                             if sent_bytes > _MAX_RESUME_BYTES:
                                 sent = None  # too long to resume: relay as it comes
                                 chunk, held = chunk + held, b""
+                        try:
+                            # Out first, then accounted: the scan and the first-token
+                            # bookkeeping below are not on the client's time to first byte.
+                            await resp.write(chunk)
+                        except ConnectionError:
+                            # The client went away between two chunks.
+                            cur.ok = False
+                            cur.cancelled = True
+                            self._settle(cur, "client_disconnect")
+                            self.metrics.client_disconnects.labels(ctx.pool).inc()
+                            self._finish(ctx, "client_disconnect")
+                            return resp
                         if scanner is not None:
                             try:
                                 if scanner.feed(chunk) and cur.first_token_at is None:
@@ -1195,16 +1240,6 @@ class Sidecar:
                                 )
                                 scanner = None
                                 sent = None
-                        try:
-                            await resp.write(chunk)
-                        except ConnectionError:
-                            # The client went away between two chunks.
-                            cur.ok = False
-                            cur.cancelled = True
-                            self._settle(cur, "client_disconnect")
-                            self.metrics.client_disconnects.labels(ctx.pool).inc()
-                            self._finish(ctx, "client_disconnect")
-                            return resp
                 except (UpstreamError, ConnectionError) as exc:
                     if cur_watch.expired:
                         failure = (

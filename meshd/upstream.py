@@ -43,7 +43,13 @@ DEFAULT_MAX_HEADERS = 100
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([0-9]{3})(?: ([^\r\n\x00]*))?")
 # field-line = field-name ":" OWS field-value OWS; the name is a token (RFC 9110 5.1, 5.5).
-_FIELD_LINE = re.compile(r"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\r\n\x00]*?)[ \t]*")
+_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_FIELD_LINE = re.compile(rf"({_TOKEN}):[ \t]*([^\r\n\x00]*?)[ \t]*")
+# The usual head, every line one well-formed field (no obs-fold): checked whole by one
+# match, then split by one findall (trailing OWS is stripped after), instead of a match per
+# line with a lazy value that backtracks at every character.
+_FIELD_BLOCK = re.compile(rf"(?:{_TOKEN}:[^\r\n\x00]*\r\n)*")
+_FIELD_LINES = re.compile(rf"({_TOKEN}):[ \t]*([^\r\n\x00]*)\r\n")
 
 
 class UpstreamError(Exception):
@@ -474,41 +480,34 @@ class _Connection(asyncio.Protocol):
 
     def _parse_head(self, head: bytes) -> UpstreamResponse | None:
         ep = self.ep
-        lines = head.decode("utf-8", "surrogateescape").split("\r\n")
-        status_line = _STATUS_LINE.fullmatch(lines[0])
+        first, _, block = head.decode("utf-8", "surrogateescape").partition("\r\n")
+        status_line = _STATUS_LINE.fullmatch(first)
         if status_line is None:
-            raise UpstreamProtocolError(ep.name, f"malformed status line {lines[0][:80]!r}")
+            raise UpstreamProtocolError(ep.name, f"malformed status line {first[:80]!r}")
         minor, code, reason = status_line.groups()
         status = int(code)
         if 100 <= status < 200:
             if status == 101:
                 raise UpstreamProtocolError(ep.name, "unexpected 101 Switching Protocols")
             return None
-        if len(lines) - 1 > self.pool.max_headers:
-            raise UpstreamProtocolError(
-                ep.name,
-                f"{len(lines) - 1} response header lines exceed max_headers "
-                f"({self.pool.max_headers})",
-            )
         headers: list[tuple[str, str]] = []
+        if block:
+            block += "\r\n"
+            lines = block.count("\r\n")
+            if lines > self.pool.max_headers:
+                raise UpstreamProtocolError(
+                    ep.name,
+                    f"{lines} response header lines exceed max_headers ({self.pool.max_headers})",
+                )
+            if _FIELD_BLOCK.fullmatch(block) is not None:
+                headers = [(n, v.rstrip(" \t")) for n, v in _FIELD_LINES.findall(block)]
+            else:
+                headers = self._fields_line_by_line(block)
         content_length: str | None = None
         chunked = False
         close = minor == "0"
         content_type = "application/octet-stream"  # RFC 9110 8.3, when none is given
-        for line in lines[1:]:
-            if line[:1] in (" ", "\t") and headers:
-                # obs-fold: the line continues the previous field's value (RFC 9112 5.2).
-                name, value = headers[-1]
-                folded = line.strip(" \t")
-                headers[-1] = (name, f"{value} {folded}" if folded else value)
-                if name.lower() == "content-type":
-                    content_type = _media_type(headers[-1][1])
-                continue
-            field_line = _FIELD_LINE.fullmatch(line)
-            if field_line is None:
-                raise UpstreamProtocolError(ep.name, f"malformed response header {line[:80]!r}")
-            name, value = field_line.groups()
-            headers.append((name, value))
+        for name, value in headers:
             lname = name.lower()
             if lname == "content-length":
                 for part in value.split(","):
@@ -551,6 +550,25 @@ class _Connection(asyncio.Protocol):
         return UpstreamResponse(
             self, status, reason or "", headers, content_type, mode, length, not close
         )
+
+    def _fields_line_by_line(self, block: str) -> list[tuple[str, str]]:
+        """The fields of a head `_FIELD_BLOCK` refused: obs-fold joined, else the error."""
+        headers: list[tuple[str, str]] = []
+        for line in block.split("\r\n")[:-1]:
+            if line[:1] in (" ", "\t") and headers:
+                # obs-fold: the line continues the previous field's value (RFC 9112 5.2).
+                name, value = headers[-1]
+                folded = line.strip(" \t")
+                headers[-1] = (name, f"{value} {folded}" if folded else value)
+                continue
+            field_line = _FIELD_LINE.fullmatch(line)
+            if field_line is None:
+                raise UpstreamProtocolError(
+                    self.ep.name, f"malformed response header {line[:80]!r}"
+                )
+            name, value = field_line.groups()
+            headers.append((name, value))
+        return headers
 
 
 def _media_type(value: str) -> str:
