@@ -31,7 +31,6 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -49,7 +48,7 @@ from filters.vllm_metrics import (
 )
 from meshd import telemetry
 from meshd.kv_events import KVEventSubscriber, SubscriberStats
-from xds.client import Backoff, Publisher
+from xds.client import Backoff, Publisher, tls_channel_credentials
 from xds.resources import ENDPOINT_STATE_TYPE, PREFIX_DIGEST_TYPE, EndpointState, PrefixDigest
 
 __all__ = [
@@ -109,19 +108,8 @@ def channel_credentials(config: AgentConfig) -> grpc.ChannelCredentials | None:
         return None
     if (config.tls_cert_file is None) != (config.tls_key_file is None):
         raise ValueError("tls_cert_file and tls_key_file (--tls-cert, --tls-key) go together")
-
-    def read(key: str, path: str | None) -> bytes | None:
-        if path is None:
-            return None
-        try:
-            return Path(path).read_bytes()
-        except OSError as exc:
-            raise ValueError(f"{key}: cannot read {path}: {exc}") from None
-
-    return grpc.ssl_channel_credentials(
-        root_certificates=read("tls_ca_file", config.tls_ca_file),
-        private_key=read("tls_key_file", config.tls_key_file),
-        certificate_chain=read("tls_cert_file", config.tls_cert_file),
+    return tls_channel_credentials(
+        config.tls_ca_file, config.tls_cert_file, config.tls_key_file, prefix="tls_"
     )
 
 

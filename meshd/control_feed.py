@@ -27,7 +27,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -39,7 +38,7 @@ from filters.endpoint_state import ReportedState
 from filters.pool_router import PoolRouter
 from meshd.config import Config, ConfigError
 from meshd.metrics import DataPlaneMetrics
-from xds.client import Backoff, Subscriber, Update
+from xds.client import Backoff, Subscriber, Update, tls_channel_credentials
 from xds.resources import ENDPOINT_STATE_TYPE, PREFIX_DIGEST_TYPE, EndpointState, PrefixDigest
 
 __all__ = ["ControlFeed", "ControlFeedCollector", "FeedStats", "channel_credentials"]
@@ -56,20 +55,12 @@ def channel_credentials(config: Config) -> grpc.ChannelCredentials | None:
     tls = config.control_plane.tls
     if tls is None:
         return None
-
-    def read(key: str, path: str | None) -> bytes | None:
-        if path is None:
-            return None
-        try:
-            return Path(path).read_bytes()
-        except OSError as exc:
-            raise ConfigError([f"control_plane.tls.{key}: cannot read {path}: {exc}"]) from None
-
-    return grpc.ssl_channel_credentials(
-        root_certificates=read("ca_file", tls.ca_file),
-        private_key=read("key_file", tls.key_file),
-        certificate_chain=read("cert_file", tls.cert_file),
-    )
+    try:
+        return tls_channel_credentials(
+            tls.ca_file, tls.cert_file, tls.key_file, prefix="control_plane.tls."
+        )
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None
 
 
 def _host_port(url: str) -> str:

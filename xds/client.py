@@ -19,6 +19,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -37,6 +38,28 @@ log = logging.getLogger("meshd.xds.client")
 DELTA_METHOD = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources"
 WILDCARD = "*"
 _INVALID_ARGUMENT = 3
+
+
+def tls_channel_credentials(
+    ca_file: str | None, cert_file: str | None, key_file: str | None, *, prefix: str = ""
+) -> grpc.ChannelCredentials:
+    """grpc SSL channel credentials from PEM files (a CA, and a client certificate with its
+    key for mTLS). A file that cannot be read is a ValueError naming `prefix + ca_file`
+    (or cert_file, key_file), so callers can say which setting pointed at it."""
+
+    def read(key: str, path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{prefix}{key}: cannot read {path}: {exc}") from None
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read("ca_file", ca_file),
+        private_key=read("key_file", key_file),
+        certificate_chain=read("cert_file", cert_file),
+    )
 
 
 @dataclass(frozen=True, slots=True)
