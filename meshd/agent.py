@@ -258,47 +258,45 @@ class _Link:
     async def _run(self) -> None:
         attempt = 0
         publisher: Publisher | None = None
-        while not self._closed:
-            await self._wake.wait()
-            self._wake.clear()
-            if self._closed:
-                if publisher is not None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if self._closed:
+                    return
+                first, self._first = self._first, {}
+                batch, self._pending = self._pending, {}
+                bases, self._bases = self._bases, set()
+                if publisher is None:
+                    publisher = Publisher(self.target, credentials=self.agent.credentials)
+                try:
+                    if first:
+                        await self._publish(publisher, first)
+                        first = {}
+                    await self._publish(publisher, batch)
+                    if not self.connected:
+                        self.connected = True
+                        log.info("publishing to the control plane %s", self.target)
+                    attempt = 0
+                except Exception as exc:
+                    self.agent.stats.publish_failures += 1
+                    if self.connected:
+                        log.warning("control plane %s: %s; retrying", self.target, exc)
+                    self.connected = False
                     with contextlib.suppress(Exception):
                         await publisher.close()
-                return
-            first, self._first = self._first, {}
-            batch, self._pending = self._pending, {}
-            bases, self._bases = self._bases, set()
-            if publisher is None:
-                publisher = Publisher(self.target, credentials=self.agent.credentials)
-            try:
-                if first:
-                    await self._publish(publisher, first)
-                    first = {}
-                await self._publish(publisher, batch)
-                if not self.connected:
-                    self.connected = True
-                    log.info("publishing to the control plane %s", self.target)
-                attempt = 0
-            except asyncio.CancelledError:
+                    publisher = None
+                    # Keep what did not go, and make the next digest full: this control
+                    # plane may have lost the base.
+                    self._requeue(first, batch, bases)
+                    self.agent.on_link_lost()
+                    await asyncio.sleep(self.agent.config.backoff.delay(attempt, self._rng))
+                    attempt += 1
+                    self._wake.set()
+        finally:  # closed, or cancelled: either way the channel goes
+            if publisher is not None:
                 with contextlib.suppress(Exception):
                     await publisher.close()
-                raise
-            except Exception as exc:
-                self.agent.stats.publish_failures += 1
-                if self.connected:
-                    log.warning("control plane %s: %s; retrying", self.target, exc)
-                self.connected = False
-                with contextlib.suppress(Exception):
-                    await publisher.close()
-                publisher = None
-                # Keep what did not go, and make the next digest full: this control
-                # plane may have lost the base.
-                self._requeue(first, batch, bases)
-                self.agent.on_link_lost()
-                await asyncio.sleep(self.agent.config.backoff.delay(attempt, self._rng))
-                attempt += 1
-                self._wake.set()
 
 
 class EngineAgent:
@@ -673,17 +671,17 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     config = config_from_args(args)
-    try:
-        channel_credentials(config)
-    except ValueError as exc:
-        raise SystemExit(f"meshd agent: {exc}") from None
 
     async def serve() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        async with EngineAgent(config):
+        try:
+            agent = EngineAgent(config)
+        except ValueError as exc:  # a TLS file named by a flag
+            raise SystemExit(f"meshd agent: {exc}") from None
+        async with agent:
             print(f"meshd agent for {config.name} ({config.engine_url})", flush=True)
             await stop.wait()
 
