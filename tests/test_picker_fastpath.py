@@ -5,25 +5,18 @@ changes a pool sees (load reports, flags, new and departed endpoints, time passi
 
 from __future__ import annotations
 
-import importlib
 import random
-import types
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_picker_twins import compiled
 
 import filters.picker as picker_mod
 from filters.endpoint_state import EndpointState, ReportedState
 from filters.picker import Picker, PickRequest, price_candidates, sort_candidates
-
-compiled: types.ModuleType | None
-try:
-    compiled = importlib.import_module("filters._picker_c")
-except ImportError:  # pragma: no cover - depends on the build
-    compiled = None
 
 needs_compiled = pytest.mark.skipif(
     compiled is None or not hasattr(compiled, "bind_slots"),

@@ -16,6 +16,7 @@ import pytest
 from envoy.service.discovery.v3 import discovery_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_xds_resources import STATE
 
 import xds.resources as resources
 from xds.client import Entry, Subscriber, _entry
@@ -126,27 +127,6 @@ def outcome(decode: Any, body: bytes) -> tuple[Any, ...]:
     except ResourceError as exc:
         return ("error", str(exc))
     return ("ok", type(x), [(k, type(getattr(x, k)), getattr(x, k)) for k in FIELDS])
-
-
-STATE = EndpointState(
-    address="10.0.0.7:8000",
-    pool="h100",
-    model="llama-8b",
-    adapters={"sql": True, "chat": False},
-    gpu="H100",
-    gpu_count=2,
-    memory_total_bytes=160 * 2**30,
-    memory_used_bytes=100 * 2**30,
-    kv_block_size=16,
-    kv_capacity_blocks=40_000,
-    kv_usage=0.5,
-    requests_running=4,
-    requests_waiting=1,
-    tokens_in_flight=9000,
-    ttft_s=0.2,
-    tpot_s=0.02,
-    epoch="e1",
-)
 
 
 # -- strategies ---------------------------------------------------------------------------
