@@ -265,21 +265,6 @@ def _backend_cpu(backends: Sequence[Child]) -> float:
     return sum(_cpu(b.proc.pid) for b in backends)
 
 
-def machine_cpu() -> tuple[float, float] | None:
-    """(busy, steal) CPU seconds of the whole machine so far, from /proc/stat's `cpu` line:
-    busy is user+nice+system+irq+softirq; steal is time the hypervisor ran something else."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if len(fields) < 9 or fields[0] != "cpu":
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
-    tick = os.sysconf("SC_CLK_TCK")
-    return (user + nice + system + irq + softirq) / tick, steal / tick
-
-
 async def _measure(
     target: Target,
     backends: Sequence[Child],
@@ -295,7 +280,7 @@ async def _measure(
         proxy0 = _cpu(target.pid) if target.pid is not None else None
         backend0 = _backend_cpu(backends)
         gen0 = procstats.self_cpu_seconds()
-        machine0 = machine_cpu()
+        machine0 = procstats.machine_cpu()
         wall0 = time.monotonic()
         if rate is not None:
             samples = await gen.open_loop(
@@ -308,7 +293,7 @@ async def _measure(
             _cpu(target.pid) - proxy0 if target.pid is not None and proxy0 is not None else None
         )
         backend_cpu = _backend_cpu(backends) - backend0
-        machine1 = machine_cpu()
+        machine1 = procstats.machine_cpu()
         wall = time.monotonic() - wall0
     finally:
         await gen.close()

@@ -1,4 +1,5 @@
-"""CPU seconds and peak RSS of a process (and its descendants), read from /proc.
+"""CPU seconds and peak RSS of a process (and its descendants), and the whole machine's
+busy and stolen CPU seconds, read from /proc.
 
 The benchmark samples a proxy before and after each phase and charges the difference to
 that phase. Linux only: utime+stime from /proc/PID/stat, VmHWM from /proc/PID/status.
@@ -101,3 +102,17 @@ def self_cpu_seconds() -> float:
     """CPU seconds of the calling process (all threads), for the load generator's own cost."""
     times = os.times()
     return times.user + times.system
+
+
+def machine_cpu() -> tuple[float, float] | None:
+    """(busy, steal) CPU seconds of the whole machine so far, from /proc/stat's `cpu` line:
+    busy is user+nice+system+irq+softirq; steal is time the hypervisor ran something else.
+    None where /proc/stat cannot be read or parsed."""
+    try:
+        fields = (_PROC / "stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq) / _CLOCK_TICKS, steal / _CLOCK_TICKS
