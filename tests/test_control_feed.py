@@ -217,6 +217,39 @@ async def test_a_reported_prefix_digest_steers_the_request(rig: Rig, publisher: 
         assert r["backend"] == f"b{other}"
 
 
+async def test_a_sidecar_joining_after_the_full_digest_gets_its_base(
+    plane: ControlPlane,
+    publisher: Publisher,
+    backends: Callable[..., Awaitable[Backend]],
+    sidecar: Callable[..., Awaitable[Sidecar]],
+) -> None:
+    """The engine's full digest and a delta on it were both published before the sidecar
+    subscribed: the control plane holds only the delta, and sends the base first (else the
+    sidecar would know nothing of the engine's cache until the agent's next resync)."""
+    bs = [await backends(f"b{i}") for i in range(2)]
+    await publish(publisher, {f"e{i}": engine_state(b) for i, b in enumerate(bs)})
+    hashes = block_hashes("Shared system prompt of the late joiner. " * 40, MODEL, "", 64)
+    half = len(hashes) // 2
+    full = PrefixDigest("e1", "ep", 1, 1, True, 16, added=tuple(hashes[:half]))
+    delta = PrefixDigest("e1", "ep", 2, 1, False, 16, added=tuple(hashes[half:]))
+    await publisher.publish(PREFIX_DIGEST_TYPE, {"e1": full.encode()})
+    await publisher.publish(PREFIX_DIGEST_TYPE, {"e1": delta.encode()})
+    held = plane.cache.get(PREFIX_DIGEST_TYPE, "e1")
+    assert held is not None and held.body == delta.encode()
+
+    cfg = sidecar_config(
+        [b.url for b in bs],
+        routing={"policy": "meshd"},
+        control_plane={"addresses": [f"127.0.0.1:{plane.port}"], "stale_after_s": 5.0},
+    )
+    s = await sidecar(cfg)
+    feed = feed_of(s)
+    router = s.routers["default"]
+    await until(feed, lambda: router.snapshot(time.monotonic())[1]["digest_blocks"] == len(hashes))
+    assert feed.stats.digests_ignored == 0
+    assert plane.stats.digest_bases_sent == 1
+
+
 async def test_killed_control_plane_leaves_the_sidecar_serving(
     rig: Rig, plane: ControlPlane, publisher: Publisher
 ) -> None:

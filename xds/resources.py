@@ -130,8 +130,10 @@ class PrefixDigest:
     whole set, at a periodic resync or after the engine cleared its cache) or cumulative
     since the last full one, identified by `base_seq`. A subscriber holding the full digest
     of `base_seq` applies `blocks = base - removed | added`; one that does not waits for
-    the next full digest. (The agent keeps the cumulative delta small by resyncing when it
-    outgrows a fraction of the full set.)
+    the next full digest. The control plane keeps each engine's last full digest and sends
+    it ahead of a delta to a subscriber without it (xds/server.py, _DigestBases), so the
+    wait happens only for a base the control plane itself never saw. (The agent keeps the
+    cumulative delta small by resyncing when it outgrows a fraction of the full set.)
 
     msgpack map, keys ("v": schema version, 1):
 

@@ -30,6 +30,15 @@ behind goes on alone, with its own versions, until it is in step again. Measured
 flush, 2-core dev box): 0.16-0.3 us per update per subscriber, against 2.4-3.9 us building
 and serializing a protobuf response per subscriber.
 
+PrefixDigests need one thing more: a delta applies only on top of the full digest it is
+based on, and the cache holds only the latest digest per engine, so a subscriber that joins
+after an engine's full digest, or whose full digest was coalesced away, would hold deltas
+it cannot apply until the agent's next resync. `_DigestBases` keeps each engine's last full
+digest and the versions built on it; a response that would give a subscriber a delta on a
+base it does not hold gives it the base instead, and the delta goes in the next response
+(delta, lockstep and state-of-the-world alike; a lockstep member's merged backlog never
+lets a delta replace a base).
+
 Besides meshd's own types the cache holds the EDS view (xds/eds.py): one
 ClusterLoadAssignment per pool, derived from the EndpointStates, for Envoy. With
 `resource_ttl_s` set, an engine whose agent has published nothing for that long (agents
@@ -55,7 +64,14 @@ from grpc import aio
 
 from xds.cache import Resource, SnapshotCache
 from xds.eds import CLA_TYPE, EdsView
-from xds.resources import DECODERS, ENDPOINT_STATE_TYPE, EndpointState, ResourceError
+from xds.resources import (
+    DECODERS,
+    ENDPOINT_STATE_TYPE,
+    PREFIX_DIGEST_TYPE,
+    EndpointState,
+    PrefixDigest,
+    ResourceError,
+)
 from xds.wire import len_field
 
 __all__ = [
@@ -135,6 +151,7 @@ class ServerStats:
     publishes_rejected: int = 0
     last_publish_error: str = ""
     expired: int = 0  # engines whose resources went for want of publishes (resource_ttl_s)
+    digest_bases_sent: int = 0  # full PrefixDigests sent ahead of a delta (_DigestBases)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +177,21 @@ def _resource_message(r: Resource) -> bytes:
     return out
 
 
+def _delta_frame(r: Resource) -> bytes:
+    """r as DeltaDiscoveryResponse.resources (field 2)."""
+    return len_field(2, _resource_message(r))
+
+
+def _sotw_frame(r: Resource) -> bytes:
+    """r as DiscoveryResponse.resources (field 2, an Any): wrapped in Resource for meshd's
+    types, the bare body for Envoy's own."""
+    if r.type_url in DECODERS:
+        any_ = len_field(1, _WRAPPER_TYPE_BYTES) + len_field(2, _resource_message(r))
+    else:
+        any_ = len_field(1, r.type_url.encode()) + len_field(2, r.body)
+    return len_field(2, any_)
+
+
 class _Frames:
     """Each resource version's encoding as a field of a response, made the first time a
     stream needs it and shared by all: `delta` frames it as DeltaDiscoveryResponse.resources
@@ -183,7 +215,7 @@ class _Frames:
         hit = table.get(r.name)
         if hit is not None and hit[0] is r:
             return hit[1]
-        frame = len_field(2, _resource_message(r))
+        frame = _delta_frame(r)
         table[r.name] = (r, frame)
         return frame
 
@@ -192,11 +224,7 @@ class _Frames:
         hit = table.get(r.name)
         if hit is not None and hit[0] is r:
             return hit[1]
-        if r.type_url in DECODERS:
-            any_ = len_field(1, _WRAPPER_TYPE_BYTES) + len_field(2, _resource_message(r))
-        else:
-            any_ = len_field(1, r.type_url.encode()) + len_field(2, r.body)
-        frame = len_field(2, any_)
+        frame = _sotw_frame(r)
         table[r.name] = (r, frame)
         return frame
 
@@ -208,6 +236,109 @@ class _Frames:
                 for n in names:
                     if n not in live:
                         table.pop(n, None)
+
+
+# Versions remembered per base (a delta on it each time the engine published; the agent
+# resyncs long before this many). Forgetting one only costs its holder a spare full digest.
+MAX_DIGEST_VERSIONS = 4096
+
+
+class _DigestChain:
+    """One engine's last full PrefixDigest and the versions that build on it."""
+
+    __slots__ = ("base", "delta_frame", "epoch", "seq", "sotw_frame", "versions")
+
+    def __init__(self, base: Resource, epoch: str, seq: int) -> None:
+        self.base = base
+        self.epoch = epoch
+        self.seq = seq
+        # The base itself and each delta published on it, oldest first (a dict as an
+        # ordered set, trimmed from the front at MAX_DIGEST_VERSIONS).
+        self.versions: dict[str, None] = {base.version: None}
+        self.delta_frame: bytes | None = None
+        self.sotw_frame: bytes | None = None
+
+
+class _DigestBases:
+    """What lets a subscriber apply a PrefixDigest delta it is sent: the full digest the
+    delta builds on (xds/resources.py: a delta is cumulative since one full digest and
+    applies only on top of it).
+
+    The cache holds the latest digest per engine only, so two things would leave a
+    subscriber holding a delta whose base it never saw, with no precise prefix knowledge of
+    that engine until the agent's next resync (30 s by default): subscribing after the
+    engine's last full digest (a sidecar starting, or resuming on another replica), and a
+    full digest coalesced away (published, then a delta on it, within one flush or while
+    the subscriber's previous response was unanswered). So the control plane keeps each
+    engine's last full digest (one per engine: what any sidecar holds of it anyway) and the
+    versions published on it; a response that would give a subscriber a delta on a base it
+    does not hold gives it the base instead, and the delta follows in the next response.
+    A spare base is harmless: a subscriber ignores a full digest older than what it has.
+    """
+
+    __slots__ = ("_chains",)
+
+    def __init__(self) -> None:
+        self._chains: dict[str, _DigestChain] = {}
+
+    def published(self, name: str, digest: PrefixDigest, r: Resource) -> None:
+        """`digest`, decoded, now held as `r` under `name`."""
+        if digest.full:
+            chain = self._chains.get(name)
+            if chain is None or chain.base.version != r.version:
+                self._chains[name] = _DigestChain(r, digest.epoch, digest.seq)
+            return
+        chain = self._chains.get(name)
+        if chain is None:
+            return
+        if chain.epoch != digest.epoch or chain.seq != digest.base_seq:
+            # On a base this control plane never saw (it started after it): nobody can be
+            # helped to it, and the old base is no one's to build on any more.
+            del self._chains[name]
+            return
+        versions = chain.versions
+        versions[r.version] = None
+        if len(versions) > MAX_DIGEST_VERSIONS:
+            del versions[next(iter(versions))]
+
+    def forget(self, names: frozenset[str], live: Mapping[str, Resource]) -> None:
+        """Drop the chains of `names` that are no longer in `live` (removed resources)."""
+        for n in names:
+            if n not in live:
+                self._chains.pop(n, None)
+
+    def needed(self, name: str, r: Resource, held: str | None) -> _DigestChain | None:
+        """The chain whose base must go to a subscriber holding version `held` (None:
+        nothing) before `r`, or None when `r` may go as it is: `r` is not a delta on a
+        known base, or the subscriber holds that base or a delta on it."""
+        chain = self._chains.get(name)
+        if chain is None or r is chain.base:
+            return None
+        versions = chain.versions
+        if r.version not in versions or r.version == chain.base.version:
+            return None
+        if held is not None and held in versions:
+            return None
+        return chain
+
+    def is_base(self, name: str, r: Resource) -> bool:
+        """Whether `r` is the full digest deltas of `name` build on (a slow lockstep
+        member's merged backlog must not let a later delta replace it)."""
+        chain = self._chains.get(name)
+        return chain is not None and r.version == chain.base.version
+
+    def delta_frame(self, chain: _DigestChain) -> bytes:
+        if chain.delta_frame is None:
+            chain.delta_frame = _delta_frame(chain.base)
+        return chain.delta_frame
+
+    def sotw_frame(self, chain: _DigestChain) -> bytes:
+        if chain.sotw_frame is None:
+            chain.sotw_frame = _sotw_frame(chain.base)
+        return chain.sotw_frame
+
+    def __len__(self) -> int:
+        return len(self._chains)
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,13 +362,15 @@ class _Batch:
     """One flush's changes of one type, encoded once for every subscriber in lockstep:
     `body` is a DeltaDiscoveryResponse but for its nonce (resources, removed_resources,
     system_version_info, type_url); `entries` the same changes by name (a frame, or None
-    for a removal), to merge the batches a member fell behind by."""
+    for a removal), to merge the batches a member fell behind by; `bases` the names whose
+    frame is a full PrefixDigest (a base: never merged away by a later delta)."""
 
     body: bytes
     version: str
     resources: int
     removed: int
     entries: tuple[tuple[str, bytes | None], ...]
+    bases: frozenset[str] = frozenset()
 
 
 class _Lockstep:
@@ -463,6 +596,7 @@ class _Stream:
         frames = self.cp._frames
         shared = frames.delta_table(t)
         sent, wildcard, subscribed = sub.sent, sub.wildcard, sub.names
+        bases = self.cp._digest_bases if t == PREFIX_DIGEST_TYPE else None
         parts: list[bytes] = []
         add = parts.append
         removed: list[str] = []
@@ -480,7 +614,15 @@ class _Stream:
                     removed.append(name)
                 continue
             v = r.version
-            if sent.get(name) == v:
+            held = sent.get(name)
+            if held == v:
+                continue
+            if bases is not None and (chain := bases.needed(name, r, held)) is not None:
+                # The base first; the delta goes in the next response.
+                sent[name] = chain.base.version
+                add(bases.delta_frame(chain))
+                sub.pending.add(name)
+                self.cp.stats.digest_bases_sent += 1
                 continue
             sent[name] = v
             hit = shared.get(name)
@@ -510,7 +652,17 @@ class _Stream:
         return push
 
     def _shared(self, sub: _Subscription) -> _Push:
-        batches, sub.backlog = sub.backlog, []
+        batches = sub.backlog
+        take = len(batches)
+        based: set[str] = set()
+        for i, b in enumerate(batches):
+            # A batch that changes a name an earlier one sent a base for waits for the
+            # next response: merged, the delta would replace the base it needs.
+            if based and any(name in based for name, _ in b.entries):
+                take = i
+                break
+            based |= b.bases
+        batches, sub.backlog = batches[:take], batches[take:]
         nonce = self._next_nonce(sub)
         if len(batches) == 1:
             b = batches[0]
@@ -542,13 +694,39 @@ class _Stream:
         # and CDS). meshd's types carry no name of their own, so they travel wrapped in
         # envoy.service.discovery.v3.Resource (name + version), which SotW clients accept.
         frame = self.cp._frames.sotw
-        parts = [frame(table[name]) for name in names]
+        if t == PREFIX_DIGEST_TYPE:
+            parts = self._sotw_digests(sub, names, table)
+        else:
+            parts = [frame(table[name]) for name in names]
         version = str(cache.type_version(t))
         nonce = self._next_nonce(sub)
         parts.append(len_field(1, version.encode()))  # version_info
         parts.append(len_field(4, t.encode()))  # type_url
         parts.append(len_field(5, nonce.encode()))  # nonce
         return _Push(b"".join(parts), t, version, nonce, len(names), 0)
+
+    def _sotw_digests(
+        self, sub: _Subscription, names: list[str], table: Mapping[str, Resource]
+    ) -> list[bytes]:
+        """build_sotw's frames for PrefixDigests: as build_delta, a subscriber lacking the
+        base of a delta gets the base in its place and the delta in the next response
+        (`sub.sent`, unused otherwise in state-of-the-world, says what it holds)."""
+        bases, frame, sent = self.cp._digest_bases, self.cp._frames.sotw, sub.sent
+        parts: list[bytes] = []
+        for name in names:
+            r = table[name]
+            chain = bases.needed(name, r, sent.get(name))
+            if chain is None:
+                sent[name] = r.version
+                parts.append(frame(r))
+            else:
+                sent[name] = chain.base.version
+                parts.append(bases.sotw_frame(chain))
+                sub.pending.add(name)
+                self.cp.stats.digest_bases_sent += 1
+        for name in [n for n in sent if n not in table]:
+            del sent[name]
+        return parts
 
     async def write_loop(self, write: Callable[[bytes], Any]) -> None:
         limit = self.cp.limits.max_unacked_per_type
@@ -687,6 +865,7 @@ class ControlPlane:
         self._events = asyncio.Condition()
         self._waiters = 0  # coroutines in wait_until (requests notify only when there are)
         self._frames = _Frames()
+        self._digest_bases = _DigestBases()
         self._dirty: dict[str, set[str]] = {}  # type URL -> names changed since the flush
         self._flush_handle: asyncio.Handle | None = None
         self._flushing = False
@@ -809,7 +988,14 @@ class ControlPlane:
             for name, value in values.items():
                 if isinstance(value, EndpointState):
                     self.eds.hint(name, resources[name], value)
-        return self.cache.update(type_url, resources, removed)
+        changed = self.cache.update(type_url, resources, removed)
+        if type_url == PREFIX_DIGEST_TYPE:
+            # Before any flush (the cache's watcher only schedules one).
+            for name, value in values.items():
+                r = self.cache.get(type_url, name)
+                if isinstance(value, PrefixDigest) and r is not None:
+                    self._digest_bases.published(name, value, r)
+        return changed
 
     # -- fan-out --------------------------------------------------------------------------
 
@@ -861,6 +1047,8 @@ class ControlPlane:
             if group is not None:
                 self._step(type_url, group, frozen, table)
             self._frames.forget(type_url, frozen, table)
+            if type_url == PREFIX_DIGEST_TYPE:
+                self._digest_bases.forget(frozen, table)
             for stream in streams:
                 stream.on_change(type_url, frozen)  # lockstep members ignore it
 
@@ -870,9 +1058,12 @@ class ControlPlane:
         self, t: str, group: _Lockstep, names: frozenset[str], table: Mapping[str, Resource]
     ) -> None:
         sent, frame = group.sent, self._frames.delta
+        bases = self._digest_bases if t == PREFIX_DIGEST_TYPE else None
         parts: list[bytes] = []
         removed: list[bytes] = []
         entries: list[tuple[str, bytes | None]] = []
+        based: list[str] = []  # names whose frame is a full digest (a base)
+        again: list[str] = []  # names whose delta waits for the next flush
         for name in names:
             r = table.get(name)
             old = sent.get(name)
@@ -882,18 +1073,31 @@ class ControlPlane:
                     removed.append(len_field(6, name.encode()))  # removed_resources
                     entries.append((name, None))
             elif old != r.version:
-                sent[name] = r.version
-                f = frame(r)
+                if bases is not None and (chain := bases.needed(name, r, old)) is not None:
+                    # The group lacks the base (coalesced away): it goes now, the delta
+                    # with the next flush.
+                    sent[name] = chain.base.version
+                    f = bases.delta_frame(chain)
+                    based.append(name)
+                    again.append(name)
+                    self.stats.digest_bases_sent += len(group.members)
+                else:
+                    sent[name] = r.version
+                    f = frame(r)
+                    if bases is not None and bases.is_base(name, r):
+                        based.append(name)
                 parts.append(f)
                 entries.append((name, f))
         if not entries:
             return
+        if again:
+            self._on_change(t, frozenset(again))
         version = str(self.cache.type_version(t))
         n = len(parts)
         parts.extend(removed)
         parts.append(len_field(1, version.encode()))  # system_version_info
         parts.append(len_field(4, t.encode()))  # type_url
-        batch = _Batch(b"".join(parts), version, n, len(removed), tuple(entries))
+        batch = _Batch(b"".join(parts), version, n, len(removed), tuple(entries), frozenset(based))
         behind: list[_Subscription] = []
         for sub, stream in group.members.items():
             sub.backlog.append(batch)
