@@ -226,14 +226,22 @@ class RequestContext:
 
 class _PoolSeries:
     """The metric children one pool's every request touches: `labels()` looks a child up
-    under a lock (~2.5 us each), four times on a request's happy path."""
+    under a lock (~2.5 us each), four times on a request's happy path. Each is made on its
+    first use, as `labels()` would make it, so /metrics lists the same series as before."""
 
-    __slots__ = ("queue_depth", "stream_tokens", "tokens_in_flight")
+    __slots__ = ("_m", "_pool", "_stream_tokens", "queue_depth", "tokens_in_flight")
 
     def __init__(self, m: DataPlaneMetrics, pool: str) -> None:
+        self._m, self._pool = m, pool
         self.queue_depth = m.admission_queue_depth.labels(pool)
         self.tokens_in_flight = m.tokens_in_flight.labels(pool)
-        self.stream_tokens = m.stream_tokens.labels(pool)
+        self._stream_tokens: Any = None
+
+    @property
+    def stream_tokens(self) -> Any:
+        if self._stream_tokens is None:
+            self._stream_tokens = self._m.stream_tokens.labels(self._pool)
+        return self._stream_tokens
 
 
 _BREAKER_CODES = {"closed": BREAKER_CLOSED, "half-open": BREAKER_HALF_OPEN, "open": BREAKER_OPEN}
@@ -280,9 +288,7 @@ class Sidecar:
         # (bounded) so the request path does not parse an address or match globs each time.
         self._trust_cache: dict[str, bool] = {}
         self._pool_cache: dict[str | None, str | None] = {}
-        self._pool_series = {
-            pool.name: _PoolSeries(self.metrics, pool.name) for pool in config.pools
-        }
+        self._pool_series: dict[str, _PoolSeries] = {}
         # (pool, endpoint, status) -> its meshd_upstream_attempts child (bounded as above).
         self._attempt_series: dict[tuple[str, str, int], Any] = {}
         self._active = 0
@@ -902,7 +908,7 @@ class Sidecar:
             if not released:
                 break
             ev = guard.pump(time.monotonic())
-        series = self._pool_series[pool]
+        series = self._series(pool)
         series.queue_depth.set(guard.queued)
         series.tokens_in_flight.set(guard.tokens_in_flight())
 
@@ -1124,6 +1130,12 @@ class Sidecar:
             "upstream_unavailable" if made else "no_healthy_upstream",
             **({} if made else {"retry_after_s": 1}),
         )
+
+    def _series(self, pool: str) -> _PoolSeries:
+        series = self._pool_series.get(pool)
+        if series is None:
+            series = self._pool_series[pool] = _PoolSeries(self.metrics, pool)
+        return series
 
     def _count_attempt(self, pool: str, url: str, status: int) -> None:
         """meshd_upstream_attempts_total{pool, endpoint, outcome=status}, its child cached."""
@@ -1410,7 +1422,7 @@ class Sidecar:
                 extra.append((cur, cur_up, cur_watch))
                 tokens_before = scanner.tokens if scanner is not None else 0
             if scanner is not None:
-                self._pool_series[ctx.pool].stream_tokens.inc(scanner.tokens)
+                self._series(ctx.pool).stream_tokens.inc(scanner.tokens)
                 found = splicer.usage if splicer is not None and splicer.usage else scanner.usage
                 if isinstance(found, dict):
                     usage = found
