@@ -169,6 +169,7 @@ class RequestObserver:
         self._requests: dict[tuple[str, str, str], Any] = {}
         self._by_gpu: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._waste: dict[tuple[str, str], Any] = {}
+        self._task_series: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.spent_usd = 0.0
         self.tasks_succeeded = 0
         self.tasks_failed = 0
@@ -382,9 +383,12 @@ class RequestObserver:
             return
         m = self.metrics
         for task in closed:
-            outcome = "success" if task.succeeded else "failure"
-            m.tasks.labels(task.pool, outcome).inc()
-            m.task_cost_usd.labels(task.pool, outcome).inc(task.cost_usd)
+            key = (task.pool, "success" if task.succeeded else "failure")
+            pair = self._task_series.get(key)
+            if pair is None:
+                pair = self._task_series[key] = (m.tasks.labels(*key), m.task_cost_usd.labels(*key))
+            pair[0].inc()
+            pair[1].inc(task.cost_usd)
             if task.succeeded:
                 self.tasks_succeeded += 1
             else:

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import re
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
@@ -26,6 +27,7 @@ from meshd.upstream import (
     UpstreamPool,
     UpstreamProtocolError,
     UpstreamResponse,
+    _Connection,
 )
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
@@ -937,3 +939,35 @@ def test_uvloop_stream_reuse_and_abort() -> None:
             await server.runner.cleanup()
 
     run_on("uvloop", main)
+
+
+_TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# The reference: a capturing findall over the validated block, trailing OWS stripped.
+_REF_FIELD_LINES = re.compile(rf"([{re.escape(_TOKEN_CHARS)}]+):[ \t]*([^\r\n\x00]*)\r\n")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.text(_TOKEN_CHARS, min_size=1, max_size=12),
+            st.text(
+                st.characters(exclude_characters="\r\n\x00", exclude_categories=["Cs"]),
+                max_size=20,
+            ),
+        ),
+        max_size=8,
+    )
+)
+def test_response_fields_match_the_regex_reference(fields: list[tuple[str, str]]) -> None:
+    head = "HTTP/1.1 204 No Content\r\n" + "".join(f"{n}:{v}\r\n" for n, v in fields)
+    raw = head[:-2].encode("utf-8", "surrogateescape")
+
+    async def parse() -> UpstreamResponse | None:
+        pool = make_pool()
+        return _Connection(pool, pool._endpoint("http://127.0.0.1:1"))._parse_head(raw)
+
+    response = asyncio.run(parse())
+    assert response is not None
+    block = head.partition("\r\n")[2]
+    assert response.headers == [(n, v.rstrip(" \t")) for n, v in _REF_FIELD_LINES.findall(block)]
