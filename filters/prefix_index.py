@@ -28,7 +28,11 @@ Recency is block-level LRU with vLLM's tail-first order (vllm/v1/core/kv_cache_m
 block of its chain at once with one sequence number, and among blocks of equal recency
 the deeper one goes first. Nodes are touched as a whole, so each holder's entry per node
 is (seq, time, precise), ordered in a per-holder heap by (seq, -depth); eviction takes the
-oldest entry and, when only part of it must go, splits off and drops its tail. Because
+oldest entry and, when only part of it must go, splits off and drops its tail. A refresh
+pushes nothing: an item older than its entry is moved up to the entry's seq when it
+reaches the top (every item's key is at most its entry's, so the first current item on
+top is the oldest entry), which keeps about one item per entry in a heap instead of one
+per touch (refreshes of a hot chain had piled up ~1,700 items for ~90 entries). Because
 a child's entry is never newer than its parent's for approximate records, LRU and TTL
 keep closure by themselves; precise stores with a parent can break that order, so
 dropping a node always drops the holder's descendants too (in vLLM a block whose parent
@@ -57,7 +61,7 @@ restart, AllBlocksCleared) and `observe_epoch` clears on an epoch change.
 Precondition: the hashes passed in are chained (a hash determines its whole prefix).
 Limits: per endpoint `capacity` blocks (set_capacity, default `default_capacity_blocks`);
 per query at most `expire_budget` heap items examined for expiry (default
-EXPIRE_BUDGET); a holder's heaps are rebuilt when stale items outnumber 8 x its entries +
+EXPIRE_BUDGET); a holder's heaps are rebuilt when dead items outnumber 8 x its entries +
 1024, and the rebuilt-away items are freed TRASH_STEP at a time over the next updates;
 the tree holds no more nodes than the holders' entries, so memory is bounded by the sum
 of capacities (plus, per holder, a lazily cleaned heap of at most 8 x entries + 1024
@@ -586,14 +590,16 @@ class PrefixIndex:
                 prec = precise
                 if not precise and h.expect is None:
                     h.expect = now
+                heapq.heappush(h.pheap if prec else h.heap, (seq, -node.depth, next(uid), node))
             else:
                 prec = precise or old[2]
+                if prec and not old[2]:  # approximate -> precise: it needs a precise item
+                    heapq.heappush(h.pheap, (seq, -node.depth, next(uid), node))
+                # else its item (seq older than the entry's) is moved up when it surfaces
             if prec:
                 node.precise |= bit
-                heapq.heappush(h.pheap, (seq, -node.depth, next(uid), node))
             else:
                 any_approx = True
-                heapq.heappush(h.heap, (seq, -node.depth, next(uid), node))
             entries[node] = (seq, now, prec)
             # A node that is its parent's only child and now has the same holders and
             # recency can merge into it (a re-recorded chain heals an earlier split).
@@ -614,8 +620,9 @@ class PrefixIndex:
             self._catch_up(h)  # its expired entries must not count, nor be evicted
             if h.used > h.capacity:
                 self._evict(h)
-        # Refreshes leave stale heap items behind; rebuilding is O(entries), so do it
-        # rarely (amortised O(1) per record; a rebuild at 2x showed up in the p99 pick).
+        # Drops leave dead heap items behind (and an entry dropped and added again can
+        # have two); rebuilding is O(entries), so do it rarely (amortised O(1) per record;
+        # a rebuild at 2x showed up in the p99 pick).
         if len(h.heap) + len(h.pheap) > 8 * len(entries) + 1024:
             self._compact(h)
         trash = self._trash
@@ -672,9 +679,13 @@ class PrefixIndex:
         for heap, is_precise in ((h.heap, False), (h.pheap, True)):
             while heap:
                 item = heap[0]
-                e = entries.get(item[3])
-                if e is None or e[0] != item[0] or e[2] != is_precise:
+                node = item[3]
+                e = entries.get(node)
+                if e is None or e[2] != is_precise:
                     heapq.heappop(heap)
+                    continue
+                if e[0] != item[0]:  # refreshed since: its item moves up to the entry's seq
+                    heapq.heapreplace(heap, (e[0], -node.depth, next(self._uid), node))
                     continue
                 if best is None or item[:3] < best[:3]:
                     best = item
@@ -839,8 +850,11 @@ class PrefixIndex:
             budget -= 1
             seq, _, _, node = heap[0]
             e = entries.get(node)
-            if e is None or e[0] != seq or e[2]:
+            if e is None or e[2]:
                 heapq.heappop(heap)
+                continue
+            if e[0] != seq:  # refreshed since: its item moves up to the entry's seq
+                heapq.heapreplace(heap, (e[0], -node.depth, next(self._uid), node))
                 continue
             at = e[1] + ttl
             if at > cut:

@@ -102,12 +102,15 @@ def test_a_budgeted_index_answers_as_one_that_expires_at_once(ops, ttl, budget):
 
 
 def _backlog(budget: int) -> tuple[PrefixIndex, list[int], list[int]]:
-    """One endpoint with 500 refreshes of chain a (499 stale heap items) and b beside it."""
+    """One endpoint that recorded chain a and dropped it 499 times (499 dead heap items),
+    then recorded a (at 0.499) and b beside it."""
     idx = PrefixIndex(ttl_s=10.0, expire_budget=budget)
     a = chain([1, 2, 3])
     b = chain([7, 8])
-    for k in range(500):
+    for k in range(499):
         idx.record("e", a, k * 0.001)
+        idx.truncate("e", a, 0)
+    idx.record("e", a, 0.499)
     idx.record("e", b, 1.0)
     return idx, a, b
 
@@ -189,13 +192,29 @@ def test_rebuilt_heaps_are_freed_a_step_at_a_time(monkeypatch):
     monkeypatch.setattr(prefix_index, "TRASH_STEP", 100)
     idx = PrefixIndex(ttl_s=1e9)
     a = chain([1, 2, 3])
-    while not idx._trash:  # refreshes pile up stale items until a rebuild
+    for _ in range(5000):  # drops pile up dead items until a rebuild
         idx.record("e", a, 0.0)
+        if idx._trash:
+            break
+        idx.truncate("e", a, 0)
     old = sum(len(t) for t in idx._trash)
-    assert old > 800  # 1,025 stale items, less the first step freed by the same record
+    assert old > 800  # 1,025 dead items, less the first step freed by the same record
     idx.record("e", a, 0.0)
     assert sum(len(t) for t in idx._trash) == old - 100
     h = idx._holders["e"]
     assert len(h.heap) + len(h.pheap) <= 8 * len(h.entries) + 1024
     assert all(item[3] in h.entries for item in heapq.nsmallest(1, h.heap))
+    idx.check()
+
+
+def test_refreshes_keep_about_one_heap_item_per_entry():
+    idx = PrefixIndex(default_capacity_blocks=64)
+    docs = [chain(range(d * 10, d * 10 + 20)) for d in range(3)]
+    for k in range(3000):  # hot chains re-recorded: each refresh used to push an item
+        idx.record("e", docs[k % 3], k * 0.01)
+    h = idx._holders["e"]
+    assert len(h.heap) <= 2 * len(h.entries) + 8
+    assert not idx._trash  # so nothing needed rebuilding
+    idx.set_capacity("e", 30)  # eviction still takes the oldest, tail first
+    assert idx.held("e") == set(docs[2]) | set(docs[1][:10])
     idx.check()
