@@ -217,7 +217,9 @@ class PrefixIndex:
     def match_detail(self, hashes: Sequence[int], now: float) -> dict[str, tuple[int, float]]:
         """Per endpoint with a match: (matched blocks, expected cached blocks), the latter
         weighting approximate blocks by `approx_confidence` and all by the endpoint's trust."""
-        if self._behind or now >= self._next_expiry:
+        # The horizon is the index clock (the latest `now` seen), also for a late caller:
+        # nothing touched ttl_s or more before the latest time the index has seen counts.
+        if self._behind or now >= self._next_expiry or self._now >= self._next_expiry:
             self._advance(now)
             self._work(self.expire_budget)
         behind = self._behind

@@ -218,3 +218,14 @@ def test_refreshes_keep_about_one_heap_item_per_entry():
     idx.set_capacity("e", 30)  # eviction still takes the oldest, tail first
     assert idx.held("e") == set(docs[2]) | set(docs[1][:10])
     idx.check()
+
+
+def test_a_late_caller_sees_the_horizon_of_the_index_clock():
+    """A match whose `now` is older than a time the index has seen still ignores what
+    expired by then (the eager index once counted it until a query reached its due time)."""
+    idx = PrefixIndex(ttl_s=10.0)
+    a = chain([1, 2])
+    idx.record("e", a, 0.0)
+    idx.record("f", chain([3]), 20.0)  # the clock is at 20: a (touched at 0) expired at 10
+    assert idx.match(a, 5.0) == {}
+    assert idx.used_blocks("e") == 0
