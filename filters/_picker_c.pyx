@@ -9,13 +9,94 @@ tests/test_picker_twins.py compares them). Measured in-process on the 64-endpoin
 setup of `python -m loadtest.picker_bench`: the loop from 21 to 9 us (no view rebuilt),
 the sort from 9.4 to ~2 us. Import through filters.picker.
 
+Since then (callgrind, the bench's steady state, instructions per whole pick: 280k before,
+224k after, same answers): the loop reads the picker's own classes' slots directly
+(bind_slots; getattr on a __slots__ attribute from C costs ~100 instructions, half the
+loop's), and the sort is a C insertion sort of (J, index) pairs instead of list.sort with
+a key (tests/test_picker_fastpath.py checks both against the slow paths).
+
 -ffp-contract=off: a compiler allowed to fuse `a + b * c` into one FMA (GCC's default
 wherever the target has FMA, e.g. -march=native) would round differently from Python.
 """
 
 import operator
+import types
 
-__all__ = ["price_candidates", "sort_candidates"]
+from cpython.object cimport PyObject
+from libc.string cimport memmove
+from cpython.ref cimport Py_INCREF, Py_XDECREF
+
+__all__ = ["bind_slots", "price_candidates", "sort_candidates"]
+
+
+cdef extern from "Python.h":
+    ctypedef struct PyMemberDef:
+        const char *name
+        int type
+        Py_ssize_t offset
+        int flags
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef *d_member
+
+cdef extern from "structmember.h":
+    int T_OBJECT_EX
+    int READONLY
+
+
+# Direct slot access for the picker's own classes (bind_slots): reading a __slots__
+# attribute through getattr costs ~100 instructions (type lookup, descriptor call), the
+# slot itself one load. Other types (the twin tests' fakes) take the generic path.
+cdef type _ep_type = None
+cdef type _view_type = None
+cdef Py_ssize_t _off_pick_view = -1
+cdef Py_ssize_t _off_kkey = -1
+cdef Py_ssize_t _off_kc = -1
+cdef Py_ssize_t _off_stamp = -1
+
+
+cdef Py_ssize_t _slot_offset(type cls, str name) except -2:
+    """The byte offset of `name`'s slot in instances of exactly `cls`, or -1 when it is
+    not a plain writable object slot (then the loop uses getattr for that class)."""
+    d = None
+    for k in cls.__mro__:
+        if name in k.__dict__:
+            d = k.__dict__[name]
+            break
+    if type(d) is not types.MemberDescriptorType:
+        return -1
+    cdef PyMemberDef *m = (<PyMemberDescrObject *>d).d_member
+    if m.type != T_OBJECT_EX or (m.flags & READONLY):
+        return -1
+    return m.offset
+
+
+def bind_slots(endpoint_type, view_type):
+    """Lets price_candidates read EndpointState._pick_view and the view's kkey, kc and
+    stamp slots directly, for instances of exactly these classes (a subclass, or a class
+    that overrides attribute access, takes the getattr path)."""
+    global _ep_type, _view_type, _off_pick_view, _off_kkey, _off_kc, _off_stamp
+    _ep_type = _view_type = None
+    if (
+        endpoint_type.__getattribute__ is not object.__getattribute__
+        or endpoint_type.__setattr__ is not object.__setattr__
+        or view_type.__getattribute__ is not object.__getattribute__
+        or view_type.__setattr__ is not object.__setattr__
+    ):
+        return False
+    pv = _slot_offset(endpoint_type, "_pick_view")
+    kk = _slot_offset(view_type, "kkey")
+    kc = _slot_offset(view_type, "kc")
+    sp = _slot_offset(view_type, "stamp")
+    if pv < 0 or kk < 0 or kc < 0 or sp < 0:
+        return False
+    _off_pick_view, _off_kkey, _off_kc, _off_stamp = pv, kk, kc, sp
+    _ep_type = endpoint_type
+    _view_type = view_type
+    return True
+
+
+cdef inline PyObject *_slot(object o, Py_ssize_t off):
+    return (<PyObject **>((<char *><PyObject *>o) + off))[0]
 
 
 def price_candidates(
@@ -28,16 +109,57 @@ def price_candidates(
     cdef Py_ssize_t slot = base
     cdef list cands = []
     cdef tuple kc
+    cdef PyObject *p
+    cdef PyObject **sp
+    cdef object stamp
+    cdef bint fast
+    cdef type ept = _ep_type
+    cdef type vt = _view_type
+    cdef Py_ssize_t off_pv = _off_pick_view, off_kkey = _off_kkey
+    cdef Py_ssize_t off_kc = _off_kc, off_stamp = _off_stamp
     for e in endpoints:
-        v = e._pick_view
-        if v is None or v.kkey is not kkey:
+        # v = e._pick_view
+        p = NULL
+        if type(e) is ept:
+            p = _slot(e, off_pv)
+        v = <object>p if p is not NULL else e._pick_view
+        # if v is None or v.kkey is not kkey: refresh
+        if v is None:
             v = refresh(e, v, kkey, now)
-        kco = v.kc
-        if kco is None or <Py_ssize_t>v.stamp >= base:
+        else:
+            p = NULL
+            if type(v) is vt:
+                p = _slot(v, off_kkey)
+            if p is not NULL:
+                if p is not <PyObject *>kkey:
+                    v = refresh(e, v, kkey, now)
+            elif v.kkey is not kkey:
+                v = refresh(e, v, kkey, now)
+        fast = type(v) is vt
+        # kco = v.kc; stamp = v.stamp
+        p = NULL
+        if fast:
+            p = _slot(v, off_kc)
+        kco = <object>p if p is not NULL else v.kc
+        if kco is None:
+            continue
+        p = NULL
+        if fast:
+            p = _slot(v, off_stamp)
+        if <Py_ssize_t>(<object>p if p is not NULL else v.stamp) >= base:
             continue
         if hook is not None and not hook(e, req, now):
             continue
-        v.stamp = slot
+        # v.stamp = slot (as member_set does for an object slot)
+        stamp = slot
+        if fast:
+            sp = <PyObject **>((<char *><PyObject *>v) + off_stamp)
+            p = sp[0]
+            Py_INCREF(stamp)
+            sp[0] = <PyObject *>stamp
+            Py_XDECREF(p)
+        else:
+            v.stamp = stamp
         slot += 1
         kc = <tuple>kco
         j = <double>kc[0] + dp * <double>kc[1] + dm * <double>kc[2]
@@ -50,17 +172,75 @@ def price_candidates(
     return cands, load_sum, weight_sum
 
 
-cdef object _first = operator.itemgetter(0)
+ctypedef struct _Key:
+    double j
+    Py_ssize_t i
+
+
+cdef void _insertion_sort(_Key *keys, Py_ssize_t n) noexcept nogil:
+    """By J ascending: a binary insertion sort (a few dozen keys; no call per comparison,
+    unlike qsort). Stable, though callers only rely on it for distinct keys."""
+    cdef Py_ssize_t i, lo, hi, mid
+    cdef _Key t
+    for i in range(1, n):
+        t = keys[i]
+        if not keys[i - 1].j > t.j:
+            continue
+        lo = 0
+        hi = i - 1
+        while lo < hi:  # the first key > t.j in keys[0:i] (keys[i - 1] is one)
+            mid = (lo + hi) >> 1
+            if keys[mid].j > t.j:
+                hi = mid
+            else:
+                lo = mid + 1
+        memmove(&keys[lo + 1], &keys[lo], (i - lo) * sizeof(_Key))
+        keys[lo] = t
 
 
 def sort_candidates(list cands):
     """Sorts (J, name, view) tuples as list.sort() does. A tuple sort pays an equality
-    test per comparison (9.4 us for 64 on the dev box); sorting by J alone then checking
-    for equal (or NaN) J, where the name would decide, is the same order (about 2 us)."""
+    test per comparison (9.4 us for 64 on the dev box); when every J is distinct (and not
+    NaN) the names never decide, and the order is that of the J values alone. Up to 128
+    candidates: sorted here as C doubles (an insertion sort of (J, index) pairs, then the
+    list rebuilt in that order); more: list.sort by J (an insertion sort is quadratic).
+    A tie, or a NaN, anywhere: the tuple sort of the input as it came (its order decides
+    NaNs)."""
     cdef Py_ssize_t i, n = len(cands)
     cdef double a, b
+    cdef _Key keys[128]
     if n < 2:
         return
+    if n > 128:
+        _sort_by_j(cands, n)
+        return
+    for i in range(n):
+        a = <double>(<tuple>cands[i])[0]
+        if a != a:  # NaN
+            cands.sort()
+            return
+        keys[i].j = a
+        keys[i].i = i
+    _insertion_sort(keys, n)
+    a = keys[0].j
+    for i in range(1, n):
+        b = keys[i].j
+        if not a < b:  # a tie: the names decide
+            cands.sort()
+            return
+        a = b
+    before = cands[:]
+    for i in range(n):
+        cands[i] = before[keys[i].i]
+
+
+cdef object _first = operator.itemgetter(0)
+
+
+cdef void _sort_by_j(list cands, Py_ssize_t n) except *:
+    """The large-pool path: list.sort by J, then the tuple sort if any J ties or is NaN."""
+    cdef Py_ssize_t i
+    cdef double a, b
     cdef list before = cands[:]  # the tuple sort of a NaN J depends on the input order
     cands.sort(key=_first)
     a = <double>(<tuple>cands[0])[0]

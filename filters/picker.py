@@ -444,6 +444,9 @@ if not os.environ.get("MESHD_PURE_PYTHON"):
         _price = _picker_c.price_candidates
         _sort = _picker_c.sort_candidates
         IMPLEMENTATION = "cython"
+        # Its loop reads these classes' slots directly (other types go through getattr).
+        if hasattr(_picker_c, "bind_slots"):
+            _picker_c.bind_slots(EndpointState, _View)
 
 
 @dataclass(slots=True)
@@ -899,7 +902,8 @@ class Picker:
             k = self._cal.get(key) or self._cal.setdefault(key, _CalClass(key))
             k.num += num
             k.den += 1.0 - d
-            self._cal_of[name] = _CalOf(k, n, ratio, d, num)
+            # tuple.__new__ directly, as for Choice: the generated __new__ is one more call.
+            self._cal_of[name] = _new_choice(_CalOf, (k, n, ratio, d, num))
             if d > _CAL_SETTLED:
                 k.unsettled[name] = e
             elif old is not None:

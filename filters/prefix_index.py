@@ -28,7 +28,11 @@ Recency is block-level LRU with vLLM's tail-first order (vllm/v1/core/kv_cache_m
 block of its chain at once with one sequence number, and among blocks of equal recency
 the deeper one goes first. Nodes are touched as a whole, so each holder's entry per node
 is (seq, time, precise), ordered in a per-holder heap by (seq, -depth); eviction takes the
-oldest entry and, when only part of it must go, splits off and drops its tail. Because
+oldest entry and, when only part of it must go, splits off and drops its tail. A refresh
+pushes nothing: an item older than its entry is moved up to the entry's seq when it
+reaches the top (every item's key is at most its entry's, so the first current item on
+top is the oldest entry), which keeps about one item per entry in a heap instead of one
+per touch (refreshes of a hot chain had piled up ~1,700 items for ~90 entries). Because
 a child's entry is never newer than its parent's for approximate records, LRU and TTL
 keep closure by themselves; precise stores with a parent can break that order, so
 dropping a node always drops the holder's descendants too (in vLLM a block whose parent
@@ -40,15 +44,25 @@ event stream was followed become precise as soon as a request extends them.
 Approximate entries (`record`, what we routed where) expire after `ttl_s` and count
 `approx_confidence` of a block in `match_detail`; precise ones (`store`, from KV events)
 never expire and count fully (their staleness is the event stream's: demote or clear).
-Expiry is incremental: a heap of each holder's next due time means a query visits only
-holders with something to expire. A parent and its only child that end up with the same
-holders and recency are merged again, so paths stay as short as the prompts' real branch
-points. A per-endpoint trust factor (`demote`) discounts all of an
+Expiry is incremental and bounded per query: a heap of each holder's next due time means
+a query visits only holders with something to expire, and it examines at most
+`expire_budget` heap items of theirs (the rest waits for the next query; holders with work
+left are "behind"). What the index answers never depends on that lag: a query first moves
+the expiry horizon (`_cut`) to its time, and an approximate entry touched at t with
+t + ttl_s <= horizon counts as gone (with its holder's descendants, as a physical drop
+takes them) in a match, in a record, and wherever else it is read, before or after it is
+physically dropped. Any other change to a holder that is behind first finishes its expiry,
+or, for a record, drops the expired part of its own path. A parent and its only child
+that end up with the same holders and recency are merged again, so paths stay as short as
+the prompts' real branch points. A per-endpoint trust factor (`demote`) discounts all of an
 endpoint's entries, e.g. after missed event sequence numbers; `clear` empties it (engine
 restart, AllBlocksCleared) and `observe_epoch` clears on an epoch change.
 
 Precondition: the hashes passed in are chained (a hash determines its whole prefix).
 Limits: per endpoint `capacity` blocks (set_capacity, default `default_capacity_blocks`);
+per query at most `expire_budget` heap items examined for expiry (default
+EXPIRE_BUDGET); a holder's heaps are rebuilt when dead items outnumber 8 x its entries +
+1024, and the rebuilt-away items are freed TRASH_STEP at a time over the next updates;
 the tree holds no more nodes than the holders' entries, so memory is bounded by the sum
 of capacities (plus, per holder, a lazily cleaned heap of at most 8 x entries + 1024
 items; with track_blocks, one dict entry per distinct block).
@@ -58,11 +72,22 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Iterable, Sequence
 
 __all__ = ["PrefixIndex"]
 
 _INF = float("inf")
+# Heap items examined for expiry per query. An item costs ~0.5-0.8 us (a pop, or a drop);
+# an unbounded pass over a holder's stale items cost up to 1.2 ms in ~1.1% of the picks
+# of `python -m loadtest.picker_bench`. That bench needs ~1 item per pick on average, so
+# a budget of B costs ~B x 0.7 us in ~1/B of the picks: small B keeps it out of the tail
+# (64 put ~50 us into 1.7% of them, right at the p99).
+EXPIRE_BUDGET = 8
+# Old heap items freed per update after a rebuild (_compact): freeing ~1,700 at once cost
+# ~0.3-0.5 ms (0.07% of the bench's picks).
+TRASH_STEP = 128
+_ALL = 1 << 62  # a budget that never runs out
 
 
 class _Node:
@@ -147,12 +172,17 @@ class PrefixIndex:
         approx_confidence: float = 0.8,
         min_trust: float = 0.05,
         track_blocks: bool = False,
+        expire_budget: int = EXPIRE_BUDGET,
     ) -> None:
         """`track_blocks` keeps a hash -> node map so that `remove` and `store` with a
         parent can find a block anywhere (what a KV-event source needs); it costs a dict
-        entry per block, so the speculative-only index leaves it off."""
+        entry per block, so the speculative-only index leaves it off. `expire_budget`: heap
+        items a query examines for expiry (the answers do not depend on it)."""
         if default_capacity_blocks < 0 or ttl_s <= 0:
             raise ValueError("capacity must be >= 0 and ttl_s > 0")
+        if expire_budget < 1:
+            raise ValueError("expire_budget must be >= 1")
+        self.expire_budget = expire_budget
         self.default_capacity_blocks = default_capacity_blocks
         self.ttl_s = ttl_s
         self.approx_confidence = approx_confidence
@@ -168,6 +198,13 @@ class PrefixIndex:
         self._next_expiry = _INF
         # (time the holder's oldest approximate entry expires, uid, holder)
         self._due: list[tuple[float, int, _Holder]] = []
+        # The expiry horizon: approximate entries touched at t with t + ttl_s <= _cut are
+        # gone, whether or not dropped yet. Holders that may still hold such entries are
+        # "behind": their bits in _behind, themselves in _pending (oldest due first).
+        self._cut = -_INF
+        self._behind = 0
+        self._pending: deque[_Holder] = deque()
+        self._trash: list[list[_HeapItem]] = []  # rebuilt-away heaps, freed bit by bit
         self._merge: list[_Node] = []
         self._where: dict[int, _Node] | None = {} if track_blocks else None
 
@@ -180,8 +217,12 @@ class PrefixIndex:
     def match_detail(self, hashes: Sequence[int], now: float) -> dict[str, tuple[int, float]]:
         """Per endpoint with a match: (matched blocks, expected cached blocks), the latter
         weighting approximate blocks by `approx_confidence` and all by the endpoint's trust."""
-        if now >= self._next_expiry:
-            self.expire(now)
+        # The horizon is the index clock (the latest `now` seen), also for a late caller:
+        # nothing touched ttl_s or more before the latest time the index has seen counts.
+        if self._behind or now >= self._next_expiry or self._now >= self._next_expiry:
+            self._advance(now)
+            self._work(self.expire_budget)
+        behind = self._behind
         out: dict[str, tuple[int, float]] = {}
         n = len(hashes)
         children = self._root.children
@@ -192,7 +233,9 @@ class PrefixIndex:
             return out
         k = _common(child, hashes, 0, n)
         cur = child.mask
-        pcur = child.precise
+        if cur & behind:
+            cur = self._alive(child, cur)
+        pcur = child.precise & cur
         pos = k
         pdrop: dict[int, int] = {}
         by_bit = self._by_bit
@@ -207,6 +250,8 @@ class PrefixIndex:
                 break
             k = _common(nxt, hashes, pos, n)
             m = cur & nxt.mask
+            if m & behind:
+                m = self._alive(nxt, m)
             pm = pcur & nxt.precise & m
             gone = cur & ~m
             while gone:
@@ -263,6 +308,7 @@ class PrefixIndex:
         if h is None:
             return
         self._clock(now)
+        self._catch_up(h)
         for x in hashes:
             node = self._where.get(x)
             if node is None or not node.mask & h.bit:
@@ -279,6 +325,7 @@ class PrefixIndex:
         h = self._holders.get(endpoint)
         if h is None:
             return
+        self._catch_up(h)
         keep = max(0, keep)
         bit = h.bit
         node = self._root
@@ -367,6 +414,7 @@ class PrefixIndex:
         h = self._holder(endpoint)
         h.capacity = max(0, int(blocks))
         if h.used > h.capacity:
+            self._catch_up(h)  # its expired entries must not count, nor be evicted
             self._evict(h)
             self._settle()
 
@@ -377,37 +425,17 @@ class PrefixIndex:
             return
         self.clear(endpoint)
         del self._holders[endpoint]
+        self._behind &= ~h.bit  # _pending skips it: no longer in _holders
         self._by_bit[h.index] = None
         self._free_bits.append(h.index)
 
     def expire(self, now: float) -> None:
-        """Drop approximate entries older than ttl_s (match_detail calls this as needed).
-        Only holders whose oldest entry is due are visited (a heap of their due times),
-        so steady traffic pays for the entries that actually expire, not for every holder."""
-        now = self._clock(now)
-        limit = now - self.ttl_s
-        due = self._due
-        while due and due[0][0] <= now:
-            _, _, h = heapq.heappop(due)
-            if self._holders.get(h.name) is not h:
-                continue  # forgotten
-            heap = h.heap
-            entries = h.entries
-            h.due = _INF
-            while heap:
-                seq, _, _, node = heap[0]
-                e = entries.get(node)
-                if e is None or e[0] != seq or e[2]:
-                    heapq.heappop(heap)
-                    continue
-                if e[1] > limit:
-                    h.due = e[1] + self.ttl_s
-                    heapq.heappush(due, (h.due, next(self._uid), h))
-                    break
-                heapq.heappop(heap)
-                self._drop(h, node)
-        self._next_expiry = due[0][0] if due else _INF
-        self._settle()
+        """Drop approximate entries older than ttl_s, all of them now (match_detail does
+        the same work a budget at a time; what it answers is the same either way). Only
+        holders whose oldest entry is due are visited (a heap of their due times), so
+        steady traffic pays for the entries that actually expire, not for every holder."""
+        self._advance(now)
+        self._work(-1)
 
     # -- introspection (tests, admin) -----------------------------------------------------
 
@@ -416,7 +444,10 @@ class PrefixIndex:
 
     def used_blocks(self, endpoint: str) -> int:
         h = self._holders.get(endpoint)
-        return 0 if h is None else h.used
+        if h is None:
+            return 0
+        self._catch_up(h)
+        return h.used
 
     def capacity(self, endpoint: str) -> int:
         h = self._holders.get(endpoint)
@@ -427,11 +458,13 @@ class PrefixIndex:
         h = self._holders.get(endpoint)
         out: set[int] = set()
         if h is not None:
+            self._catch_up(h)
             for node in h.entries:
                 out.update(node.seg)
         return out
 
     def node_count(self) -> int:
+        self._work(-1)  # nodes only expired entries keep are not counted
         count = 0
         stack = [self._root]
         while stack:
@@ -504,6 +537,8 @@ class PrefixIndex:
         if parent is not None:
             if self._where is None:
                 raise RuntimeError("store(parent=...) needs PrefixIndex(track_blocks=True)")
+            # Whether `parent` is known depends on every holder: finish all their expiry.
+            self._work(_ALL)
             found = self._where.get(parent)
             if found is None:
                 return False
@@ -526,6 +561,8 @@ class PrefixIndex:
         else:
             h = self._holder(endpoint)
             now = self._clock(now)
+            if h.bit & self._behind:
+                self._drop_expired_on_path(h, hashes)
         if not n and not path:
             return True
         pos = 0
@@ -555,14 +592,16 @@ class PrefixIndex:
                 prec = precise
                 if not precise and h.expect is None:
                     h.expect = now
+                heapq.heappush(h.pheap if prec else h.heap, (seq, -node.depth, next(uid), node))
             else:
                 prec = precise or old[2]
+                if prec and not old[2]:  # approximate -> precise: it needs a precise item
+                    heapq.heappush(h.pheap, (seq, -node.depth, next(uid), node))
+                # else its item (seq older than the entry's) is moved up when it surfaces
             if prec:
                 node.precise |= bit
-                heapq.heappush(h.pheap, (seq, -node.depth, next(uid), node))
             else:
                 any_approx = True
-                heapq.heappush(h.heap, (seq, -node.depth, next(uid), node))
             entries[node] = (seq, now, prec)
             # A node that is its parent's only child and now has the same holders and
             # recency can merge into it (a re-recorded chain heals an earlier split).
@@ -580,11 +619,20 @@ class PrefixIndex:
             if h.due < self._next_expiry:
                 self._next_expiry = h.due
         if h.used > h.capacity:
-            self._evict(h)
-        # Refreshes leave stale heap items behind; rebuilding is O(entries), so do it
-        # rarely (amortised O(1) per record; a rebuild at 2x showed up in the p99 pick).
+            self._catch_up(h)  # its expired entries must not count, nor be evicted
+            if h.used > h.capacity:
+                self._evict(h)
+        # Drops leave dead heap items behind (and an entry dropped and added again can
+        # have two); rebuilding is O(entries), so do it rarely (amortised O(1) per record;
+        # a rebuild at 2x showed up in the p99 pick).
         if len(h.heap) + len(h.pheap) > 8 * len(entries) + 1024:
             self._compact(h)
+        trash = self._trash
+        if trash:
+            t = trash[-1]
+            del t[-TRASH_STEP:]
+            if not t:
+                trash.pop()
         self._settle()
         return True
 
@@ -633,9 +681,13 @@ class PrefixIndex:
         for heap, is_precise in ((h.heap, False), (h.pheap, True)):
             while heap:
                 item = heap[0]
-                e = entries.get(item[3])
-                if e is None or e[0] != item[0] or e[2] != is_precise:
+                node = item[3]
+                e = entries.get(node)
+                if e is None or e[2] != is_precise:
                     heapq.heappop(heap)
+                    continue
+                if e[0] != item[0]:  # refreshed since: its item moves up to the entry's seq
+                    heapq.heapreplace(heap, (e[0], -node.depth, next(self._uid), node))
                     continue
                 if best is None or item[:3] < best[:3]:
                     best = item
@@ -742,5 +794,128 @@ class PrefixIndex:
             (pheap if prec else heap).append((seq, -node.depth, next(uid), node))
         heapq.heapify(heap)
         heapq.heapify(pheap)
+        # Freeing the old items all at once was most of a rebuild's cost: _put frees them
+        # TRASH_STEP at a time.
+        for old in (h.heap, h.pheap):
+            if old:
+                self._trash.append(old)
         h.heap = heap
         h.pheap = pheap
+
+    # -- expiry, a budget at a time ------------------------------------------------------------
+
+    def _advance(self, now: float) -> None:
+        """Move the expiry horizon to `now` (the index clock): holders whose oldest entry
+        is due by then fall behind, to be worked off by _work."""
+        cut = self._cut = self._clock(now)
+        due = self._due
+        holders = self._holders
+        while due and due[0][0] <= cut:
+            _, _, h = heapq.heappop(due)
+            if holders.get(h.name) is not h:
+                continue  # forgotten
+            self._behind |= h.bit
+            self._pending.append(h)
+        self._next_expiry = due[0][0] if due else _INF
+
+    def _work(self, budget: int) -> None:
+        """Drop expired entries of the holders behind, oldest due first, examining at
+        most `budget` heap items."""
+        pending = self._pending
+        holders = self._holders
+        while pending:
+            h = pending[0]
+            if holders.get(h.name) is not h or not self._behind & h.bit:
+                pending.popleft()  # forgotten, or caught up out of turn
+                continue
+            left = self._expire_holder(h, budget)
+            if left is None:
+                break
+            budget = left
+            pending.popleft()
+        due = self._due
+        self._next_expiry = due[0][0] if due else _INF
+        self._settle()
+
+    def _expire_holder(self, h: _Holder, budget: int) -> int | None:
+        """Drop h's approximate entries that the horizon passed, in (seq, -depth) order,
+        examining at most `budget` heap items; the budget left, or None when h is still
+        behind. Done, h's next due time is queued (its oldest entry's time + ttl_s, the
+        sum the horizon is compared with, so a due holder always has something due)."""
+        heap = h.heap
+        entries = h.entries
+        ttl = self.ttl_s
+        cut = self._cut
+        while heap:
+            if budget <= 0:
+                return None
+            budget -= 1
+            seq, _, _, node = heap[0]
+            e = entries.get(node)
+            if e is None or e[2]:
+                heapq.heappop(heap)
+                continue
+            if e[0] != seq:  # refreshed since: its item moves up to the entry's seq
+                heapq.heapreplace(heap, (e[0], -node.depth, next(self._uid), node))
+                continue
+            at = e[1] + ttl
+            if at > cut:
+                h.due = at
+                heapq.heappush(self._due, (at, next(self._uid), h))
+                if at < self._next_expiry:
+                    self._next_expiry = at
+                break
+            heapq.heappop(heap)
+            self._drop(h, node)
+        else:
+            h.due = _INF
+        self._behind &= ~h.bit
+        return budget
+
+    def _catch_up(self, h: _Holder) -> None:
+        """Finish h's expiry (before anything reads or changes h beyond a match)."""
+        if h.bit & self._behind:
+            self._expire_holder(h, _ALL)
+            self._settle()
+
+    def _alive(self, node: _Node, m: int) -> int:
+        """The holders in `m` (node's) less those behind whose entry on node has expired
+        (they lose its descendants too: a match walks from the root, so they stay out)."""
+        x = m & self._behind
+        cut = self._cut
+        ttl = self.ttl_s
+        by_bit = self._by_bit
+        while x:
+            low = x & -x
+            h = by_bit[low.bit_length() - 1]
+            assert h is not None
+            e = h.entries[node]
+            if not e[2] and e[1] + ttl <= cut:
+                m ^= low
+            x ^= low
+        return m
+
+    def _drop_expired_on_path(self, h: _Holder, hashes: Sequence[int]) -> None:
+        """h is behind and about to record this chain: drop its hold from the first
+        expired node on the chain's path down (a record must see what a finished expiry
+        would have left; h's expired entries elsewhere wait for _work)."""
+        node = self._root
+        bit = h.bit
+        pos = 0
+        n = len(hashes)
+        cut = self._cut
+        ttl = self.ttl_s
+        entries = h.entries
+        while pos < n and node.children:
+            child = node.children.get(hashes[pos])
+            if child is None or not child.mask & bit:
+                return
+            e = entries[child]
+            if not e[2] and e[1] + ttl <= cut:
+                self._drop(h, child)
+                return
+            k = _common(child, hashes, pos, n)
+            if k < len(child.seg):
+                return
+            pos += k
+            node = child

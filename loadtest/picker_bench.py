@@ -5,7 +5,10 @@ of a naive O(blocks x endpoints) matcher over the same holdings, as a ratio.
 Wall-clock percentiles on a shared machine include other processes' preemptions, so it
 also prints the quietest round and thread CPU time, and, to tell the cyclic GC's share of
 the tail from the rest, the percentiles of the picks no collection overlapped (--no-gc
-turns the GC off, --gc-freeze moves the setup's objects out of its reach). Run:
+turns the GC off, --gc-freeze moves the setup's objects out of its reach). --tail says
+what the slowest 1% of picks (by CPU time) did that a median pick did not: index expiry
+work, heap rebuilds, view rebuilds, a GC pass (it counts calls through wrappers, which
+cost a little time themselves). Run:
 `python -m loadtest.picker_bench [--endpoints 64] [--tokens 32768] [--picks 2000] [--rounds 5]`.
 """
 
@@ -17,13 +20,24 @@ import os
 import random
 import statistics
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from filters.endpoint_state import EndpointState, ReportedState
 from filters.hotpath import IMPLEMENTATION, block_hashes
 from filters.picker import IMPLEMENTATION as PICK_IMPLEMENTATION
 from filters.picker import Picker, PickRequest
+from filters.prefix_index import PrefixIndex
+
+# What --tail counts per pick: (class, method, label).
+TAIL_EVENTS = (
+    (PrefixIndex, "_work", "index expiry work"),
+    (PrefixIndex, "_catch_up", "index catch-up"),
+    (PrefixIndex, "_compact", "index heap rebuild"),
+    (Picker, "_static_view", "static view rebuild"),
+    (Picker, "_view", "view rebuild"),
+)
 
 GPUS = ("A100", "H100", "H200", "B200")
 _VOCAB = (
@@ -49,6 +63,47 @@ def _percentiles(samples_ns: Sequence[int]) -> tuple[float, float]:
     p50 = s[len(s) // 2] / 1000.0
     p99 = s[min(len(s) - 1, int(len(s) * 0.99))] / 1000.0
     return p50, p99
+
+
+def _count_calls(events: Counter[str]) -> Callable[[], None]:
+    """Wrap TAIL_EVENTS' methods to count their calls in `events`; returns the undo."""
+    saved = []
+    for cls, name, label in TAIL_EVENTS:
+        f = getattr(cls, name)
+        saved.append((cls, name, f))
+
+        def counted(*a: Any, _f: Any = f, _label: str = label, **k: Any) -> Any:
+            events[_label] += 1
+            return _f(*a, **k)
+
+        setattr(cls, name, counted)
+
+    def undo() -> None:
+        for cls, name, f in saved:
+            setattr(cls, name, f)
+
+    return undo
+
+
+def tail_composition(picks: Sequence[tuple[int, Counter[str], bool]]) -> list[str]:
+    """Lines saying how the slowest 1% of `picks` (CPU ns, calls, GC overlapped) differ from
+    the middle 20%: the share of picks with each event and the calls per pick."""
+    s = sorted(picks, key=lambda p: p[0])
+    n = len(s)
+    groups = (("middle 20%", s[int(n * 0.4) : int(n * 0.6)]), ("slowest 1%", s[int(n * 0.99) :]))
+    labels = [label for _, _, label in TAIL_EVENTS]
+    out = []
+    for title, g in groups:
+        parts = [f"{title} ({len(g)} picks, CPU >= {g[0][0] / 1000:.1f} us):"]
+        for label in labels:
+            with_it = sum(1 for _, c, _ in g if c[label])
+            calls = sum(c[label] for _, c, _ in g) / len(g)
+            parts.append(f"{label} {100 * with_it / len(g):.0f}% ({calls:.2f}/pick)")
+        parts.append(f"GC pass {100 * sum(1 for *_, hit in g if hit) / len(g):.0f}%")
+        plain = sum(1 for _, c, hit in g if not hit and not any(c[x] for x in labels[:4]))
+        parts.append(f"none of these but view rebuilds {100 * plain / len(g):.0f}%")
+        out.append("    " + "; ".join(parts))
+    return out
 
 
 def naive_match(held: dict[str, set[int]], hashes: Sequence[int]) -> dict[str, int]:
@@ -78,6 +133,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     ap.add_argument(
         "--gc-freeze", action="store_true", help="gc.freeze() the setup's objects before timing"
+    )
+    ap.add_argument(
+        "--tail", action="store_true", help="what the slowest 1%% of picks did (see above)"
     )
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
@@ -147,6 +205,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.no_gc:
         gc.disable()
     gc.callbacks.append(on_gc)
+    events: Counter[str] = Counter()
+    undo = _count_calls(events) if args.tail else None
+    tail: list[tuple[int, Counter[str], bool]] = []
     try:
         for _ in range(args.rounds):
             wall: list[int] = []
@@ -163,6 +224,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 wall.append(t1 - t0)
                 cpu_ns.append(c1 - c0)
                 overlapped.append(collections[0] != g0)
+                if undo is not None:
+                    tail.append((c1 - c0, events.copy(), collections[0] != g0))
+                    events.clear()
                 picker.dispatch(out[0], r, rid, now)
                 inflight.append((out[0].state, rid))
                 rid += 1
@@ -189,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             for r in sample_reqs[:10]
         )
     finally:
+        if undo is not None:
+            undo()
         gc.callbacks.remove(on_gc)
         gc.enable()
         if args.gc_freeze:
@@ -229,6 +295,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"mean pick {statistics.fmean(pick_samples) / 1000:.1f} us; "
         f"hashing {t_hash / 1e6:.0f} ms for {len(reqs)} prompts"
     )
+    if tail:
+        print("  tail composition (--tail; counted through wrappers):")
+        for line in tail_composition(tail):
+            print(line)
 
 
 if __name__ == "__main__":
