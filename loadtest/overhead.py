@@ -73,6 +73,7 @@ class Settings:
     meshd_overrides: tuple[str, ...]
     token_delay_ms: float = 0.0
     seed: int = 1
+    pin: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -599,6 +600,31 @@ def run_hotpath(timeout_s: float = 120.0) -> str | None:
     return text
 
 
+def split_cpus(cpus: set[int]) -> tuple[set[int], set[int]]:
+    """--pin: (the proxy's CPU, everyone else's): the lowest CPU alone, the rest shared."""
+    ordered = sorted(cpus)
+    return {ordered[0]}, set(ordered[1:])
+
+
+def pin_processes(
+    targets: dict[str, Target], backends: Sequence[Child], cpus: set[int]
+) -> tuple[set[int], set[int]]:
+    """--pin: returns (the proxies' CPUs, everyone else's)."""
+    proxy_cpus, rest = split_cpus(cpus)
+    procstats.pin(os.getpid(), rest)  # this load generator (its threads; children are below)
+    for b in backends:
+        procstats.pin(b.proc.pid, rest)
+    for t in targets.values():
+        if t.pid is not None:
+            procstats.pin(t.pid, proxy_cpus)
+    print(
+        f"pinned: proxies on CPU {sorted(proxy_cpus)}, backends and load generator on "
+        f"{sorted(rest)}",
+        file=sys.stderr,
+    )
+    return proxy_cpus, rest
+
+
 def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str | None]:
     parser = argparse.ArgumentParser(prog="python -m loadtest.overhead", description=__doc__)
     parser.add_argument("--rates", default="50,100,200", help="open-loop rates, requests/s")
@@ -620,6 +646,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str | None]:
     parser.add_argument("--quick", action="store_true", help="one rate, short runs (< 60 s)")
     parser.add_argument("--no-hotpath", action="store_true", help="skip loadtest.hotpath_bench")
     parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="give the proxy under test (meshd or Envoy) a CPU of its own and the backends "
+        "and this load generator the others, as a sidecar with its own CPU would have; "
+        "needs 2+ CPUs. Without it all share every CPU and queue behind each other",
+    )
     args = parser.parse_args(argv)
     rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
     duration, serial, saturation = args.duration, args.serial, args.saturation
@@ -640,7 +673,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str | None]:
         hotpath=not args.no_hotpath and not args.quick,
         meshd_overrides=tuple(args.meshd_set),
         token_delay_ms=args.token_delay_ms,
+        pin=args.pin,
     )
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
+        parser.error("--pin needs at least 2 CPUs (one for the proxy, one for the rest)")
     return settings, args.json
 
 
@@ -648,6 +684,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings, json_path = parse_args(argv)
     started = time.monotonic()
     env_before = environment()
+    cpus = os.sched_getaffinity(0)
+    split: tuple[set[int], set[int]] | None = None
     workdir = Path(tempfile.mkdtemp(prefix="meshd-overhead-"))
     backends: list[Child] = []
     meshd_child: Child | None = None
@@ -662,6 +700,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for t in targets.values():
             if t.error:
                 print(f"!! {t.error}", file=sys.stderr)
+        if settings.pin:
+            split = pin_processes(targets, backends, cpus)
         install_fast_loop()
         asyncio.run(run_phases(list(targets.values()), backends, settings))
         for t in targets.values():
@@ -694,11 +734,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{settings.duration_s:g} s each; saturation: {settings.concurrency} closed-loop clients "
         f"for {settings.saturation_s:g} s. Whole run took {elapsed:.0f} s."
     )
-    print(
-        f"machine: {env_before['cpus']} CPUs shared by the backends, the proxy, this load "
-        f"generator and any other work (load average {env_before['loadavg'][0]} at start): "
-        "saturation and CPU figures are contended, ratios mean more than absolutes."
-    )
+    if split is not None:
+        proxy_cpus, rest = split
+        print(
+            f"machine: {env_before['cpus']} CPUs; --pin: each proxy alone on CPU "
+            f"{sorted(proxy_cpus)}, the backends and this load generator on {sorted(rest)} "
+            f"(load average {env_before['loadavg'][0]} at start). Saturation is then bounded "
+            "by the shared CPUs as much as by the proxy."
+        )
+    else:
+        print(
+            f"machine: {env_before['cpus']} CPUs shared by the backends, the proxy, this load "
+            f"generator and any other work (load average {env_before['loadavg'][0]} at "
+            "start): saturation and CPU figures are contended, ratios mean more than absolutes."
+        )
     for t in targets.values():
         state = f"error: {t.error}" if t.error else t.version
         print(f"  {t.name:<6} {state}")

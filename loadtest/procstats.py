@@ -75,6 +75,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def pin(pid: int, cpus: set[int]) -> int:
+    """Restrict every thread of `pid` and of its live descendants to `cpus` (threads and
+    processes started later inherit it from their parent); returns the threads pinned."""
+    pinned = 0
+    for p in descendants(pid):
+        try:
+            tids = [int(t.name) for t in (_PROC / str(p) / "task").iterdir()]
+        except OSError:
+            continue  # gone while we looked
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except (ProcessLookupError, PermissionError):
+                continue
+            pinned += 1
+    return pinned
+
+
 def sample(pid: int, *, tree: bool = False) -> ProcSample:
     """Read `pid` now; with `tree`, sum over it and its live descendants.
 
