@@ -314,20 +314,7 @@ def added_latency(
                 for b in backends:
                     cmd += ["--endpoint", f"{b.host}:{b.port}"]
                 processor(name, [*cmd, *flags], template, render)
-            settings = overhead.Settings(
-                rates=(rate,),
-                duration_s=duration_s,
-                serial_s=1,
-                saturation_s=1,
-                concurrency=1,
-                backends=3,
-                tokens=tokens,
-                envoy_concurrency=1,
-                warmup_s=0,
-                quick=True,
-                hotpath=False,
-                meshd_overrides=(),
-            )
+            settings = overhead.process_settings(tokens=tokens, backends=3, rate=rate)
             meshd, target = overhead.start_meshd(backends, settings, work)
             if meshd is not None:
                 children.append(meshd)

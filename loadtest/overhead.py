@@ -76,6 +76,25 @@ class Settings:
     pin: bool = False
 
 
+def process_settings(*, tokens: int, backends: int, rate: float | None = None) -> Settings:
+    """Settings for a script that only starts this benchmark's processes (start_backends,
+    start_meshd) and drives them itself."""
+    return Settings(
+        rates=() if rate is None else (rate,),
+        duration_s=0.0,
+        serial_s=0.0,
+        saturation_s=0.0,
+        concurrency=1,
+        backends=backends,
+        tokens=tokens,
+        envoy_concurrency=1,
+        warmup_s=0.0,
+        quick=True,
+        hotpath=False,
+        meshd_overrides=(),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Phase:
     """One measured run against one target, with what the processes spent on it."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from loadtest.openloop import Endpoint, LoadGenerator, completion_request
-from loadtest.overhead import Child, Settings, meshd_config, start_backends, start_child
+from loadtest.overhead import Child, meshd_config, process_settings, start_backends, start_child
 
 # Valgrind makes the sidecar ~50x slower: every wait on it is generous.
 _VALGRIND_START_S = 120.0
@@ -43,23 +43,6 @@ def total_instructions(path: Path) -> int:
     if not counts:
         raise ValueError(f"{path}: no totals or summary line (is it a callgrind output file?)")
     return max(counts)
-
-
-def _settings(tokens: int) -> Settings:
-    return Settings(
-        rates=(),
-        duration_s=0.0,
-        serial_s=0.0,
-        saturation_s=0.0,
-        concurrency=1,
-        backends=2,
-        tokens=tokens,
-        envoy_concurrency=1,
-        warmup_s=0.0,
-        quick=True,
-        hotpath=False,
-        meshd_overrides=(),
-    )
 
 
 async def _drive(child: Child, endpoint: Endpoint, tokens: int, warmup: int, n: int) -> None:
@@ -88,7 +71,7 @@ def measure(requests: int, tokens: int, warmup: int) -> float:
     backends: list[Child] = []
     sidecar: Child | None = None
     try:
-        settings = _settings(tokens)
+        settings = process_settings(tokens=tokens, backends=2)
         backends = start_backends(settings, workdir)
         eps = [Endpoint("127.0.0.1", int(b.ready["port"])) for b in backends]
         config = meshd_config(eps)

@@ -143,14 +143,15 @@ def settle(cp: ControlPlane, clients: list[Client]) -> None:
                 c.ack()
 
 
-def test_a_late_subscriber_gets_the_base_then_the_delta() -> None:
+@pytest.mark.parametrize("delta", [True, False], ids=["delta", "sotw"])
+def test_a_late_subscriber_gets_the_base_then_the_delta(delta: bool) -> None:
     cp = ControlPlane(eds=False)
     e = Engine("eng-a", random.Random(1))
     e.churn()
     publish(cp, e, full=True)
     e.churn()
     publish(cp, e, full=False)  # the cache now holds only this delta
-    c = Client(cp, 0, ["eng-a"], delta=True)
+    c = Client(cp, 0, ["eng-a"], delta=delta)
     settle(cp, [c])
     assert c.received == [("eng-a", True, 1), ("eng-a", False, 2)]
     assert c.holds(e) == frozenset(e.blocks)
@@ -214,19 +215,6 @@ def test_lockstep_members_get_the_base_and_a_slow_one_does_not_merge_it_away() -
     for c in clients:
         assert c.holds(e) == frozenset(e.blocks), c.stream.peer
         assert c.received[-2:] == [("eng-a", True, 3), ("eng-a", False, 4)]
-
-
-def test_sotw_late_subscriber_gets_the_base_then_the_delta() -> None:
-    cp = ControlPlane(eds=False)
-    e = Engine("eng-a", random.Random(4))
-    e.churn()
-    publish(cp, e, full=True)
-    e.churn()
-    publish(cp, e, full=False)
-    c = Client(cp, 0, ["eng-a"], delta=False)
-    settle(cp, [c])
-    assert c.received == [("eng-a", True, 1), ("eng-a", False, 2)]
-    assert c.holds(e) == frozenset(e.blocks)
 
 
 def test_a_delta_on_a_base_the_control_plane_never_saw_goes_as_it_is() -> None:
