@@ -41,8 +41,15 @@ A precise store with a parent also adopts the path from the root to that parent 
 holder (the engine held it to compute the new blocks), so prefixes cached before the
 event stream was followed become precise as soon as a request extends them.
 
-Approximate entries (`record`, what we routed where) expire after `ttl_s` and count
-`approx_confidence` of a block in `match_detail`; precise ones (`store`, from KV events)
+Approximate entries (`record`, what we routed where) count `approx_confidence` of a block
+in `match_detail` and, by default, leave only as the engine's own blocks do: by LRU eviction
+under the holder's capacity (vLLM frees cached blocks only when it needs the memory, never
+by age), by `truncate` when the engine answered with fewer cached tokens than predicted,
+and by `clear`/`observe_epoch`. A finite `ttl_s` also expires them that long after their
+last touch: a hedge for an index that sees only part of an engine's traffic. On the
+Mooncake trace (16 engines, virtual clock) a 120 s TTL dropped the 32% of the single-cache
+bound's block reuses that come more than 120 s apart: hit rate 53.0% against 63.9% without
+it (bound 64.0%), TTFT p90 45.8 against 37.1 ms. Precise entries (`store`, from KV events)
 never expire and count fully (their staleness is the event stream's: demote or clear).
 Expiry is incremental and bounded per query: a heap of each holder's next due time means
 a query visits only holders with something to expire, and it examines at most
@@ -168,7 +175,7 @@ class PrefixIndex:
         self,
         *,
         default_capacity_blocks: int = 32_768,
-        ttl_s: float = 120.0,
+        ttl_s: float = _INF,
         approx_confidence: float = 0.8,
         min_trust: float = 0.05,
         track_blocks: bool = False,
@@ -177,8 +184,10 @@ class PrefixIndex:
         """`track_blocks` keeps a hash -> node map so that `remove` and `store` with a
         parent can find a block anywhere (what a KV-event source needs); it costs a dict
         entry per block, so the speculative-only index leaves it off. `expire_budget`: heap
-        items a query examines for expiry (the answers do not depend on it)."""
-        if default_capacity_blocks < 0 or ttl_s <= 0:
+        items a query examines for expiry (the answers do not depend on it). `ttl_s`: age
+        limit of approximate entries after their last touch (inf, the default: none; see
+        the module docstring)."""
+        if default_capacity_blocks < 0 or not ttl_s > 0:
             raise ValueError("capacity must be >= 0 and ttl_s > 0")
         if expire_budget < 1:
             raise ValueError("expire_budget must be >= 1")
@@ -613,7 +622,7 @@ class PrefixIndex:
                 and len(up.children) == 1
             ):
                 self._merge.append(up)
-        if any_approx and h.due == _INF:
+        if any_approx and h.due == _INF and self.ttl_s < _INF:
             h.due = now + self.ttl_s
             heapq.heappush(self._due, (h.due, next(uid), h))
             if h.due < self._next_expiry:

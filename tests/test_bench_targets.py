@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench.client import RequestOutcome
-from loadtest.bench.fleet import EngineInfo
+from loadtest.bench.fleet import EngineInfo, FleetSpec
 from loadtest.bench.policies import (
     POLICIES,
     FleetPolicySpec,
@@ -162,6 +162,31 @@ def test_meshd_is_started_with_the_fleets_gpus() -> None:
         ("http://127.0.0.1:2", "A100"),
     ]
     assert config.routing.policy == "meshd"
+    assert [e.kv_capacity_tokens for e in config.pools[0].endpoints] == [None, None]
+
+
+def test_meshd_is_told_the_fleets_kv_capacity_where_known() -> None:
+    # A small --kv-blocks fleet: without its capacity the index would model the GPU's
+    # datasheet cache (~440k tokens) and keep prefixes the engines evicted long ago.
+    engines = [
+        EngineInfo("h100-0", "http://127.0.0.1:1", "H100", 3.0, 8192),
+        EngineInfo("a100-1", "http://127.0.0.1:2", "A100", 1.3),
+    ]
+    config = load_config(None, base=sidecar_config_for_fleet(engines, "meshd"), env={})
+    assert [e.kv_capacity_tokens for e in config.pools[0].endpoints] == [8192, None]
+
+
+def test_virtual_meshd_is_told_the_fleets_kv_capacity() -> None:
+    from loadtest.bench.virtual import engine_specs, kv_capacity_tokens, sidecar_model
+    from loadtest.engine.virtual import VirtualFleet
+
+    fleet = VirtualFleet(engine_specs(FleetSpec(gpus=("H100", "A100"), kv_blocks=512)))
+    kv = [kv_capacity_tokens(e) for e in fleet]
+    assert kv == [512 * 16, 512 * 16]
+    urls = [f"http://{e.name}:8000" for e in fleet]
+    model = sidecar_model(urls, "meshd", ["H100", "A100"], kv)
+    states = model.router.states  # type: ignore[attr-defined]
+    assert [s.kv_capacity(0.0) for s in states] == kv
 
 
 def test_meshd_latency_sets_the_value_of_time_in_the_config() -> None:

@@ -166,6 +166,29 @@ def test_ttl_expiry_with_fake_clock():
     idx.check()
 
 
+def test_default_has_no_age_limit_only_capacity_evicts():
+    # vLLM frees cached blocks when it needs the memory, not by age: a prefix reused an
+    # hour later is still there unless newer blocks pushed it out.
+    idx = PrefixIndex(default_capacity_blocks=6)
+    a = chain([1, 2, 3])
+    idx.record("e", a, 0.0)
+    idx.expire(3600.0)
+    assert idx.match(a, 3600.0) == {"e": 3}
+    idx.record("e", chain([7, 8, 9, 10]), 3601.0)  # 7 blocks > 6: a's tail goes
+    assert idx.match(a, 3602.0) == {"e": 2}
+    # Nothing is ever due, so records queue no expiry work.
+    for t in range(100):
+        idx.record("e", a, 3603.0 + t)
+    assert len(idx._due) == 0
+    idx.check()
+
+
+@pytest.mark.parametrize("ttl", [0.0, -1.0, float("nan")])
+def test_ttl_must_be_positive(ttl: float):
+    with pytest.raises(ValueError):
+        PrefixIndex(ttl_s=ttl)
+
+
 def test_time_never_runs_backwards_inside_the_index():
     idx = PrefixIndex(ttl_s=10.0)
     a = chain([1, 2])

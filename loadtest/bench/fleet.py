@@ -65,12 +65,14 @@ class FleetSpec:
 
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
-    """One running engine: where it listens, its GPU and what that GPU costs."""
+    """One running engine: where it listens, its GPU and what that GPU costs, and its KV
+    cache in tokens where known (a simulated engine's kv_blocks x block_size)."""
 
     name: str
     url: str
     gpu: str
     price_per_gpu_hour: float
+    kv_capacity_tokens: int | None = None
 
 
 def fleet_gpus(engines: int, gpus: Sequence[str]) -> tuple[str, ...]:
@@ -230,7 +232,16 @@ async def _serve_sim(spec: FleetSpec, host: str) -> tuple[list[EngineInfo], list
     ]
     fleet = EngineFleet(specs, host=host)
     await fleet.start()
-    infos = [EngineInfo(e.name, e.url, e.profile.gpu, e.profile.price_per_gpu_hour) for e in fleet]
+    infos = [
+        EngineInfo(
+            e.name,
+            e.url,
+            e.profile.gpu,
+            e.profile.price_per_gpu_hour,
+            e.profile.kv_blocks * e.profile.block_size,
+        )
+        for e in fleet
+    ]
     return infos, [fleet]
 
 

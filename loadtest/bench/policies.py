@@ -410,9 +410,13 @@ def sidecar_config_for_fleet(
     """sidecar_config with each endpoint's GPU generation from the fleet, and `picker`
     settings (routing.picker) when given."""
     config = sidecar_config([e.url for e in engines], policy)
-    config["pools"] = [
-        {"name": "default", "endpoints": [{"url": e.url, "gpu": e.gpu} for e in engines]}
-    ]
+    endpoints: list[dict[str, object]] = []
+    for e in engines:
+        ep: dict[str, object] = {"url": e.url, "gpu": e.gpu}
+        if e.kv_capacity_tokens is not None:
+            ep["kv_capacity_tokens"] = e.kv_capacity_tokens
+        endpoints.append(ep)
+    config["pools"] = [{"name": "default", "endpoints": endpoints}]
     if picker:
         routing = config["routing"]
         assert isinstance(routing, dict)

@@ -105,6 +105,12 @@ def engine_specs(fleet: FleetSpec) -> list[EngineSpec]:
     ]
 
 
+def kv_capacity_tokens(engine: VirtualEngine) -> int:
+    """The engine's KV cache in tokens (what a pass started on the fleet configures)."""
+    profile = engine.replica.profile
+    return profile.kv_blocks * profile.block_size
+
+
 def engine_url(engine: VirtualEngine) -> str:
     return f"http://{engine.name}:{VIRTUAL_PORT}"
 
@@ -122,16 +128,25 @@ class SidecarModel:
 
 
 def sidecar_model(
-    urls: Sequence[str], policy: str, gpus: Sequence[str] | None = None
+    urls: Sequence[str],
+    policy: str,
+    gpus: Sequence[str] | None = None,
+    kv_capacity_tokens: Sequence[int] | None = None,
 ) -> SidecarModel:
     """The router of `routing.policy: policy` over `urls` (Sidecar.__init__'s recipe);
-    `gpus`: each endpoint's GPU in the config, as a pass started on the fleet has it."""
+    `gpus` (and `kv_capacity_tokens`): each endpoint's GPU (and KV capacity) in the config,
+    as a pass started on the fleet has them."""
     from meshd.config import Config
     from meshd.sidecar import build_routers
 
     doc = sidecar_config(urls, policy)
     if gpus is not None:
-        endpoints = [{"url": u, "gpu": g} for u, g in zip(urls, gpus, strict=True)]
+        endpoints: list[dict[str, object]] = [
+            {"url": u, "gpu": g} for u, g in zip(urls, gpus, strict=True)
+        ]
+        if kv_capacity_tokens is not None:
+            for ep, kv in zip(endpoints, kv_capacity_tokens, strict=True):
+                ep["kv_capacity_tokens"] = kv
         doc["pools"] = [{"name": "default", "endpoints": endpoints}]
     config = Config.model_validate(doc)
     routing = config.routing
@@ -602,7 +617,8 @@ def run_virtual_policy(
     # A policy started on the fleet (policies.FleetPolicySpec) has the GPUs in its config.
     on_fleet = getattr(POLICIES.get(name), "start_on_fleet", None) is not None
     gpus = [e.replica.profile.gpu for e in fleet] if on_fleet else None
-    sidecar = sidecar_model([engine_url(e) for e in fleet], policy, gpus)
+    kv = [kv_capacity_tokens(e) for e in fleet] if on_fleet else None
+    sidecar = sidecar_model([engine_url(e) for e in fleet], policy, gpus, kv)
     settings = replace(settings, progress_desc=settings.progress_desc or name)
     run = VirtualPass(
         fleet, sidecar, settings, sample_period_s=sample_period_s, capture_text=capture_text
