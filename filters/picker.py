@@ -177,6 +177,9 @@ class PickerConfig:
     # Primary + fallbacks returned (None: every candidate). Each costs ~1-3 us to build; a
     # retry budget rarely allows more than two or three attempts.
     max_choices: int | None = 4
+    # Age limit of the approximate prefix entries (PrefixIndex ttl_s; None: none, the
+    # engine's KV capacity LRU and the cached-token feedback evict them).
+    prefix_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.epsilon < 0 or self.lambda_usd_per_s < 0 or self.tokens_per_block <= 0:
@@ -185,6 +188,13 @@ class PickerConfig:
             raise ValueError("group_blocks must be >= 1 and demand_window_s > 0")
         if self.max_choices is not None and self.max_choices < 1:
             raise ValueError("max_choices must be >= 1 or None")
+        if self.prefix_ttl_s is not None and not self.prefix_ttl_s > 0:
+            raise ValueError("prefix_ttl_s must be > 0 or None")
+
+    def new_index(self, *, track_blocks: bool = False) -> PrefixIndex:
+        """A prefix index with this config's age limit."""
+        ttl = _INF if self.prefix_ttl_s is None else self.prefix_ttl_s
+        return PrefixIndex(ttl_s=ttl, track_blocks=track_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -522,7 +532,7 @@ class Picker:
         eligible: Callable[[EndpointState, PickRequest, float], bool] | None = None,
     ) -> None:
         self.config = c = config or PickerConfig()
-        self.index = index if index is not None else PrefixIndex()
+        self.index = index if index is not None else c.new_index()
         self.gpus = gpus or GpuTable()
         self._eligible = eligible
         self._lambda = [c.lambda_usd_per_s * c.lambda_priority_base ** (p - 5) for p in range(10)]

@@ -44,7 +44,6 @@ from typing import Literal, Protocol
 from filters.balancer import EndpointBalancer
 from filters.endpoint_state import BlockDigest, EndpointState, ReportedBlocks, ReportedState
 from filters.picker import Choice, Picker, PickerConfig, PickRequest
-from filters.prefix_index import PrefixIndex
 
 Policy = Literal["round-robin", "least-request", "meshd"]
 POLICIES: tuple[Policy, ...] = ("meshd", "least-request", "round-robin")
@@ -292,7 +291,8 @@ class PickerRouter:
         self._by_url = {s.url: s for s in self.states}
         self._last_error: dict[str, str] = {}
         # track_blocks: a digest's removals find their blocks (PrefixIndex.remove).
-        self.picker = Picker(config, index=PrefixIndex(track_blocks=True))
+        config = config or PickerConfig()
+        self.picker = Picker(config, index=config.new_index(track_blocks=True))
         self._digests: dict[str, ReportedBlocks] = {}  # endpoint name -> its blocks
         self._digest_live: set[str] = set()  # names whose blocks are in the index now
 

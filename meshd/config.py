@@ -168,6 +168,11 @@ class PickerSettings(_Strict):
     # batch: decode priced at the request's share of the batch it joins (packs running
     # batches, the cheaper fleet); reference: every endpoint at a batch of 64.
     decode_pricing: Literal["batch", "reference"] = "batch"
+    # Age limit of what the prefix index learnt from this sidecar's own routing (None: none;
+    # entries leave by the engine's KV capacity, LRU, and when an engine answers with fewer
+    # cached tokens than predicted). A hedge for engines shared by many sidecars without KV
+    # events, whose indexes each see part of the traffic that evicts the engine's cache.
+    prefix_ttl_s: float | None = Field(default=None, gt=0)
 
 
 class Tokenizer(_Strict):
@@ -593,6 +598,7 @@ routing:
     epsilon: 0.25              # bounded load: no endpoint above (1+epsilon) x mean
     load_metric: requests      # or tokens
     decode_pricing: batch      # or reference (every endpoint priced at batch 64)
+    prefix_ttl_s: null         # age limit of learnt prefix entries (null: KV capacity LRU only)
   unhealthy_after_failures: 3  # consecutive connect failures before an endpoint rests
   unhealthy_cooldown_s: 10
   tokenizers: {}               # model -> precise prefix path (needs meshd[precise]), e.g.

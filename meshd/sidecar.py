@@ -1615,6 +1615,7 @@ def build_routers(config: Config) -> dict[str, PoolRouter]:
         load_metric=routing.picker.load_metric,
         decode_pricing=routing.picker.decode_pricing,
         tokens_per_block=routing.block_size_bytes / CHARS_PER_TOKEN,
+        prefix_ttl_s=routing.picker.prefix_ttl_s,
     )
     return {
         pool.name: make_router(

@@ -48,6 +48,11 @@ def test_defaults_file_env_and_overrides_in_that_order(tmp_path):
             "trust.routing_header_sources",
             "not an IP network",
         ),
+        (
+            GOOD + "routing: {picker: {prefix_ttl_s: 0}}",
+            "routing.picker.prefix_ttl_s",
+            "greater than 0",
+        ),
     ],
 )
 def test_errors_name_the_key_and_the_reason(tmp_path, text, key, reason):
@@ -211,3 +216,15 @@ def test_slow_start_and_slow_abandon_settings_reach_the_guard() -> None:
     assert off.slow_start is None and off.slow_abandon_factor is None
     with pytest.raises(ConfigError, match=r"reliability\.slow_start\.window_s"):
         load_config(None, base=base, env={}, overrides=["reliability.slow_start.window_s=0"])
+
+
+def test_prefix_ttl_reaches_the_routers_index(tmp_path):
+    from meshd.sidecar import build_routers
+
+    f = tmp_path / "c.yaml"
+    f.write_text(GOOD + "routing: {policy: meshd}\n")
+    (router,) = build_routers(load_config(f, env={})).values()
+    assert router.picker.index.ttl_s == float("inf")  # default: KV capacity LRU only
+    f.write_text(GOOD + "routing: {policy: meshd, picker: {prefix_ttl_s: 45}}\n")
+    (router,) = build_routers(load_config(f, env={})).values()
+    assert router.picker.index.ttl_s == 45
