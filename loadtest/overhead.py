@@ -703,7 +703,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings, json_path = parse_args(argv)
     started = time.monotonic()
     env_before = environment()
-    cpus = os.sched_getaffinity(0)
     split: tuple[set[int], set[int]] | None = None
     workdir = Path(tempfile.mkdtemp(prefix="meshd-overhead-"))
     backends: list[Child] = []
@@ -720,7 +719,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if t.error:
                 print(f"!! {t.error}", file=sys.stderr)
         if settings.pin:
-            split = pin_processes(targets, backends, cpus)
+            split = pin_processes(targets, backends, os.sched_getaffinity(0))
         install_fast_loop()
         asyncio.run(run_phases(list(targets.values()), backends, settings))
         for t in targets.values():

@@ -246,7 +246,7 @@ MAX_DIGEST_VERSIONS = 4096
 class _DigestChain:
     """One engine's last full PrefixDigest and the versions that build on it."""
 
-    __slots__ = ("base", "delta_frame", "epoch", "seq", "sotw_frame", "versions")
+    __slots__ = ("_delta_frame", "_sotw_frame", "base", "epoch", "seq", "versions")
 
     def __init__(self, base: Resource, epoch: str, seq: int) -> None:
         self.base = base
@@ -255,8 +255,20 @@ class _DigestChain:
         # The base itself and each delta published on it, oldest first (a dict as an
         # ordered set, trimmed from the front at MAX_DIGEST_VERSIONS).
         self.versions: dict[str, None] = {base.version: None}
-        self.delta_frame: bytes | None = None
-        self.sotw_frame: bytes | None = None
+        self._delta_frame: bytes | None = None
+        self._sotw_frame: bytes | None = None
+
+    def delta_frame(self) -> bytes:
+        """The base as a delta response's resource, encoded the first time it is needed."""
+        if self._delta_frame is None:
+            self._delta_frame = _delta_frame(self.base)
+        return self._delta_frame
+
+    def sotw_frame(self) -> bytes:
+        """The base as a state-of-the-world response's resource, likewise."""
+        if self._sotw_frame is None:
+            self._sotw_frame = _sotw_frame(self.base)
+        return self._sotw_frame
 
 
 class _DigestBases:
@@ -312,7 +324,7 @@ class _DigestBases:
         nothing) before `r`, or None when `r` may go as it is: `r` is not a delta on a
         known base, or the subscriber holds that base or a delta on it."""
         chain = self._chains.get(name)
-        if chain is None or r is chain.base:
+        if chain is None:
             return None
         versions = chain.versions
         if r.version not in versions or r.version == chain.base.version:
@@ -326,16 +338,6 @@ class _DigestBases:
         member's merged backlog must not let a later delta replace it)."""
         chain = self._chains.get(name)
         return chain is not None and r.version == chain.base.version
-
-    def delta_frame(self, chain: _DigestChain) -> bytes:
-        if chain.delta_frame is None:
-            chain.delta_frame = _delta_frame(chain.base)
-        return chain.delta_frame
-
-    def sotw_frame(self, chain: _DigestChain) -> bytes:
-        if chain.sotw_frame is None:
-            chain.sotw_frame = _sotw_frame(chain.base)
-        return chain.sotw_frame
 
     def __len__(self) -> int:
         return len(self._chains)
@@ -620,7 +622,7 @@ class _Stream:
             if bases is not None and (chain := bases.needed(name, r, held)) is not None:
                 # The base first; the delta goes in the next response.
                 sent[name] = chain.base.version
-                add(bases.delta_frame(chain))
+                add(chain.delta_frame())
                 sub.pending.add(name)
                 self.cp.stats.digest_bases_sent += 1
                 continue
@@ -721,7 +723,7 @@ class _Stream:
                 parts.append(frame(r))
             else:
                 sent[name] = chain.base.version
-                parts.append(bases.sotw_frame(chain))
+                parts.append(chain.sotw_frame())
                 sub.pending.add(name)
                 self.cp.stats.digest_bases_sent += 1
         for name in [n for n in sent if n not in table]:
@@ -1077,7 +1079,7 @@ class ControlPlane:
                     # The group lacks the base (coalesced away): it goes now, the delta
                     # with the next flush.
                     sent[name] = chain.base.version
-                    f = bases.delta_frame(chain)
+                    f = chain.delta_frame()
                     based.append(name)
                     again.append(name)
                     self.stats.digest_bases_sent += len(group.members)
