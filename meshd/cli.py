@@ -2,6 +2,10 @@
 
 Each subcommand lives in the module that does the job and exposes
 `register(subparsers)`, which adds its parser and sets `func(args) -> int`.
+`main` imports only the module of the command it runs: a sidecar process does
+not carry the control plane's, the picker's or the bench's imports (grpc, the
+Envoy protos, the simulator), which keeps its resident memory down. `--help`
+and an unknown command build the full parser.
 """
 
 from __future__ import annotations
@@ -11,22 +15,24 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# Modules that contribute subcommands, in the order `meshd --help` lists them.
-SUBCOMMAND_MODULES: tuple[str, ...] = (
-    "meshd.sidecar",
-    "meshd.config_cmd",
-    "meshd.iptables",
-    "xds.cli",
-    "meshd.agent",
-    "meshd.extproc",
-    "meshd.inject",
-    "meshd.webhook",
-    "meshd.cost_cmd",
-    "meshd.demo",
-    "loadtest.bench.cli",
-    "loadtest.engine.cli",
-    "meshd.version_cmd",
+# (command, module that registers it), in the order `meshd --help` lists them.
+# tests/test_cli.py checks that each module registers exactly its command.
+SUBCOMMANDS: tuple[tuple[str, str], ...] = (
+    ("sidecar", "meshd.sidecar"),
+    ("config", "meshd.config_cmd"),
+    ("iptables", "meshd.iptables"),
+    ("control-plane", "xds.cli"),
+    ("agent", "meshd.agent"),
+    ("picker", "meshd.extproc"),
+    ("inject", "meshd.inject"),
+    ("webhook", "meshd.webhook"),
+    ("cost", "meshd.cost_cmd"),
+    ("demo", "meshd.demo"),
+    ("bench", "loadtest.bench.cli"),
+    ("sim-engine", "loadtest.engine.cli"),
+    ("version", "meshd.version_cmd"),
 )
+SUBCOMMAND_MODULES: tuple[str, ...] = tuple(module for _, module in SUBCOMMANDS)
 
 DESCRIPTION = """\
 meshd routes LLM inference requests (OpenAI-compatible HTTP) to the engine
@@ -35,14 +41,17 @@ engines fail. Run `meshd COMMAND --help` for the options of each command.
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `meshd` parser; with `only`, just that command's module is imported."""
     parser = argparse.ArgumentParser(
         prog="meshd",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for name in SUBCOMMAND_MODULES:
+    for command, name in SUBCOMMANDS:
+        if only is not None and command != only:
+            continue
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -56,8 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    first = args_list[0] if args_list else None
+    known = {command for command, _ in SUBCOMMANDS}
+    parser = build_parser(only=first if first in known else None)
+    args = parser.parse_args(args_list)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

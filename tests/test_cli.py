@@ -1,0 +1,70 @@
+"""The `meshd` entry point: each command's module registers exactly that command, and
+running a command imports only its module (a sidecar does not carry grpc or the bench)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from meshd.cli import SUBCOMMANDS, build_parser
+
+
+def _registered(module_name: str) -> set[str]:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    importlib.import_module(module_name).register(sub)
+    return set(sub.choices)
+
+
+@pytest.mark.parametrize(("command", "module"), SUBCOMMANDS)
+def test_each_module_registers_exactly_its_command(command, module):
+    assert _registered(module) == {command}
+
+
+def test_the_full_parser_lists_every_command_in_order():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == [command for command, _ in SUBCOMMANDS]
+
+
+def test_build_parser_only_imports_and_lists_one_command():
+    parser = build_parser(only="version")
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == ["version"]
+
+
+def test_running_a_command_imports_only_its_module():
+    # In a fresh interpreter: `meshd config example` must not pull in grpc, the xDS
+    # plane, the ext_proc picker or the bench.
+    code = (
+        "import json, sys\n"
+        "from meshd.cli import main\n"
+        "import contextlib, io\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    rc = main(['config', 'example'])\n"
+        "print(json.dumps({'rc': rc, 'mods': sorted(sys.modules)}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert doc["rc"] == 0
+    mods = set(doc["mods"])
+    assert "meshd.config_cmd" in mods
+    for heavy in ("grpc", "xds.cli", "meshd.extproc", "loadtest.bench.cli", "meshd.webhook"):
+        assert heavy not in mods, f"{heavy} imported for `meshd config example`"
+
+
+def test_unknown_command_still_gets_the_full_usage(capsys):
+    with pytest.raises(SystemExit) as exc:
+        from meshd.cli import main
+
+        main(["no-such-command"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice" in err and "sidecar" in err and "sim-engine" in err
