@@ -295,6 +295,12 @@ class Sidecar:
         self._pool_series: dict[str, _PoolSeries] = {}
         # (pool, endpoint, status) -> its meshd_upstream_attempts child (bounded as above).
         self._attempt_series: dict[tuple[str, str, int], Any] = {}
+        # listeners.yield_after_first_byte: sched_yield once a response's first bytes are
+        # out (where the platform has it). Counted, so a test can see it happen.
+        self._yield_cpu: Callable[[], None] | None = (
+            getattr(os, "sched_yield", None) if config.listeners.yield_after_first_byte else None
+        )
+        self.first_byte_yields = 0
         self._active = 0
         self._draining = False
         self._watches: set[_Watch] = set()
@@ -1304,6 +1310,7 @@ class Sidecar:
         cur, cur_up, cur_watch = attempt, upstream, watch
         extra: list[tuple[_Attempt, UpstreamResponse, _Watch]] = []
         tokens_before = 0
+        yielded = False
         failure: tuple[int, str, str] | None = None
         usage: dict[str, Any] | None = None
         try:
@@ -1346,6 +1353,13 @@ class Sidecar:
                             self.metrics.client_disconnects.labels(ctx.pool).inc()
                             self._finish(ctx, "client_disconnect")
                             return resp
+                        if not yielded:
+                            yielded = True
+                            if self._yield_cpu is not None:
+                                # The client may share this CPU and is now runnable: let it
+                                # read its first token before meshd relays the rest.
+                                self._yield_cpu()
+                                self.first_byte_yields += 1
                         if scanner is not None:
                             try:
                                 if scanner.feed(chunk) and cur.first_token_at is None:

@@ -53,6 +53,11 @@ def test_defaults_file_env_and_overrides_in_that_order(tmp_path):
             "routing.picker.prefix_ttl_s",
             "greater than 0",
         ),
+        (
+            GOOD + "listeners: {yield_after_first_byte: maybe}",
+            "listeners.yield_after_first_byte",
+            "boolean",
+        ),
     ],
 )
 def test_errors_name_the_key_and_the_reason(tmp_path, text, key, reason):

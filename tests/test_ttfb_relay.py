@@ -111,3 +111,45 @@ async def test_each_event_reaches_the_client_before_the_engine_sends_the_next(re
         engine.gates[1].set()
         rest = await resp.read()
     assert rest == _event(1) + b"data: [DONE]\n\n"
+
+
+async def test_the_relay_gives_the_cpu_up_once_per_stream_right_after_its_first_bytes(relay):
+    engine, s = relay
+    calls: list[list[int]] = []  # what the engine had sent at each yield
+    s._yield_cpu = lambda: calls.append(list(engine.sent))
+    async with aiohttp.ClientSession() as http:
+        for round_ in range(2):
+            for gate in engine.gates:
+                gate.clear()
+            engine.sent.clear()
+            async with asyncio.timeout(_DEADLINE_S):
+                resp = await _post(http, s)
+                engine.gates[0].set()
+                first = await resp.content.readuntil(b"\n\n")
+                assert first == _event(0)
+                # The yield came with the first event, before the engine was let go on.
+                assert calls[round_:] == [[0]]
+                engine.gates[1].set()
+                await resp.read()
+            assert len(calls) == round_ + 1  # the later events and [DONE] did not yield again
+    assert s.first_byte_yields == 2
+
+
+async def test_yield_after_first_byte_off_never_yields():
+    engine = GatedEngine()
+    await engine.start()
+    for gate in engine.gates:
+        gate.set()
+    s = Sidecar(sidecar_config([engine.url], listeners={"yield_after_first_byte": False}))
+    await s.start()
+    try:
+        assert s._yield_cpu is None
+        async with aiohttp.ClientSession() as http:
+            async with asyncio.timeout(_DEADLINE_S):
+                body = await (await _post(http, s)).read()
+        assert body.endswith(b"data: [DONE]\n\n")
+        assert s.first_byte_yields == 0
+    finally:
+        await s.drain_and_stop()
+        assert engine.runner is not None
+        await engine.runner.cleanup()
