@@ -298,3 +298,25 @@ def test_decode_is_priced_at_the_batch_it_joins():
     for i in range(6):
         eps[1].start(("q", i), 0.02, prompt_tokens=8000, max_tokens=10)
     assert Picker().pick(r, eps, 0.03, record=False)[0].endpoint != "e1"
+
+
+def test_a_mostly_cached_prediction_feeds_no_calibration_sample():
+    # A pick that counted on more cached tokens than it left to prefill measures the index
+    # (its confidence discount, characters per token) more than the engine: no sample.
+    (e,) = fleet("H100")
+    p = Picker()
+    cold = req(SYSTEM + "first question")
+    c = p.pick(cold, [e], 0.0)[0]
+    assert c.cached_tokens == 0
+    p.dispatch(c, cold, 1, 0.0)
+    e.first_token(1, 0.0 + c.fixed_s + c.nominal_s / 2)  # a cold sample counts
+    e.finish(1, 1.0)
+    learnt = e.ttft_ratio
+    assert learnt < 1.0
+    warm = req(SYSTEM + "second question")
+    w = p.pick(warm, [e], 2.0)[0]
+    assert w.cached_tokens > warm.prompt_tokens - w.cached_tokens
+    p.dispatch(w, warm, 2, 2.0)
+    e.first_token(2, 2.0 + w.fixed_s + 0.01 * w.nominal_s)  # the engine had it all cached
+    e.finish(2, 3.0)
+    assert e.ttft_ratio == learnt
