@@ -1,7 +1,7 @@
 """Picker: cold prefix groups spread over comparable endpoints (calibration pooled per GPU
 class, weighted rendezvous hashing, a shallow shared header does not pin), shared prefixes
-still stick, the slow-start ramp in the capacity weight, and engine token blocks
-(PickRequest.tokens_per_block). Fake clock throughout."""
+still stick, the slow-start ramp in the capacity weight, the engine step's floor under a
+calibration, and engine token blocks (PickRequest.tokens_per_block). Fake clock throughout."""
 
 from __future__ import annotations
 
@@ -91,6 +91,66 @@ def test_a_slower_peer_does_not_condemn_untried_ones():
     out = p.pick(r, eps, 100.0, record=False)
     assert out[0].endpoint == "e1"
     assert out[1].predicted_ttft_s > 2.5 * out[0].predicted_ttft_s
+
+
+def serve_prefill_faster(p: Picker, eps: list[EndpointState], n: int, speedup: float) -> None:
+    """serve_serially, with engines whose prefill compute is `speedup` x faster than their
+    datasheet while their step (fixed_s once calibrated under 1) is as the datasheet says."""
+    rng = random.Random(7)
+    now = 0.0
+    for k in range(n):
+        r = req(unrelated(rng, k, "<|user|>"))
+        c = p.pick(r, eps, now)[0]
+        p.dispatch(c, r, k, now)
+        now += c.fixed_s + c.nominal_s / speedup
+        c.state.first_token(k, now)
+        now += 0.2
+        c.state.finish(k, now)
+        now += 0.1
+
+
+def test_a_faster_calibration_does_not_shorten_the_engine_step():
+    (e,) = fleet("H100")
+    p = Picker()
+    serve_prefill_faster(p, [e], 30, speedup=3.0)
+    assert e.ttft_ratio < 0.5
+    step = GPUS["H100"].decode_step_s(1)
+    # A 1-token prompt still waits for one whole step: a weight read, not compute...
+    (tiny,) = p.pick(PickRequest("m", (), prompt_tokens=1, max_tokens=0), [e], 100.0, record=False)
+    assert tiny.predicted_ttft_s >= step
+    assert tiny.fixed_s == pytest.approx(step)
+    assert tiny.nominal_s == pytest.approx(1 / GPUS["H100"].prefill_tokens_per_s)
+    # ...while a long prompt's prefill takes the faster calibration.
+    long = PickRequest("m", (), prompt_tokens=27_712, max_tokens=0)
+    (c,) = p.pick(long, [e], 100.0, record=False)
+    assert step + 0.25 < c.predicted_ttft_s < step + 0.5
+    assert c.fixed_s == pytest.approx(step) and c.nominal_s == pytest.approx(1.0, rel=1e-3)
+
+
+def test_a_slower_calibration_lengthens_the_engine_step():
+    (e,) = fleet("H100")
+    p = Picker()
+    serve_serially(p, [e], 30, speedup=1 / 3)  # degraded: slow at everything
+    assert e.ttft_ratio > 2.5
+    (tiny,) = p.pick(PickRequest("m", (), prompt_tokens=1, max_tokens=0), [e], 100.0, record=False)
+    assert tiny.predicted_ttft_s > 2.5 * GPUS["H100"].decode_step_s(1)
+    assert tiny.fixed_s == 0.0
+
+
+def test_decode_heavy_request_without_a_prompt_takes_the_cheaper_decode_step():
+    # The H100 learnt that its prefill beats the datasheet; its step did not get faster.
+    # With no prompt to prefill, TTFT is one step (7.45 ms on the H100, 11.6 on the A100,
+    # 4.1 ms x lambda = $4.1e-5 at priority 5) and a token is a batch-1 decode step ($6.2e-6
+    # on the H100, $4.2e-6 on the A100): 40 tokens go to the A100, 4 stay on the H100.
+    # (With the step calibrated to ~0.36 the H100 promised 2.7 ms and kept both.)
+    eps = fleet("H100", "A100")
+    p = Picker()
+    serve_prefill_faster(p, eps[:1], 30, speedup=3.0)
+    assert eps[0].ttft_ratio < 0.5
+    many = PickRequest("m", (), prompt_tokens=1, max_tokens=40)
+    assert p.pick(many, eps, 100.0, record=False)[0].endpoint == "e1"
+    few = PickRequest("m", (), prompt_tokens=1, max_tokens=4)
+    assert p.pick(few, eps, 100.0, record=False)[0].endpoint == "e0"
 
 
 def test_shallow_shared_header_does_not_pin_everything_to_one_engine():
@@ -238,3 +298,25 @@ def test_decode_is_priced_at_the_batch_it_joins():
     for i in range(6):
         eps[1].start(("q", i), 0.02, prompt_tokens=8000, max_tokens=10)
     assert Picker().pick(r, eps, 0.03, record=False)[0].endpoint != "e1"
+
+
+def test_a_mostly_cached_prediction_feeds_no_calibration_sample():
+    # A pick that counted on more cached tokens than it left to prefill measures the index
+    # (its confidence discount, characters per token) more than the engine: no sample.
+    (e,) = fleet("H100")
+    p = Picker()
+    cold = req(SYSTEM + "first question")
+    c = p.pick(cold, [e], 0.0)[0]
+    assert c.cached_tokens == 0
+    p.dispatch(c, cold, 1, 0.0)
+    e.first_token(1, 0.0 + c.fixed_s + c.nominal_s / 2)  # a cold sample counts
+    e.finish(1, 1.0)
+    learnt = e.ttft_ratio
+    assert learnt < 1.0
+    warm = req(SYSTEM + "second question")
+    w = p.pick(warm, [e], 2.0)[0]
+    assert w.cached_tokens > warm.prompt_tokens - w.cached_tokens
+    p.dispatch(w, warm, 2, 2.0)
+    e.first_token(2, 2.0 + w.fixed_s + 0.01 * w.nominal_s)  # the engine had it all cached
+    e.finish(2, 3.0)
+    assert e.ttft_ratio == learnt
