@@ -59,8 +59,14 @@ async def test_bench_through_meshd_sidecar(tmp_path: Path, kind: str) -> None:
         assert result.gpu_basis == "busy"
         assert result.hit_rate is not None and result.hit_rate > 0  # shared prefixes hit
         assert result.samples, "queue depth was sampled"
+        # The floor: every request, on an idle H100, never above what a request measured.
+        floor = report.ttft_floor
+        assert floor is not None and floor.gpu == "H100" and floor.ttft.n == 10
+        assert 0 < floor.ttft.p50 <= result.ttft.p50
+        assert "TTFT floor (H100" in path.read_text()
     else:
         assert result.gpu_basis == "provisioned" and result.hit_rate is None
+        assert report.ttft_floor is None
     md = path.read_text()
     assert "| round-robin | 10 / 0 |" in md
     doc = json.loads((tmp_path / "results.json").read_text())

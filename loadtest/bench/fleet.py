@@ -83,6 +83,26 @@ def fleet_gpus(engines: int, gpus: Sequence[str]) -> tuple[str, ...]:
     return tuple(names[i % len(names)] for i in range(engines))
 
 
+def engine_specs(spec: FleetSpec) -> list[Any]:
+    """The loadtest.engine EngineSpecs a sim fleet runs for `spec`, one per GPU name: the
+    spec's model, KV blocks, time scale and extras, a seed and a name per engine. The one
+    recipe: the fleet child, the virtual clock and the TTFT floor all build engines here."""
+    from dataclasses import replace
+
+    from loadtest.engine.config import EngineSpec, mixed_fleet
+
+    kwargs: dict[str, Any] = {"time_scale": spec.time_scale, "kv_blocks": spec.kv_blocks}
+    if spec.model:
+        kwargs["model"] = spec.model
+    kwargs.update(spec.extra)
+    base = replace(EngineSpec(), **kwargs)
+    return [
+        # Names that say the GPU read better in the report than engine-3.
+        replace(s, seed=spec.seed + i, name=f"{s.gpu.lower()}-{i}")
+        for i, s in enumerate(mixed_fleet(len(spec.gpus), spec.gpus, base=base))
+    ]
+
+
 def sim_unavailable() -> str | None:
     """Why the engine simulator cannot run here, or None when it can."""
     for module in ("loadtest.engine.fleet", "loadtest.engine.config"):
@@ -215,22 +235,9 @@ async def _serve_stub(spec: FleetSpec, host: str) -> tuple[list[EngineInfo], lis
 
 
 async def _serve_sim(spec: FleetSpec, host: str) -> tuple[list[EngineInfo], list[Any]]:
-    from dataclasses import replace
+    from loadtest.engine import EngineFleet
 
-    from loadtest.engine import EngineFleet, EngineSpec, mixed_fleet
-
-    kwargs: dict[str, Any] = {"time_scale": spec.time_scale, "kv_blocks": spec.kv_blocks}
-    if spec.model:
-        kwargs["model"] = spec.model
-    kwargs.update(spec.extra)
-    specs = [
-        # Names that say the GPU read better in the report than engine-3.
-        replace(s, seed=spec.seed + i, name=f"{s.gpu.lower()}-{i}")
-        for i, s in enumerate(
-            mixed_fleet(len(spec.gpus), spec.gpus, base=replace(EngineSpec(), **kwargs))
-        )
-    ]
-    fleet = EngineFleet(specs, host=host)
+    fleet = EngineFleet(engine_specs(spec), host=host)
     await fleet.start()
     infos = [
         EngineInfo(

@@ -1,19 +1,23 @@
 """The benchmark report: results.json, requests.jsonl, report.md and its plots.
 
 One table row per policy, ratios against the baseline (round robin) for the key figures,
-the workload's description and cache hit-rate bounds, per-engine hit rates and cost, and
-matplotlib plots (Agg backend, imported only when plots are drawn).
+the workload's description and cache hit-rate bounds, the TTFT floor (floor.py) beside the
+TTFT target, per-engine hit rates and cost, and matplotlib plots (Agg backend, imported
+only when plots are drawn).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from loadtest.bench.results import PolicyResult, throughput_series
+from loadtest.bench.results import Distribution, PolicyResult, throughput_series
+
+if TYPE_CHECKING:
+    from loadtest.bench.floor import TtftFloor
 
 RESULTS_JSON = "results.json"
 REQUESTS_JSONL = "requests.jsonl"
@@ -46,6 +50,8 @@ class BenchReport:
     # cut short by --duration sends a prefix of the workload, whose bound differs).
     hit_bounds: dict[str, float] = field(default_factory=dict)
     peer: str = "sglang-router"  # the cache-aware peer the targets compare with
+    # The TTFT no router can beat on this fleet (floor.py); None for stub fleets.
+    ttft_floor: TtftFloor | None = None
 
     @property
     def ran(self) -> tuple[PolicyResult, ...]:
@@ -72,6 +78,7 @@ class BenchReport:
             "baseline": self.baseline,
             "notes": list(self.notes),
             "hit_rate_bounds": dict(self.hit_bounds),
+            "ttft_floor": floor_json(self),
             "targets": [t.to_json() for t in targets(self)],
             "policies": [r.to_json() for r in self.results],
         }
@@ -201,28 +208,40 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One of issue 4's targets for one policy: the measured ratio and whether it holds."""
+    """One of issue 4's targets for one policy: the measured ratio and whether it holds.
+
+    floor_ratio (the TTFT target, when the report has a floor): the TTFT floor's p90 over
+    the peer's successful requests / the peer's p90, what an oracle router would score;
+    `reachable`: whether that meets the goal (if not, no router can)."""
 
     policy: str
     name: str
     ratio: float | None
     goal: str
     met: bool | None  # None: not measurable in this run (a policy missing)
+    floor_ratio: float | None = None
+    reachable: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "policy": self.policy,
             "target": self.name,
             "ratio": self.ratio,
             "goal": self.goal,
             "met": self.met,
         }
+        if self.floor_ratio is not None:
+            doc["floor_ratio"] = self.floor_ratio
+            doc["reachable"] = self.reachable
+        return doc
 
 
+TTFT_TARGET = "TTFT p90 / peer"
+TTFT_GOAL = 0.50
 # (name, goal text, test). Ratios are rounded to 2 decimals before the test, as printed.
 _TARGETS: tuple[tuple[str, str, Callable[[float], bool]], ...] = (
     ("hit rate / bound", ">= 0.90", lambda x: x >= 0.90),
-    ("TTFT p90 / peer", "<= 0.50", lambda x: x <= 0.50),
+    (TTFT_TARGET, f"<= {TTFT_GOAL:.2f}", lambda x: x <= TTFT_GOAL),
     ("out tok/s / peer", ">= 1.00", lambda x: x >= 1.00),
     ("success / peer", ">= 1.00", lambda x: x >= 1.00),
     ("$ / ok task / baseline", "<= 0.80", lambda x: x <= 0.80),
@@ -246,16 +265,95 @@ def target_ratios(report: BenchReport, r: PolicyResult) -> list[float | None]:
     ]
 
 
+def served_ids(r: PolicyResult) -> list[str]:
+    """The requests whose TTFT r's distribution counts (successful, with a first token)."""
+    return [o.request_id for o in r.outcomes if o.ok and o.ttft_s is not None]
+
+
+def floor_of(report: BenchReport, r: PolicyResult) -> Distribution | None:
+    """The TTFT floor over the requests r's TTFT figures count (None without a floor)."""
+    floor = report.ttft_floor
+    if floor is None:
+        return None
+    d = floor.over(served_ids(r))
+    return d if d.n else None
+
+
+def floor_peer_ratio(report: BenchReport) -> float | None:
+    """The floor's p90 / the peer's TTFT p90, over the peer's successful requests: the
+    TTFT target an oracle router would score against this peer."""
+    peer = _result(report, report.peer)
+    if peer is None:
+        return None
+    floor = floor_of(report, peer)
+    return None if floor is None else _div(floor.p90, peer.ttft.p90)
+
+
 def targets(report: BenchReport) -> list[Target]:
     """The targets for every meshd policy that ran (names starting with "meshd")."""
     out = []
+    floor_ratio = floor_peer_ratio(report)
     for r in report.ran:
         if not r.policy.startswith("meshd"):
             continue
         for (name, goal, test), ratio in zip(_TARGETS, target_ratios(report, r), strict=True):
             met = None if ratio is None else test(round(ratio, 2))
-            out.append(Target(r.policy, name, ratio, goal, met))
+            target = Target(r.policy, name, ratio, goal, met)
+            if name == TTFT_TARGET and floor_ratio is not None:
+                target = replace(
+                    target, floor_ratio=floor_ratio, reachable=test(round(floor_ratio, 2))
+                )
+            out.append(target)
     return out
+
+
+def floor_json(report: BenchReport) -> dict[str, Any] | None:
+    """results.json's "ttft_floor": the floor, its ratio to the peer, and per policy the
+    floor's p90 over the policy's successful requests and the policy's p90 over it."""
+    floor = report.ttft_floor
+    if floor is None:
+        return None
+    policies = {}
+    for r in report.ran:
+        d = floor_of(report, r)
+        policies[r.policy] = {
+            "floor_p90_s": None if d is None else round(d.p90, 6),
+            "ttft_p90_over_floor_p90": None if d is None else _div(r.ttft.p90, d.p90),
+        }
+    return {
+        **floor.to_json(),
+        "floor_p90_over_peer_p90": floor_peer_ratio(report),
+        "policies": policies,
+    }
+
+
+def floor_line(report: BenchReport) -> str | None:
+    """The floor in one line: what it is, what it cost, its p50 / p90 / p99."""
+    floor = report.ttft_floor
+    if floor is None:
+        return None
+    d = floor.ttft
+    unserved = f", {len(floor.unserved):,} the engines refuse" if floor.unserved else ""
+    return (
+        f"TTFT floor ({floor.gpu}: {floor.definition}; {d.n:,} requests{unserved}, computed "
+        f"in {floor.wall_s:.1f} s): p50 / p90 / p99 = {_ms(d.p50)} / {_ms(d.p90)} / "
+        f"{_ms(d.p99)} ms"
+    )
+
+
+def _floor_verdict(report: BenchReport, t: Target) -> str:
+    if t.floor_ratio is not None:
+        if t.reachable:
+            return f"; floor p90 / peer = {t.floor_ratio:.2f}"
+        return f"; floor p90 / peer = {t.floor_ratio:.2f}: no router can meet {t.goal} here"
+    floor = report.ttft_floor
+    if floor is None or not floor.ttft.n:
+        return ""
+    p90 = floor.ttft.p90
+    return (
+        f"; floor p90 = {_ms(p90)} ms: {t.goal} needs a peer p90 of at least "
+        f"{_ms(p90 / TTFT_GOAL)} ms"
+    )
 
 
 TARGET_HEADER = (
@@ -273,6 +371,7 @@ def target_lines(report: BenchReport) -> list[str]:
     ran = report.ran
     if not ran:
         return []
+    has_floor = report.ttft_floor is not None
     rows = []
     for r in ran:
         ratios = target_ratios(report, r)
@@ -281,21 +380,32 @@ def target_lines(report: BenchReport) -> list[str]:
         if ratios[0] is not None and bound is not None:
             hit = f"{_pct(r.hit_rate)} / {_pct(bound)} = {ratios[0]:.2f}"
         rest = ["n/a" if x is None else f"{x:.2f}" for x in ratios[1:]]
-        rows.append([r.policy, hit, *rest])
+        row = [r.policy, hit, *rest]
+        if has_floor:
+            floor = floor_of(report, r)
+            row.append(_num(None if floor is None else _div(r.ttft.p90, floor.p90), ".2f"))
+        rows.append(row)
+    header = (*TARGET_HEADER, "TTFT p90 / floor") if has_floor else TARGET_HEADER
     lines = [
         "",
         f"Targets (peer: {report.peer}, baseline: {report.baseline}; bound: one infinite "
-        "cache over the requests each policy sent):",
+        "cache over the requests each policy sent"
+        + ("; floor: over the requests each policy served" if has_floor else "")
+        + "):",
         "",
-        *_table(TARGET_HEADER, rows),
     ]
+    line = floor_line(report)
+    if line is not None:
+        lines += [line, ""]
+    lines += _table(header, rows)
     verdicts = targets(report)
     if verdicts:
         lines.append("")
         for t in verdicts:
             mark = "n/a" if t.met is None else ("met" if t.met else "MISSED")
             ratio = "n/a" if t.ratio is None else f"{t.ratio:.2f}"
-            lines.append(f"- {t.policy}: {t.name} = {ratio} (goal {t.goal}): {mark}")
+            extra = _floor_verdict(report, t) if t.name == TTFT_TARGET else ""
+            lines.append(f"- {t.policy}: {t.name} = {ratio} (goal {t.goal}): {mark}{extra}")
     return lines
 
 
@@ -363,6 +473,15 @@ def render_markdown(report: BenchReport, plots: Sequence[str] = ()) -> str:
         [f"hit-rate bound, round robin over {n} infinite caches", _pct(v)]
         for n, v in rr_bounds.items()
     ]
+    floor = report.ttft_floor
+    if floor is not None:
+        d = floor.ttft
+        rows.append(
+            [
+                f"TTFT floor p50 / p90 / p99 ms ({floor.gpu}, no queue, one infinite cache)",
+                f"{_ms(d.p50)} / {_ms(d.p90)} / {_ms(d.p99)}",
+            ]
+        )
     out += _table(["", ""], rows)
     out += [
         "",

@@ -21,6 +21,7 @@ import aiohttp
 
 from loadtest.bench.client import DEFAULT_MODEL, ClientSettings, LoadClient
 from loadtest.bench.fleet import FleetProcess, FleetSpec, start_fleet
+from loadtest.bench.floor import ttft_floor
 from loadtest.bench.policies import (
     BASELINE_POLICY,
     DEFAULT_POLICIES,
@@ -241,6 +242,9 @@ async def run_bench(
                 log=log,
             )
         )
+    floor = ttft_floor(requests, config.fleet)
+    if floor is not None:
+        log(f"TTFT floor: p90 {floor.ttft.p90 * 1000:.1f} ms, computed in {floor.wall_s:.1f} s")
     n = len(config.fleet.gpus)
     replicas = tuple(sorted({n, 4, 8, 16}))
     fleet_doc = {
@@ -264,6 +268,7 @@ async def run_bench(
         baseline=config.baseline,
         notes=config.notes,
         hit_bounds={r.policy: sent_hit_bound(requests, r) for r in results if r.ok},
+        ttft_floor=floor,
     )
     path = write_report(report, out_dir, plots=config.plots)
     return report, path

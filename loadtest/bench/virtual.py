@@ -64,11 +64,13 @@ from loadtest.bench.client import (
     task_key,
 )
 from loadtest.bench.fleet import FleetSpec
+from loadtest.bench.fleet import engine_specs as fleet_engine_specs
+from loadtest.bench.floor import ttft_floor
 from loadtest.bench.policies import MESHD_BEST_POLICY, POLICIES, sidecar_config
 from loadtest.bench.report import BenchReport, write_report
 from loadtest.bench.results import PolicyResult, engine_results, skipped, summarize
 from loadtest.bench.scrape import PREFIX_HITS, PREFIX_QUERIES, QueueSample
-from loadtest.engine.config import EngineSpec, mixed_fleet
+from loadtest.engine.config import EngineSpec
 from loadtest.engine.core import SimRequest
 from loadtest.engine.virtual import CONNECT_REFUSED, Accepted, VirtualEngine, VirtualFleet
 from loadtest.workloads import Message, PlannedRequest, describe, render
@@ -93,16 +95,9 @@ def _stderr(message: str) -> None:
 
 
 def engine_specs(fleet: FleetSpec) -> list[EngineSpec]:
-    """The EngineSpecs a real pass's fleet child starts for `fleet` (bench/fleet.py)."""
-    kwargs: dict[str, Any] = {"kv_blocks": fleet.kv_blocks}
-    if fleet.model:
-        kwargs["model"] = fleet.model
-    kwargs.update(fleet.extra)
-    base = replace(EngineSpec(), **kwargs)
-    return [
-        replace(s, seed=fleet.seed + i, name=f"{s.gpu.lower()}-{i}")
-        for i, s in enumerate(mixed_fleet(len(fleet.gpus), fleet.gpus, base=base))
-    ]
+    """The EngineSpecs a real pass's fleet child starts for `fleet` (bench/fleet.py), at
+    time scale 1: simulated seconds are the virtual clock's seconds."""
+    return fleet_engine_specs(replace(fleet, time_scale=1.0))
 
 
 def kv_capacity_tokens(engine: VirtualEngine) -> int:
@@ -701,6 +696,10 @@ def run_virtual_bench(
         from loadtest.bench.runner import sent_hit_bound
 
         extra["hit_bounds"] = {r.policy: sent_hit_bound(requests, r) for r in results if r.ok}
+    # The engines' own seconds: the virtual clock runs every fleet at time scale 1.
+    floor = ttft_floor(requests, replace(config.fleet, kind="sim"), time_scale=1.0)
+    if floor is not None:
+        log(f"TTFT floor: p90 {floor.ttft.p90 * 1000:.1f} ms, computed in {floor.wall_s:.1f} s")
     report = BenchReport(
         title=f"{config.title} (virtual clock)",
         command=config.command,
@@ -717,6 +716,7 @@ def run_virtual_bench(
             "virtual clock: times are simulated seconds; no network or sidecar time, no "
             "PoolGuard (see loadtest/bench/virtual.py)",
         ),
+        ttft_floor=floor,
         **extra,
     )
     return report, write_report(report, out_dir, plots=config.plots)
