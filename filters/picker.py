@@ -40,10 +40,11 @@ endpoint at batch 64 instead: no packing pull.) Time spent queueing is paid by w
 is being served. lambda converts seconds into dollars: at the default 1e-2 $/s a second
 of TTFT is worth a cent for a standard request, 16x that at priority 9 and 1/32 at
 priority 0 (a batch job goes to the cheapest GPU). Measured on the 16-engine bench
-(H100 + A100, mooncake / shared-prefix / agentic): 1e-3 gives the lowest $ per successful
-task (0.56 / 0.26 / 0.30 of round robin) at a TTFT p90 of 0.83 / 1.60 / 1.04 x
-sglang-router's; 1e-2 gives 0.64 / 0.45 / 0.32 of round robin at 0.76 / 1.13 / 0.96 x, so
-it is the default: still far cheaper, no slower than the peer.
+(H100 + A100), virtual clock, 2026-12-04: on mooncake 1e-3 gives 0.70 of round robin's
+$ per successful task and 5e-3 0.76, at the same TTFT p90 (37.2 ms) as 1e-2's 0.80, but
+the demo workload's TTFT p90 doubles at 5e-3 (25.5 -> 54.3 ms) for little saving, so 1e-2
+is the default. (An earlier live run's figures, before the TTL and calibration fixes, are
+in git history.)
 
 The step has a floor: the first token waits for one engine step, a weight read at HBM
 speed, so a calibration under 1 (prefill compute, or our estimate of the tokens left to
