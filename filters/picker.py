@@ -247,12 +247,20 @@ class PickRequest:
         adapter: str | None = None,
         default_max_tokens: int = 256,
         tokens_per_block: float | None = None,
+        chars_per_token: float | None = None,
     ) -> PickRequest:
+        """`chars_per_token`: the model's learnt ratio (filters/chars_per_token.py) for the
+        prompt's token estimate, else CHARS_PER_TOKEN."""
+        prompt_tokens = (
+            req.estimated_prompt_tokens
+            if chars_per_token is None
+            else max(1, int(len(req.prompt_text) / chars_per_token))
+        )
         deadline = None if headers.deadline_ms is None else now + headers.deadline_ms / 1000.0
         return cls(
             model=req.model,
             block_hashes=block_hashes,
-            prompt_tokens=req.estimated_prompt_tokens,
+            prompt_tokens=prompt_tokens,
             max_tokens=(req.max_tokens or default_max_tokens) * max(1, req.n),
             adapter=adapter,
             tenant=headers.tenant,

@@ -15,7 +15,15 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 ENV_PREFIX = "MESHD_"
 ENV_NESTING = "__"
@@ -200,6 +208,9 @@ class Routing(_Strict):
     picker: PickerSettings = PickerSettings()
     unhealthy_after_failures: int = Field(default=3, ge=1)
     unhealthy_cooldown_s: float = Field(default=10.0, gt=0)
+    # Learn each model's characters per prompt token from responses' usage.prompt_tokens
+    # (filters/chars_per_token.py) for the picker's prompt and block token estimates.
+    learn_chars_per_token: StrictBool = False
     # model -> tokenizer: turns on precise prefix routing for that model (policy meshd),
     # fed by the KV events of the endpoints that set `kv_events`.
     tokenizers: dict[str, Tokenizer] = Field(default_factory=dict)
@@ -607,6 +618,7 @@ routing:
     prefix_ttl_s: null         # age limit of learnt prefix entries (null: KV capacity LRU only)
   unhealthy_after_failures: 3  # consecutive connect failures before an endpoint rests
   unhealthy_cooldown_s: 10
+  learn_chars_per_token: false # learn chars per prompt token per model from usage (else 4)
   tokenizers: {}               # model -> precise prefix path (needs meshd[precise]), e.g.
   #  llama: {path: /models/llama, hash_algo: sha256, hash_seed: null, block_size: 16}
 transparent:

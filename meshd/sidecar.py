@@ -32,6 +32,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from filters.admission import AdmissionConfig, AdmissionItem, Admit, Reject, TenantPolicy
+from filters.chars_per_token import CharsPerToken, utf8_length
 from filters.failover import (
     FailoverUnsupported,
     StreamKind,
@@ -200,6 +201,7 @@ class _Attempt:
     completion_tokens: int | None = None
     first_token_at: float | None = None
     settled: bool = False
+    inference: InferenceRequest | None = None  # the prompt usage.prompt_tokens counts
 
 
 @dataclass(slots=True)
@@ -264,6 +266,10 @@ class Sidecar:
         self.routers: dict[str, PoolRouter] = build_routers(config)
         # Pool -> its precise prefix path (routing.tokenizers; policy meshd only).
         self.precise: dict[str, PrecisePrefix] = _precise_prefixes(config, self.routers)
+        # Model -> learnt characters per prompt token (routing.learn_chars_per_token).
+        self.chars_per_token: CharsPerToken | None = (
+            CharsPerToken() if config.routing.learn_chars_per_token else None
+        )
         self._attempt_ids = itertools.count()
         rc = config.reliability.retry
         self.retry_budgets = {
@@ -778,12 +784,21 @@ class Sidecar:
         now = time.monotonic()
         guard = self.guards[ctx.pool]
         if ctx.inference is not None and ctx.routing is not None:
+            tpb: float | None = ctx.tokens_per_block
+            cpt = None
+            learnt = self.chars_per_token
+            ratio = None if learnt is None else learnt.ratio(ctx.inference.model)
+            if ratio is not None:
+                cpt = ratio.chars
+                if tpb is None:  # text blocks: the learnt bytes per token sizes them
+                    tpb = self.config.routing.block_size_bytes / ratio.bytes
             ctx.pick = PickRequest.build(
                 ctx.inference,
                 ctx.routing,
                 now,
                 block_hashes=ctx.block_hashes,
-                tokens_per_block=ctx.tokens_per_block,
+                tokens_per_block=tpb,
+                chars_per_token=cpt,
             )
             ctx.tokens = guard.expected_tokens(
                 ctx.inference.model, ctx.pick.prompt_tokens, ctx.inference.max_tokens
@@ -952,6 +967,8 @@ class Sidecar:
         guard = self.guards[ctx.pool] if ctx.inference is not None else None
         trace = ctx.trace.attempt(route.url, None, asyncio.get_running_loop().time(), reason=reason)
         attempt = _Attempt(router, route, next(self._attempt_ids), ctx.pick, guard, trace)
+        if reason != "resume":  # a continuation's prompt is not the text the pick estimated
+            attempt.inference = ctx.inference
         now = time.monotonic()
         router.started(route, attempt.rid, ctx.pick, now)
         if guard is not None:
@@ -976,6 +993,16 @@ class Sidecar:
                 now,
                 ok=attempt.ok,
                 cached_tokens=attempt.cached_tokens,
+            )
+        if (
+            attempt.ok
+            and attempt.prompt_tokens
+            and attempt.inference is not None
+            and self.chars_per_token is not None
+        ):
+            text = attempt.inference.prompt_text
+            self.chars_per_token.observe(
+                attempt.inference.model, len(text), utf8_length(text), attempt.prompt_tokens
             )
         if attempt.guard is not None:
             attempt.guard.finished(
@@ -1615,6 +1642,9 @@ class Sidecar:
                 "policy": self.config.routing.policy,
                 "pools": {name: b.snapshot(now) for name, b in self.routers.items()},
                 "kv_events": {name: p.snapshot() for name, p in self.precise.items()},
+                "chars_per_token": (
+                    None if self.chars_per_token is None else self.chars_per_token.snapshot()
+                ),
             }
         )
 

@@ -32,6 +32,8 @@ class TestBackend:
     runner: web.AppRunner | None = None
     # When set, every generation request is refused with this status (an engine shedding).
     refuse_with: int | None = None
+    # When set, usage.prompt_tokens is the prompt's length over this (else always 3).
+    chars_per_token: float | None = None
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -91,6 +93,7 @@ class TestBackend:
         chat = request.path.endswith("chat/completions")
         prompt = body["messages"][-1]["content"] if chat else body.get("prompt", "")
         n = int(body.get("max_tokens") or 5)
+        p = 3 if self.chars_per_token is None else max(1, round(len(prompt) / self.chars_per_token))
         words = [f"w{i}" for i in range(n)]
         if prompt == "slow-headers":
             await self.release.wait()
@@ -110,7 +113,7 @@ class TestBackend:
                     "model": body.get("model"),
                     "backend": self.name,
                     "choices": [choice],
-                    "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n},
+                    "usage": {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n},
                 }
             )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -135,7 +138,7 @@ class TestBackend:
                 event = {"id": "cmpl-test", "object": "chunk", "choices": [delta]}
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
             if prompt != "no-done":
-                usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
+                usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
                 last = {"id": "cmpl-test", "choices": [], "usage": usage}
                 await resp.write(f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
         except asyncio.CancelledError:

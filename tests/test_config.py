@@ -54,6 +54,11 @@ def test_defaults_file_env_and_overrides_in_that_order(tmp_path):
             "greater than 0",
         ),
         (
+            GOOD + "routing: {learn_chars_per_token: 1}",
+            "routing.learn_chars_per_token",
+            "boolean",
+        ),
+        (
             GOOD + "listeners: {yield_after_first_byte: maybe}",
             "listeners.yield_after_first_byte",
             "boolean",
@@ -233,3 +238,11 @@ def test_prefix_ttl_reaches_the_routers_index(tmp_path):
     f.write_text(GOOD + "routing: {policy: meshd, picker: {prefix_ttl_s: 45}}\n")
     (router,) = build_routers(load_config(f, env={})).values()
     assert router.picker.index.ttl_s == 45
+
+
+def test_learn_chars_per_token_defaults_off_and_env_turns_it_on(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(GOOD)
+    assert load_config(f, env={}).routing.learn_chars_per_token is False
+    on = load_config(f, env={"MESHD_ROUTING__LEARN_CHARS_PER_TOKEN": "true"})
+    assert on.routing.learn_chars_per_token is True

@@ -11,6 +11,7 @@ from backends import sse_events
 from harness import sidecar_config, url
 from prometheus_client.parser import text_string_to_metric_families
 
+from filters.chars_per_token import MIN_SAMPLES
 from meshd.sidecar import Sidecar
 
 
@@ -463,3 +464,44 @@ async def test_failing_engine_trips_its_breaker_and_traffic_moves(backends, side
         while want not in (metrics := await (await http.get(url(s, "/metrics", "admin"))).text()):
             assert asyncio.get_running_loop().time() < deadline, metrics
             await asyncio.sleep(0.05)
+
+
+async def test_usage_teaches_the_picker_the_models_chars_per_token(backends, sidecar):
+    # A backend whose usage counts 2 characters per prompt token: after MIN_SAMPLES answers
+    # the picker's estimate of a 400-character prompt is 200 tokens, not 100, and a
+    # 64-byte block holds 32 tokens.
+    b = await backends()
+    b.chars_per_token = 2.0
+    s = await sidecar(sidecar_config([b.url], routing={"learn_chars_per_token": True}))
+    router = s.routers["default"]
+    picks = []
+    order = router.order
+    router.order = lambda pick, now: (picks.append(pick), order(pick, now))[1]  # type: ignore[method-assign]
+    prompt = "abcd " * 80
+    async with aiohttp.ClientSession() as http:
+        for i in range(MIN_SAMPLES + 1):
+            req = {
+                "model": "tiny",
+                "prompt": prompt[:-1] + str(i),
+                "max_tokens": 2,
+                "stream": i % 2 == 0,
+            }
+            resp = await post(http, url(s, "/v1/completions"), req)
+            assert resp.status == 200
+            await resp.read()
+    assert [p.prompt_tokens for p in picks[:MIN_SAMPLES]] == [100] * MIN_SAMPLES
+    assert picks[0].tokens_per_block is None
+    assert picks[-1].prompt_tokens == 200 and picks[-1].tokens_per_block == 32.0
+    eps = json.loads(await _admin(s, "/endpoints"))
+    assert eps["chars_per_token"]["tiny"] == {
+        "chars_per_token": 2.0,
+        "bytes_per_token": 2.0,
+        "samples": MIN_SAMPLES + 1,
+    }
+
+
+async def test_chars_per_token_learning_is_off_by_default(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url]))
+    assert s.chars_per_token is None
+    assert json.loads(await _admin(s, "/endpoints"))["chars_per_token"] is None

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from filters.chars_per_token import CharsPerToken, utf8_length
 from filters.hotpath import block_hashes, parse_routing_headers
 from filters.picker import PickRequest
 from filters.pool_router import PoolRouter, Route
@@ -120,6 +121,8 @@ class SidecarModel:
     cache_salt: str
     trusted: bool
     max_attempts: int
+    # routing.learn_chars_per_token: the sidecar's learner, fed by each answer's usage.
+    chars_per_token: CharsPerToken | None = None
 
 
 def sidecar_model(
@@ -154,6 +157,7 @@ def sidecar_model(
         cache_salt=routing.cache_salt,
         trusted=any(loopback in net for net in config.trust.networks()),
         max_attempts=config.upstream.max_attempts,
+        chars_per_token=CharsPerToken() if routing.learn_chars_per_token else None,
     )
 
 
@@ -177,6 +181,7 @@ class _Flight:
         "on_done",
         "pick",
         "planned",
+        "prompt",
         "queued_at",
         "req",
         "rid",
@@ -205,6 +210,7 @@ class _Flight:
         self.on_done = on_done
         self.started: float | None = None
         self.pick: PickRequest | None = None
+        self.prompt: tuple[str, str] | None = None  # (model, prompt text) for the learner
         self.route: Route | None = None
         self.rid = 0
         self.engine: VirtualEngine | None = None
@@ -463,8 +469,17 @@ class VirtualPass:
             hashes = block_hashes(
                 inference.prompt_text, inference.model, sc.cache_salt, sc.block_size_bytes
             )
-        pick = PickRequest.build(inference, routing, now, block_hashes=hashes)
+        tpb = cpt = None
+        learnt = sc.chars_per_token
+        ratio = None if learnt is None else learnt.ratio(inference.model)
+        if ratio is not None:  # as Sidecar._forward does
+            cpt = ratio.chars
+            tpb = sc.block_size_bytes / ratio.bytes
+        pick = PickRequest.build(
+            inference, routing, now, block_hashes=hashes, tokens_per_block=tpb, chars_per_token=cpt
+        )
         flight.pick = pick
+        flight.prompt = (inference.model, inference.prompt_text)
         router = sc.router
         why = "no endpoint"
         for route in router.order(pick, now)[: sc.max_attempts]:
@@ -505,6 +520,10 @@ class VirtualPass:
             return
         n = req.num_output_tokens
         error = None if n > 0 else EMPTY
+        learnt = self.sidecar.chars_per_token
+        if learnt is not None and error is None and flight.prompt is not None:
+            model, text = flight.prompt
+            learnt.observe(model, len(text), utf8_length(text), req.num_prompt_tokens)
         self._settle(flight, now, ok=error is None, cached=req.cached_tokens)
         outcome = self._outcome(
             flight,
@@ -622,6 +641,12 @@ def run_virtual_policy(
         f"{name}: {len(run.outcomes)} requests, {run.sim_s:.1f} simulated s "
         f"in {run.wall_s:.2f} wall s ({run.steps} engine steps)"
     )
+    if sidecar.chars_per_token is not None and policy == "meshd":
+        for model, r in sidecar.chars_per_token.snapshot().items():
+            log(
+                f"{name}: {model}: learnt {r['chars_per_token']} chars, {r['bytes_per_token']} "
+                f"bytes per prompt token from {r['samples']} answers"
+            )
     engines, basis = engine_results(
         [
             (e.name, engine_url(e), e.replica.profile.gpu, e.replica.profile.price_per_gpu_hour)
