@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from filters.request import CHARS_PER_TOKEN
+from filters.request import estimate_prompt_tokens
 
 # Each model keeps its last WINDOW accepted samples; the estimate is their median, so a
 # burst of odd prompts (a base64 blob, a table of digits) moves it by at most one rank
@@ -125,9 +125,7 @@ class CharsPerToken:
     def prompt_tokens(self, model: str, prompt_text: str) -> int:
         """The prompt's estimated token count: the learnt ratio, else CHARS_PER_TOKEN."""
         r = self.ratio(model)
-        if r is None:
-            return max(1, len(prompt_text) // CHARS_PER_TOKEN)
-        return max(1, int(len(prompt_text) / r.chars))
+        return estimate_prompt_tokens(prompt_text, None if r is None else r.chars)
 
     def snapshot(self) -> dict[str, dict[str, float | int | None]]:
         """Model -> learnt figures (None until learnt), for /endpoints."""
@@ -140,6 +138,24 @@ class CharsPerToken:
                 "samples": m.seen,
             }
         return out
+
+
+def pick_inputs(
+    learnt: CharsPerToken | None,
+    model: str,
+    block_size_bytes: int,
+    tokens_per_block: float | None,
+) -> tuple[float | None, float | None]:
+    """(chars_per_token, tokens_per_block) for PickRequest.build: the model's learnt ratio,
+    and for meshd's text blocks (`tokens_per_block` None) the block size in tokens its
+    learnt bytes per token give; engine token blocks keep theirs. Before the learner has a
+    ratio (or without one): (None, tokens_per_block)."""
+    ratio = None if learnt is None else learnt.ratio(model)
+    if ratio is None:
+        return None, tokens_per_block
+    if tokens_per_block is None:
+        tokens_per_block = block_size_bytes / ratio.bytes
+    return ratio.chars, tokens_per_block
 
 
 def utf8_length(text: str) -> int:

@@ -126,7 +126,7 @@ from filters.blockhash import xxh64
 from filters.endpoint_state import CALIBRATION_ALPHA, CALIBRATION_RANGE, EndpointState
 from filters.gpu import GPUS, GpuTable, normalise_gpu_name
 from filters.prefix_index import PrefixIndex
-from filters.request import CHARS_PER_TOKEN, InferenceRequest
+from filters.request import CHARS_PER_TOKEN, InferenceRequest, estimate_prompt_tokens
 from filters.routing_headers import RoutingHeaders
 
 __all__ = ["Choice", "PickRequest", "Picker", "PickerConfig"]
@@ -251,11 +251,7 @@ class PickRequest:
     ) -> PickRequest:
         """`chars_per_token`: the model's learnt ratio (filters/chars_per_token.py) for the
         prompt's token estimate, else CHARS_PER_TOKEN."""
-        prompt_tokens = (
-            req.estimated_prompt_tokens
-            if chars_per_token is None
-            else max(1, int(len(req.prompt_text) / chars_per_token))
-        )
+        prompt_tokens = estimate_prompt_tokens(req.prompt_text, chars_per_token)
         deadline = None if headers.deadline_ms is None else now + headers.deadline_ms / 1000.0
         return cls(
             model=req.model,

@@ -51,7 +51,15 @@ class InferenceRequest:
 
     @property
     def estimated_prompt_tokens(self) -> int:
-        return max(1, len(self.prompt_text) // CHARS_PER_TOKEN)
+        return estimate_prompt_tokens(self.prompt_text)
+
+
+def estimate_prompt_tokens(text: str, chars_per_token: float | None = None) -> int:
+    """The prompt's token count from its length: `chars_per_token` (a model's learnt ratio,
+    filters/chars_per_token.py), else CHARS_PER_TOKEN."""
+    if chars_per_token is None:
+        return max(1, len(text) // CHARS_PER_TOKEN)
+    return max(1, int(len(text) / chars_per_token))
 
 
 def parse_inference_request(kind: RequestKind, body: bytes) -> InferenceRequest:

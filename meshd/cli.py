@@ -32,7 +32,6 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("sim-engine", "loadtest.engine.cli"),
     ("version", "meshd.version_cmd"),
 )
-SUBCOMMAND_MODULES: tuple[str, ...] = tuple(module for _, module in SUBCOMMANDS)
 
 DESCRIPTION = """\
 meshd routes LLM inference requests (OpenAI-compatible HTTP) to the engine

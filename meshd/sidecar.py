@@ -32,7 +32,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from filters.admission import AdmissionConfig, AdmissionItem, Admit, Reject, TenantPolicy
-from filters.chars_per_token import CharsPerToken, utf8_length
+from filters.chars_per_token import CharsPerToken, pick_inputs, utf8_length
 from filters.failover import (
     FailoverUnsupported,
     StreamKind,
@@ -784,14 +784,12 @@ class Sidecar:
         now = time.monotonic()
         guard = self.guards[ctx.pool]
         if ctx.inference is not None and ctx.routing is not None:
-            tpb: float | None = ctx.tokens_per_block
-            cpt = None
-            learnt = self.chars_per_token
-            ratio = None if learnt is None else learnt.ratio(ctx.inference.model)
-            if ratio is not None:
-                cpt = ratio.chars
-                if tpb is None:  # text blocks: the learnt bytes per token sizes them
-                    tpb = self.config.routing.block_size_bytes / ratio.bytes
+            cpt, tpb = pick_inputs(
+                self.chars_per_token,
+                ctx.inference.model,
+                self.config.routing.block_size_bytes,
+                ctx.tokens_per_block,
+            )
             ctx.pick = PickRequest.build(
                 ctx.inference,
                 ctx.routing,

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from filters.chars_per_token import CharsPerToken, utf8_length
+from filters.chars_per_token import CharsPerToken, pick_inputs, utf8_length
 from filters.hotpath import block_hashes, parse_routing_headers
 from filters.picker import PickRequest
 from filters.pool_router import PoolRouter, Route
@@ -469,12 +469,8 @@ class VirtualPass:
             hashes = block_hashes(
                 inference.prompt_text, inference.model, sc.cache_salt, sc.block_size_bytes
             )
-        tpb = cpt = None
-        learnt = sc.chars_per_token
-        ratio = None if learnt is None else learnt.ratio(inference.model)
-        if ratio is not None:  # as Sidecar._forward does
-            cpt = ratio.chars
-            tpb = sc.block_size_bytes / ratio.bytes
+        # Text blocks, as the sidecar's own (no precise path here).
+        cpt, tpb = pick_inputs(sc.chars_per_token, inference.model, sc.block_size_bytes, None)
         pick = PickRequest.build(
             inference, routing, now, block_hashes=hashes, tokens_per_block=tpb, chars_per_token=cpt
         )
