@@ -10,9 +10,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import bench_builders
 import pytest
+from bench_builders import outcome
 
-from loadtest.bench.client import RequestOutcome
 from loadtest.bench.fleet import FleetSpec, engine_specs, fleet_gpus
 from loadtest.bench.floor import TtftFloor, fastest_specs, ttft_floor
 from loadtest.bench.report import BenchReport, comparison_table, targets, write_report
@@ -152,57 +153,22 @@ def test_every_workload_has_a_floor_cheaply(name: str) -> None:
 # ---- the report ---------------------------------------------------------------------
 
 
-def outcome(rid: str, ttft: float) -> RequestOutcome:
-    return RequestOutcome(
-        request_id=rid,
-        workload="w",
-        tenant="default",
-        task_key=rid,
-        step=None,
-        planned_at_s=0.0,
-        sent_at_s=0.0,
-        queued_s=0.0,
-        ok=True,
-        error=None,
-        status=200,
-        ttft_s=ttft,
-        e2e_s=1.0,
-        output_tokens=4,
-        prompt_tokens=1,
-        cached_tokens=None,
-    )
-
-
 def result(name: str, p90: float, ids: list[str]) -> PolicyResult:
-    return PolicyResult(
-        policy=name,
-        summary=name,
-        status="ok",
-        requests_sent=len(ids),
-        succeeded=len(ids),
-        ttft=Distribution(len(ids), p90, p90, p90, p90, p90),
-        output_tok_s=50.0,
-        hit_rate=0.5,
-        cost_usd=1.0,
-        tasks=TaskCounts(len(ids), len(ids), 0, 0),
-        cost_per_successful_task=0.01,
+    """Every request of `ids` served with its first token after `p90`."""
+    n = len(ids)
+    return bench_builders.result(
+        name,
+        requests_sent=n,
+        succeeded=n,
+        ttft=Distribution(n, p90, p90, p90, p90, p90),
+        tasks=TaskCounts(n, n, 0, 0),
         outcomes=tuple(outcome(r, p90) for r in ids),
     )
 
 
 def report(*results: PolicyResult, floor: TtftFloor | None) -> BenchReport:
-    return BenchReport(
-        title="t",
-        command="c",
-        started_at="now",
-        workload_name="w",
-        workload_args={},
-        workload={},
-        fleet={},
-        client={},
-        results=results,
-        hit_bounds={r.policy: 0.6 for r in results},
-        ttft_floor=floor,
+    return bench_builders.report(
+        *results, hit_bounds={r.policy: 0.6 for r in results}, ttft_floor=floor
     )
 
 

@@ -7,17 +7,17 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-from loadtest.bench.client import RequestOutcome
+from bench_builders import outcome, report, result
+
 from loadtest.bench.fleet import EngineInfo, FleetSpec
 from loadtest.bench.policies import (
     POLICIES,
     FleetPolicySpec,
     sidecar_config_for_fleet,
 )
-from loadtest.bench.report import BenchReport, Target, comparison_table, targets, write_report
-from loadtest.bench.results import Distribution, PolicyResult, TaskCounts
+from loadtest.bench.report import Target, comparison_table, targets, write_report
+from loadtest.bench.results import Distribution
 from loadtest.bench.runner import sent_hit_bound
 from loadtest.workloads import PlannedRequest
 from meshd.config import load_config
@@ -34,59 +34,6 @@ def planned(rid: str, blocks: tuple[int, ...]) -> PlannedRequest:
         max_tokens=4,
         prompt_tokens=1,
         block_ids=blocks,
-    )
-
-
-def outcome(rid: str) -> RequestOutcome:
-    return RequestOutcome(
-        request_id=rid,
-        workload="w",
-        tenant="default",
-        task_key=rid,
-        step=None,
-        planned_at_s=0.0,
-        sent_at_s=0.0,
-        queued_s=0.0,
-        ok=True,
-        error=None,
-        status=200,
-        ttft_s=0.1,
-        e2e_s=1.0,
-        output_tokens=4,
-        prompt_tokens=1,
-        cached_tokens=None,
-    )
-
-
-def result(name: str, **kw: Any) -> PolicyResult:
-    base = PolicyResult(
-        policy=name,
-        summary=name,
-        status="ok",
-        requests_sent=100,
-        succeeded=100,
-        ttft=Distribution(100, 0.1, 0.1, 0.2, 0.3, 0.4),
-        output_tok_s=50.0,
-        hit_rate=0.5,
-        cost_usd=1.0,
-        tasks=TaskCounts(100, 100, 0, 0),
-        cost_per_successful_task=0.01,
-    )
-    return replace(base, **kw)
-
-
-def report(*results: PolicyResult, bounds: dict[str, float]) -> BenchReport:
-    return BenchReport(
-        title="t",
-        command="c",
-        started_at="now",
-        workload_name="w",
-        workload_args={},
-        workload={},
-        fleet={},
-        client={},
-        results=results,
-        hit_bounds=bounds,
     )
 
 
@@ -109,7 +56,7 @@ def test_targets_are_ratios_against_the_bound_the_peer_and_the_baseline() -> Non
         succeeded=100,
         cost_per_successful_task=0.0079,
     )
-    r = report(rr, sg, good, bounds={"round-robin": 0.6, "sglang-router": 0.6, "meshd": 0.6})
+    r = report(rr, sg, good, hit_bounds={"round-robin": 0.6, "sglang-router": 0.6, "meshd": 0.6})
     got = {t.name: t for t in targets(r)}
     assert got["hit rate / bound"].ratio is not None
     assert abs(got["hit rate / bound"].ratio - 0.95) < 1e-9
@@ -123,16 +70,16 @@ def test_targets_are_ratios_against_the_bound_the_peer_and_the_baseline() -> Non
         succeeded=99,
         cost_per_successful_task=0.0082,
     )
-    missed = targets(report(rr, sg, bad, bounds={"meshd": 0.6}))
+    missed = targets(report(rr, sg, bad, hit_bounds={"meshd": 0.6}))
     assert [t.met for t in missed] == [False] * 5
-    text = comparison_table(report(rr, sg, bad, bounds={"meshd": 0.6}))
+    text = comparison_table(report(rr, sg, bad, hit_bounds={"meshd": 0.6}))
     assert "- meshd: TTFT p90 / peer = 0.52 (goal <= 0.50): MISSED" in text
     assert "- meshd: $ / ok task / baseline = 0.82 (goal <= 0.80): MISSED" in text
     assert "| meshd | 50.0% / 60.0% = 0.83 |" in text
 
 
 def test_targets_without_the_peer_are_not_measurable(tmp_path: Path) -> None:
-    r = report(result("round-robin"), result("meshd"), bounds={"meshd": 0.5})
+    r = report(result("round-robin"), result("meshd"), hit_bounds={"meshd": 0.5})
     got = targets(r)
     assert [t.met for t in got] == [True, None, None, None, False]
     assert isinstance(got[0], Target)
