@@ -2,7 +2,21 @@
 sidecar, and through Envoy (static round robin), in one run. Prints the latency each proxy
 adds (TTFB, TTLB), saturation throughput, proxy CPU per request and peak RSS, meshd/Envoy.
 
-Run: `python -m loadtest.overhead [--rates 50,100,200] [--duration 10] [--quick] [--json F]`.
+Run: `python -m loadtest.overhead [--rates 50,100,200] [--duration 10] [--quick] [--json F]
+[--placement shared,sidecar,proxy-alone]`.
+
+Placement (where the kernel may run each process; `--placement` takes one or several, and
+several are run in turn and compared at the end):
+
+- `shared` (default): backends, proxy and load generator all share every CPU. On a small
+  VM the kernel may stack the proxy onto the vCPU where a zero-delay backend is bursting
+  out its answer, and the proxy then reads the first token only once the burst is over:
+  the figure measures the scheduler as much as the proxy.
+- `sidecar`: the backends on CPUs of their own (the engine on its GPU server), the proxy
+  and the load generator sharing the rest (the app and its sidecar in one pod). This is
+  how a sidecar is deployed.
+- `proxy-alone` (`--pin`): the proxy alone on one CPU, backends and load generator on the
+  rest (a sidecar with a CPU reserved for it).
 """
 
 from __future__ import annotations
@@ -73,7 +87,7 @@ class Settings:
     meshd_overrides: tuple[str, ...]
     token_delay_ms: float = 0.0
     seed: int = 1
-    pin: bool = False
+    placement: str = "shared"
 
 
 def process_settings(*, tokens: int, backends: int, rate: float | None = None) -> Settings:
@@ -619,32 +633,69 @@ def run_hotpath(timeout_s: float = 120.0) -> str | None:
     return text
 
 
+PLACEMENTS = ("shared", "sidecar", "proxy-alone")
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Which CPUs each kind of process may run on (None: unpinned, every CPU)."""
+
+    placement: str
+    proxy: frozenset[int] | None = None
+    backends: frozenset[int] | None = None
+    load: frozenset[int] | None = None
+
+    def describe(self) -> str:
+        if self.proxy is None:
+            return "shared: backends, proxy and load generator on every CPU"
+        assert self.backends is not None and self.load is not None
+        return (
+            f"{self.placement}: proxy on CPU {sorted(self.proxy)}, backends on "
+            f"{sorted(self.backends)}, load generator on {sorted(self.load)}"
+        )
+
+
 def split_cpus(cpus: set[int]) -> tuple[set[int], set[int]]:
-    """--pin: (the proxy's CPU, everyone else's): the lowest CPU alone, the rest shared."""
+    """proxy-alone: (the proxy's CPU, everyone else's): the lowest CPU alone, the rest shared."""
     ordered = sorted(cpus)
     return {ordered[0]}, set(ordered[1:])
 
 
-def pin_processes(
-    targets: dict[str, Target], backends: Sequence[Child], cpus: set[int]
-) -> tuple[set[int], set[int]]:
-    """--pin: returns (the proxies' CPUs, everyone else's)."""
-    proxy_cpus, rest = split_cpus(cpus)
-    procstats.pin(os.getpid(), rest)  # this load generator (its threads; children are below)
+def placement_split(placement: str, cpus: set[int]) -> Split:
+    """The CPU sets of one placement (see the module docstring) on these CPUs."""
+    if placement == "shared":
+        return Split(placement)
+    if len(cpus) < 2:
+        raise ValueError(f"placement {placement!r} needs at least 2 CPUs, this process has 1")
+    ordered = sorted(cpus)
+    if placement == "proxy-alone":
+        alone, rest = split_cpus(cpus)
+        return Split(placement, frozenset(alone), frozenset(rest), frozenset(rest))
+    if placement == "sidecar":
+        # The engines get the lower half (their own machine); the app and its sidecar the
+        # upper half, together, as containers of one pod share the pod's CPUs.
+        half = len(ordered) // 2
+        engine, pod = frozenset(ordered[:half]), frozenset(ordered[half:])
+        return Split(placement, pod, engine, pod)
+    raise ValueError(f"unknown placement {placement!r}: one of {', '.join(PLACEMENTS)}")
+
+
+def pin_processes(targets: dict[str, Target], backends: Sequence[Child], split: Split) -> None:
+    """Pins this load generator, the backends and the proxies as `split` says (each process's
+    threads and children too)."""
+    if split.proxy is None:
+        return
+    assert split.backends is not None and split.load is not None
+    procstats.pin(os.getpid(), set(split.load))  # this load generator
     for b in backends:
-        procstats.pin(b.proc.pid, rest)
+        procstats.pin(b.proc.pid, set(split.backends))
     for t in targets.values():
         if t.pid is not None:
-            procstats.pin(t.pid, proxy_cpus)
-    print(
-        f"pinned: proxies on CPU {sorted(proxy_cpus)}, backends and load generator on "
-        f"{sorted(rest)}",
-        file=sys.stderr,
-    )
-    return proxy_cpus, rest
+            procstats.pin(t.pid, set(split.proxy))
+    print(f"pinned: {split.describe()}", file=sys.stderr)
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str | None]:
+def parse_args(argv: Sequence[str] | None) -> tuple[Settings, list[str], str | None]:
     parser = argparse.ArgumentParser(prog="python -m loadtest.overhead", description=__doc__)
     parser.add_argument("--rates", default="50,100,200", help="open-loop rates, requests/s")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per open-loop run")
@@ -666,11 +717,18 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str | None]:
     parser.add_argument("--no-hotpath", action="store_true", help="skip loadtest.hotpath_bench")
     parser.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     parser.add_argument(
+        "--placement",
+        default="shared",
+        help="where processes may run, one or several (comma-separated, run in turn and "
+        "compared): shared (every process on every CPU; default), sidecar (backends on CPUs "
+        "of their own, as an engine on its GPU server; proxy and load generator together, "
+        "as an app and its sidecar in one pod), proxy-alone (the proxy alone on one CPU). "
+        "The last two need 2+ CPUs",
+    )
+    parser.add_argument(
         "--pin",
         action="store_true",
-        help="give the proxy under test (meshd or Envoy) a CPU of its own and the backends "
-        "and this load generator the others, as a sidecar with its own CPU would have; "
-        "needs 2+ CPUs. Without it all share every CPU and queue behind each other",
+        help="the same as --placement proxy-alone",
     )
     args = parser.parse_args(argv)
     rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
@@ -692,18 +750,38 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, str | None]:
         hotpath=not args.no_hotpath and not args.quick,
         meshd_overrides=tuple(args.meshd_set),
         token_delay_ms=args.token_delay_ms,
-        pin=args.pin,
     )
-    if args.pin and len(os.sched_getaffinity(0)) < 2:
-        parser.error("--pin needs at least 2 CPUs (one for the proxy, one for the rest)")
-    return settings, args.json
+    placements = ["proxy-alone"] if args.pin else [p.strip() for p in args.placement.split(",")]
+    if args.pin and args.placement != "shared":
+        parser.error("--pin is --placement proxy-alone: give one of them")
+    for p in placements:
+        if p not in PLACEMENTS:
+            parser.error(f"--placement: unknown {p!r}, choose from {', '.join(PLACEMENTS)}")
+        if p != "shared" and len(os.sched_getaffinity(0)) < 2:
+            parser.error(f"--placement {p} needs at least 2 CPUs (this process has 1)")
+    if len(set(placements)) != len(placements):
+        parser.error("--placement: each placement once")
+    return settings, placements, args.json
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    settings, json_path = parse_args(argv)
+@dataclass
+class Run:
+    """One placement's measurements."""
+
+    split: Split
+    targets: dict[str, Target]
+    rows: list[Row]
+    verdicts: list[Check]
+    elapsed_s: float
+    env_before: dict[str, Any]
+    env_after: dict[str, Any]
+
+
+def run_placement(settings: Settings, placement: str, cpus: set[int]) -> Run:
+    """Starts the backends, meshd and Envoy afresh, places them and measures every phase."""
     started = time.monotonic()
     env_before = environment()
-    split: tuple[set[int], set[int]] | None = None
+    split = placement_split(placement, cpus)
     workdir = Path(tempfile.mkdtemp(prefix="meshd-overhead-"))
     backends: list[Child] = []
     meshd_child: Child | None = None
@@ -718,8 +796,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for t in targets.values():
             if t.error:
                 print(f"!! {t.error}", file=sys.stderr)
-        if settings.pin:
-            split = pin_processes(targets, backends, os.sched_getaffinity(0))
+        pin_processes(targets, backends, split)
         install_fast_loop()
         asyncio.run(run_phases(list(targets.values()), backends, settings))
         for t in targets.values():
@@ -732,10 +809,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             envoy.stop()
         for b in backends:
             b.stop()
-    elapsed = time.monotonic() - started
-    rows = build_rows(targets, settings)
-    verdicts = checks(targets, settings)
+        if split.proxy is not None:
+            procstats.pin(os.getpid(), cpus)  # the next placement starts from every CPU
+        shutil.rmtree(workdir, ignore_errors=True)
+    return Run(
+        split,
+        targets,
+        build_rows(targets, settings),
+        checks(targets, settings),
+        time.monotonic() - started,
+        env_before,
+        environment(),
+    )
 
+
+def print_run(run: Run, settings: Settings) -> None:
+    targets, env_before = run.targets, run.env_before
     print()
     delay = (
         "no backend delay"
@@ -750,21 +839,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"runs per target: one request at a time for {settings.serial_s:g} s; open loop "
         f"(Poisson) at {', '.join(f'{r:g}' for r in settings.rates)} req/s for "
         f"{settings.duration_s:g} s each; saturation: {settings.concurrency} closed-loop clients "
-        f"for {settings.saturation_s:g} s. Whole run took {elapsed:.0f} s."
+        f"for {settings.saturation_s:g} s. Whole run took {run.elapsed_s:.0f} s."
     )
-    if split is not None:
-        proxy_cpus, rest = split
+    if run.split.proxy is not None:
         print(
-            f"machine: {env_before['cpus']} CPUs; --pin: each proxy alone on CPU "
-            f"{sorted(proxy_cpus)}, the backends and this load generator on {sorted(rest)} "
-            f"(load average {env_before['loadavg'][0]} at start). Saturation is then bounded "
-            "by the shared CPUs as much as by the proxy."
+            f"machine: {env_before['cpus']} CPUs; placement {run.split.describe()} (load "
+            f"average {env_before['loadavg'][0]} at start). Saturation is then bounded by "
+            "the CPUs each side has as much as by the proxy."
         )
     else:
         print(
             f"machine: {env_before['cpus']} CPUs shared by the backends, the proxy, this load "
-            f"generator and any other work (load average {env_before['loadavg'][0]} at "
-            "start): saturation and CPU figures are contended, ratios mean more than absolutes."
+            f"generator and any other work (placement shared; load average "
+            f"{env_before['loadavg'][0]} at start): saturation and CPU figures are "
+            "contended, ratios mean more than absolutes."
         )
     for t in targets.values():
         state = f"error: {t.error}" if t.error else t.version
@@ -778,17 +866,82 @@ def main(argv: Sequence[str] | None = None) -> int:
             "with its backend, and the latency rows measure the scheduler as much as the proxy."
         )
     print()
-    print(format_table(rows))
+    print(format_table(run.rows))
     print("  (direct) = the direct figure itself; other latency cells are added to it.")
     print(
         "  Envoy reads a busy socket until EAGAIN before forwarding, so against a zero-delay\n"
         "  backend its first byte leaves late at low rates (envoy/README.md); try --token-delay-ms."
     )
     print()
-    for c in verdicts:
-        print(f"{c.verdict:<4}  {c.name}: {c.detail}")
+    for c in run.verdicts:
+        print(f"{c.verdict:<4}  [{run.split.placement}] {c.name}: {c.detail}")
     print()
     print(format_details(targets))
+
+
+def comparison_rows(
+    runs: Sequence[Run], settings: Settings
+) -> list[tuple[str, str, str, str, str]]:
+    """Per placement, the headline figures side by side: meshd's and Envoy's added TTFB p50
+    at the target rate (or the rate nearest it), their ratio, and meshd/Envoy CPU."""
+    rate = min(settings.rates, key=lambda r: abs(r - TARGET_ADDED_TTFB_RATE), default=None)
+    ttfb_label = f"added TTFB p50 @ {rate:g}/s (ms)"
+    out = []
+    for run in runs:
+        by_label = {r.label: r for r in run.rows}
+        ttfb, cpu = by_label.get(ttfb_label), by_label.get("proxy CPU s / 1000 req (all)")
+        out.append(
+            (
+                run.split.placement,
+                "-" if ttfb is None else _fmt(ttfb.values["meshd"]),
+                "-" if ttfb is None else _fmt(ttfb.values["envoy"]),
+                "-" if ttfb is None else _fmt(ttfb.ratio, 2),
+                "-" if cpu is None else _fmt(cpu.ratio, 2),
+            )
+        )
+    return out
+
+
+def _run_report(run: Run) -> dict[str, Any]:
+    return {
+        "placement": run.split.placement,
+        "cpus": None
+        if run.split.proxy is None
+        else {
+            "proxy": sorted(run.split.proxy),
+            "backends": sorted(run.split.backends or ()),
+            "load": sorted(run.split.load or ()),
+        },
+        "environment": {"start": run.env_before, "end": run.env_after},
+        "elapsed_s": run.elapsed_s,
+        "targets": {
+            name: {
+                "endpoints": [str(e) for e in t.endpoints],
+                "version": t.version,
+                "error": t.error,
+                "peak_rss_bytes": t.peak_rss,
+                "phases": [_summary_dict(p) for p in t.phases],
+            }
+            for name, t in run.targets.items()
+        },
+        "table": [asdict(r) for r in run.rows],
+        "checks": [asdict(c) for c in run.verdicts],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings, placements, json_path = parse_args(argv)
+    cpus = os.sched_getaffinity(0)
+    runs: list[Run] = []
+    for placement in placements:
+        run = run_placement(settings, placement, cpus)
+        print_run(run, settings)
+        runs.append(run)
+    if len(runs) > 1:
+        print("\nplacements compared: added TTFB p50 (ms) at the target rate, meshd/envoy")
+        print(f"  {'placement':<12} {'meshd':>8} {'envoy':>8} {'meshd/envoy':>12} {'CPU m/e':>8}")
+        for name, m, e, ratio, cpu in comparison_rows(runs, settings):
+            print(f"  {name:<12} {m:>8} {e:>8} {ratio:>12} {cpu:>8}")
 
     hotpath: str | None = None
     if settings.hotpath:
@@ -796,28 +949,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hotpath is not None:
             print("\nCython vs pure Python (loadtest.hotpath_bench):\n" + hotpath)
     if json_path:
-        report = {
-            "settings": asdict(settings),
-            "environment": {"start": env_before, "end": environment()},
-            "elapsed_s": elapsed,
-            "targets": {
-                name: {
-                    "endpoints": [str(e) for e in t.endpoints],
-                    "version": t.version,
-                    "error": t.error,
-                    "peak_rss_bytes": t.peak_rss,
-                    "phases": [_summary_dict(p) for p in t.phases],
-                }
-                for name, t in targets.items()
-            },
-            "table": [asdict(r) for r in rows],
-            "checks": [asdict(c) for c in verdicts],
-            "hotpath": hotpath,
-        }
+        report: dict[str, Any] = {"settings": asdict(settings), "hotpath": hotpath}
+        if len(runs) == 1:
+            report.update(_run_report(runs[0]))
+        else:
+            report["runs"] = [_run_report(r) for r in runs]
         Path(json_path).write_text(json.dumps(_no_nan(report), indent=2, default=str))
         print(f"\nwrote {json_path}")
-    shutil.rmtree(workdir, ignore_errors=True)
-    return 1 if any(c.verdict == "FAIL" for c in verdicts) else 0
+    return 1 if any(c.verdict == "FAIL" for r in runs for c in r.verdicts) else 0
 
 
 if __name__ == "__main__":
