@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from loadtest import procstats
-from loadtest.openloop import Endpoint, LoadGenerator, completion_request, install_fast_loop
+from loadtest.openloop import Endpoint, LoadGenerator, completion_request
 from loadtest.overhead import (
     PLACEMENTS,
     Child,
@@ -193,8 +193,18 @@ def format_hops(name: str, hops: Hops) -> str:
     return "\n".join(lines)
 
 
-def _probe_client(ev: Callable[[str], None]) -> None:
-    """The load generator (this process) records its own send and first read."""
+def _fast_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def _probe_client(ev: Callable[[str], None]) -> Callable[[], None]:
+    """The load generator (this process) records its own sends and reads; returns what
+    takes the probes out again."""
     from loadtest import openloop
 
     conn: Any = openloop._Connection
@@ -209,6 +219,11 @@ def _probe_client(ev: Callable[[str], None]) -> None:
         received(self, data)
 
     conn.send, conn.data_received = probed_send, probed_received
+
+    def restore() -> None:
+        conn.send, conn.data_received = send, received
+
+    return restore
 
 
 def measure(
@@ -234,6 +249,7 @@ def measure(
             os.write(fd, f"{time.perf_counter_ns()} {tag} {cpu_of()}\n".encode())
 
         children: list[Child] = []
+        unprobe: Callable[[], None] | None = None
         roles = {os.getpid(): "client"}
         cpus = os.sched_getaffinity(0)
         try:
@@ -259,10 +275,13 @@ def measure(
                         procstats.pin(b.proc.pid, set(split.backends))
                 if proxy is not None:
                     procstats.pin(proxy.proc.pid, set(split.proxy))
-            _probe_client(ev)
-            install_fast_loop()
-            since = asyncio.run(_drive(targets, tokens, rate, duration_s))
+            unprobe = _probe_client(ev)
+            # uvloop for this run only: installing its policy would outlive the call.
+            with asyncio.Runner(loop_factory=_fast_loop_factory()) as runner:
+                since = runner.run(_drive(targets, tokens, rate, duration_s))
         finally:
+            if unprobe is not None:
+                unprobe()
             for c in children:
                 c.stop()
             os.close(fd)

@@ -91,3 +91,21 @@ def test_a_real_run_sees_every_hop_of_most_requests(target: str) -> None:
     for i in range(len(hops.chain) - 1):
         assert all(g >= 0 for g in hops.gaps_us(i))
     assert 0 < hops.total_us()[len(hops.times_ns) // 2] < 100_000
+
+
+def test_a_run_leaves_this_process_as_it_found_it() -> None:
+    import asyncio
+    import os
+
+    from loadtest import openloop
+
+    send, received = openloop._Connection.send, openloop._Connection.data_received
+    policy = type(asyncio.get_event_loop_policy())
+    env = {k: os.environ.get(k) for k in ("PYTHONPATH", "MESHD_HOPS_DIR")}
+    cpus = os.sched_getaffinity(0)
+    measure("direct", rate=40.0, duration_s=0.3, placement="shared", tokens=5, backends=1)
+    assert openloop._Connection.send is send
+    assert openloop._Connection.data_received is received
+    assert type(asyncio.get_event_loop_policy()) is policy  # uvloop for the run only
+    assert {k: os.environ.get(k) for k in env} == env
+    assert os.sched_getaffinity(0) == cpus
