@@ -1,5 +1,6 @@
 """Picker: decode priced for as long as the batch it joins lasts (the partners' output
-tokens), past that alone. Fake clock throughout."""
+tokens), past that alone; a second of TTFT valued less for a request whose first token
+comes well inside the knee anyway (lambda_knee_s). Fake clock throughout."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from filters.endpoint_state import EndpointState
 from filters.gpu import GPUS
-from filters.picker import Picker, PickRequest
+from filters.picker import Picker, PickerConfig, PickRequest
 
 H100, A100 = GPUS["H100"], GPUS["A100"]
 
@@ -72,10 +73,54 @@ def test_the_span_is_the_mean_output_of_our_requests_there():
 
 
 def test_reference_pricing_has_no_span():
-    from filters.picker import PickerConfig
-
     eps = fleet()
     running(eps[0], "short", max_tokens=2)
     p = Picker(PickerConfig(decode_pricing="reference"))
     p.pick(PickRequest("m", (), prompt_tokens=1, max_tokens=64), eps, 1.0, record=False)
     assert eps[0]._pick_view.decode_span == float("inf")
+
+
+# -- the TTFT knee ---------------------------------------------------------------------------
+
+
+def scores(p: Picker, r: PickRequest) -> dict[str, tuple[float, float, float]]:
+    eps = fleet()
+    return {
+        c.endpoint: (c.score, c.predicted_cost_usd, c.predicted_ttft_s)
+        for c in p.pick(r, eps, 0.0, record=False)
+    }
+
+
+def test_a_short_prompt_may_wait_a_few_ms_for_the_cheaper_decode():
+    # 1 prompt token, 16 out, idle fleet: the A100's first token comes ~4 ms later (one
+    # A100 step against one H100 step) and its 16 decode steps cost 2/3 of the H100's.
+    # At lambda 1e-2 the 4 ms outweighed the ~3.2e-5 $ saved; the request's best case is
+    # ~7.5 ms, under the 50 ms knee by more than 4x, so a second is worth lambda / 4.
+    r = PickRequest("m", (), prompt_tokens=1, max_tokens=16)
+    off = scores(Picker(PickerConfig(lambda_knee_s=None)), r)
+    assert min(off, key=lambda k: off[k][0]) == "h100"
+    on = scores(Picker(), r)
+    assert min(on, key=lambda k: on[k][0]) == "a100"
+    for score, cost, ttft in on.values():
+        assert score == pytest.approx(cost + 1e-2 / 4 * ttft)
+
+
+def test_the_discount_rounds_up_to_a_power_of_two():
+    # Best case just over knee / 2: lambda itself (the marginal value there is over 1/2).
+    t0 = H100.decode_step_s(1) + 100 / H100.prefill_tokens_per_s
+    r = PickRequest("m", (), prompt_tokens=100, max_tokens=16)
+    for knee, factor in ((1.9 * t0, 1.0), (2.0 * t0, 0.5), (4.1 * t0, 0.25)):
+        got = scores(Picker(PickerConfig(lambda_knee_s=knee)), r)
+        for score, cost, ttft in got.values():
+            assert score == pytest.approx(cost + 1e-2 * factor * ttft), knee
+
+
+def test_a_long_prompt_keeps_lambda():
+    # 4,000 tokens: ~152 ms at best, over the knee, so nothing changes.
+    r = PickRequest("m", (), prompt_tokens=4000, max_tokens=16)
+    assert scores(Picker(), r) == scores(Picker(PickerConfig(lambda_knee_s=None)), r)
+
+
+def test_the_knee_must_be_positive():
+    with pytest.raises(ValueError, match="lambda_knee_s"):
+        PickerConfig(lambda_knee_s=0.0)
