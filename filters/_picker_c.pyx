@@ -105,7 +105,7 @@ def price_candidates(
     cdef double dp = big_p
     cdef double dm = big_m
     cdef double pm = big_p + big_m
-    cdef double j, free, load_sum = 0.0, weight_sum = 0.0
+    cdef double j, span, free, load_sum = 0.0, weight_sum = 0.0
     cdef Py_ssize_t slot = base
     cdef list cands = []
     cdef tuple kc
@@ -163,12 +163,15 @@ def price_candidates(
         slot += 1
         kc = <tuple>kco
         j = <double>kc[0] + dp * <double>kc[1] + dm * <double>kc[2]
-        free = <double>kc[3]
+        span = <double>kc[3]
+        if dm > span:
+            j += (dm - span) * <double>kc[4]
+        free = <double>kc[5]
         if pm > free:
-            j += (pm - free) * <double>kc[4]
-        cands.append((j, kc[7], v))
-        load_sum += <double>kc[5]
-        weight_sum += <double>kc[6]
+            j += (pm - free) * <double>kc[6]
+        cands.append((j, kc[9], v))
+        load_sum += <double>kc[7]
+        weight_sum += <double>kc[8]
     return cands, load_sum, weight_sum
 
 

@@ -171,6 +171,7 @@ class EndpointState:
     waiting: int = 0  # outstanding without a first token yet
     pending_prefill_tokens: int = 0  # uncached prompt tokens of those
     tokens_in_flight: int = 0  # prompt + max output tokens of all outstanding
+    output_tokens_in_flight: int = 0  # max output tokens of all outstanding
     ttft_ratio: float = 1.0  # EWMA of observed / predicted TTFT compute time
     residence_s: float | None = None  # EWMA of request duration
     prompt_tokens_avg: float = DEFAULT_PROMPT_TOKENS
@@ -267,6 +268,7 @@ class EndpointState:
         self.waiting += 1
         self.pending_prefill_tokens += uncached
         self.tokens_in_flight += prompt_tokens + max_tokens
+        self.output_tokens_in_flight += max_tokens
         self.prompt_tokens_avg += PROMPT_ALPHA * (prompt_tokens - self.prompt_tokens_avg)
         self._changed()
 
@@ -298,6 +300,7 @@ class EndpointState:
             self.pending_prefill_tokens -= f.uncached_tokens
         self.outstanding -= 1
         self.tokens_in_flight -= f.prompt_tokens + f.max_tokens
+        self.output_tokens_in_flight -= f.max_tokens
         if ok:
             d = now - f.started_at
             r = self.residence_s

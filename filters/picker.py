@@ -26,17 +26,28 @@ endpoint e (GPU profile from filters/gpu.py, `n` GPUs, the served model's `speed
                  adapter is not loaded (an endpoint that cannot serve it is ineligible)
     TTFT_e     = cold_e + queue_e + kv_wait_e + cal_e * U_e / tps_e
     cost_e     = price_per_s(gpu) * n * (cal_e * U_e / tps_e + cold_e)
-                 + price_per_s(gpu) * M * decode_step(gpu, b_e) / b_e
+                 + price_per_s(gpu) * (min(M, S_e) * decode_step(gpu, b_e) / b_e
+                                       + max(0, M - S_e) * decode_step(gpu, 1))
                  b_e = min(64, running + waiting + 1): the batch this request joins
-    J_e        = cost_e + lambda(p) * TTFT_e,   lambda(p) = lambda_usd_per_s * base**(p - 5)
+                 S_e = the output tokens that batch lasts: the mean max_tokens of our
+                       requests in flight there (inf when none are ours; 0 when idle)
+    J_e        = cost_e + lambda_r * TTFT_e,    lambda(p) = lambda_usd_per_s * base**(p - 5)
+    lambda_r   = lambda(p) * 2**-k,  k = floor(log2(knee / t0)) when t0 < knee, else 0
+                 t0 = decode_step(H100, 1) + P / prefill_tps(H100): the request's best case
+                 (an idle reference GPU, nothing cached); knee = lambda_knee_s
 
 Prefill owns the GPU (compute bound), so the request pays for all of it; decode is shared
 by the batch (memory bound), so it pays its share of a step in the batch it joins, capped
-at a healthy batch of 64. Waking an idle engine pays its whole step, joining a running
+at a healthy batch of 64, for as long as that batch lasts; past it the request decodes
+alone and pays whole steps. Waking an idle engine pays its whole step, joining a running
 batch a fraction of one: traffic packs into batches (busy GPU-seconds are what a fleet
 pays for, or what an autoscaler can hand back) until the queueing it adds (in TTFT, valued
 by lambda) or the bounded-load rule stops it. (`decode_pricing="reference"` prices every
-endpoint at batch 64 instead: no packing pull.) Time spent queueing is paid by whoever
+endpoint at batch 64 instead: no packing pull.) The span S_e counts the partners' whole
+max_tokens, not what they have left, so it errs toward the batch lasting; without it a
+request joining an H100 whose one partner had 2 tokens to go was priced at half an H100
+step a token for all its output (cheaper than a whole A100 step) and ran alone there.
+Time spent queueing is paid by whoever
 is being served. lambda converts seconds into dollars: at the default 1e-2 $/s a second
 of TTFT is worth a cent for a standard request, 16x that at priority 9 and 1/32 at
 priority 0 (a batch job goes to the cheapest GPU). Measured on the 16-engine bench
@@ -45,6 +56,23 @@ $ per successful task and 5e-3 0.76, at the same TTFT p90 (37.2 ms) as 1e-2's 0.
 the demo workload's TTFT p90 doubles at 5e-3 (25.5 -> 54.3 ms) for little saving, so 1e-2
 is the default. (An earlier live run's figures, before the TTL and calibration fixes, are
 in git history.)
+
+The knee: what a TTFT costs is judged by its tail, so a request whose first token comes
+well inside the tail anyway loses little by waiting a few milliseconds more. The cost of a
+TTFT T is taken as Huber-shaped, lambda * T**2 / (2 knee) under the knee and
+lambda * (T - knee / 2) over it: a second is worth lambda * min(1, T / knee). The picker
+prices it at the request's best case t0 (before the pick, so without its cached prefix:
+an over-estimate, which errs toward lambda), rounded up to a power of two (never below
+that marginal value, and few request classes for the views' constants). Over the knee
+nothing changes. Measured on the same bench, virtual clock, 2026-12-05: the Mooncake
+trace's prompts of a few tokens (best case ~7.5 ms, lambda / 4) with a few dozen tokens to
+decode move to A100s (one more step to the first token, ~4 ms, for 2/3 of the decode
+price): $ per successful task 0.794 -> 0.704 of round robin, TTFT p50 / p90 7.5 / 36.9 ms
+(37.2 before); the demo, shared-prefix and agentic workloads, whose prompts' best case is
+over knee / 2, are unchanged; live (the sidecar over HTTP, same fleet and trace) 0.71, TTFT
+p50 / p90 / p99 12.0 / 41.0 / 101 ms. The knee is a value judgement, like lambda: at 0.1 s
+the demo's ~700-token prompts (best case ~33 ms) were discounted too, and its TTFT p90
+went from 24.8 to 28.5-55.7 ms (seeds 0, 1).
 
 The step has a floor: the first token waits for one engine step, a weight read at HBM
 speed, so a calibration under 1 (prefill compute, or our estimate of the tokens left to
@@ -137,6 +165,9 @@ _REF = GPUS["H100"]
 # Decode is priced at this batch size: a healthy engine's steady state.
 DECODE_REF_BATCH = 64
 _REF_DECODE_TOKEN_S = _REF.decode_step_s(DECODE_REF_BATCH) / DECODE_REF_BATCH
+# A request's best case first token: one step of an idle reference GPU, plus its prompt
+# at the reference prefill speed (lambda_knee_s).
+_REF_STEP_S = _REF.decode_step_s(1)
 # Bound on remembered (model, adapter, priority) classes: model names come from clients.
 MAX_REQUEST_CLASSES = 1024
 # Bound on remembered rendezvous draws (one float per group key x endpoint name).
@@ -164,6 +195,8 @@ def _mix(x: int) -> int:
 class PickerConfig:
     lambda_usd_per_s: float = 1e-2  # value of one second of TTFT at priority 5
     lambda_priority_base: float = 2.0  # lambda multiplies by this per priority step
+    # TTFT under which a second is worth less, in proportion (module docstring; None: off).
+    lambda_knee_s: float | None = 0.05
     default_priority: int = 5
     tenant_priority: Mapping[str, int] = field(default_factory=dict)
     load_metric: Literal["requests", "tokens"] = "requests"
@@ -204,6 +237,8 @@ class PickerConfig:
             raise ValueError("max_choices must be >= 1 or None")
         if self.prefix_ttl_s is not None and not self.prefix_ttl_s > 0:
             raise ValueError("prefix_ttl_s must be > 0 or None")
+        if self.lambda_knee_s is not None and not self.lambda_knee_s > 0:
+            raise ValueError("lambda_knee_s must be > 0 or None")
 
     def new_index(self, *, track_blocks: bool = False) -> PrefixIndex:
         """A prefix index with this config's age limit."""
@@ -306,6 +341,8 @@ class _View:
         "cap_blocks",
         "cold",
         "cold_now",
+        "decode_extra",
+        "decode_span",
         "floor_load",
         "free_kv",
         "inv",
@@ -367,7 +404,9 @@ class _View:
     trust: float  # silence discount for index entries
     until: float  # the view is stale from then on
     url: str
-    usd_per_out_tok: float  # decode share of a step, in dollars
+    usd_per_out_tok: float  # decode share of a step in the batch it joins, in dollars
+    decode_span: float  # output tokens that batch lasts (inf: for all of ours)
+    decode_extra: float  # per output token beyond decode_span: alone, less the share
     version: int
     weight: float  # nominal prefill tok/s x slow-start ramp: the capacity weight
     cal_key: str  # GPU class for calibration pooling
@@ -379,9 +418,10 @@ class _View:
     kkey: _KKey | None
     k0: float
     k1: float
-    # (k0, k1, usd_per_out_tok, free_kv, kv_wait_per_token * lambda, load, weight, name),
-    # or None when this endpoint cannot serve the class.
-    kc: tuple[float, float, float, float, float, float, float, str] | None
+    # (k0, k1, usd_per_out_tok, decode_span, decode_extra, free_kv,
+    # kv_wait_per_token * lambda, load, weight, name), or None when this endpoint cannot
+    # serve the class.
+    kc: tuple[float, float, float, float, float, float, float, float, float, str] | None
     cold_now: float
     kkey_cold: _KKey | None  # the class cold_now was computed for (static, like `cold`)
     # Static part (rebuilt on a report, a flag, a failure or a freshness deadline).
@@ -397,6 +437,13 @@ class _View:
     r_requests: int
     r_tokens: int
     r_kv_used: float
+
+    def decode_usd(self, max_tokens: int) -> float:
+        """The decode part of cost_e for `max_tokens` output tokens."""
+        usd = max_tokens * self.usd_per_out_tok
+        if max_tokens > self.decode_span:
+            usd += (max_tokens - self.decode_span) * self.decode_extra
+        return usd
 
 
 _new_choice = tuple.__new__
@@ -444,8 +491,10 @@ def price_candidates(
             continue
         v.stamp = slot
         slot += 1
-        k0, k1, u, free, kvw, load, weight, name = kc
+        k0, k1, u, span, extra, free, kvw, load, weight, name = kc
         j = k0 + big_p * k1 + big_m * u
+        if big_m > span:
+            j += (big_m - span) * extra
         if pm > free:
             j += (pm - free) * kvw
         append((j, name, v))
@@ -591,6 +640,15 @@ class Picker:
         if prio is None:
             prio = c.tenant_priority.get(req.tenant or "", c.default_priority)
         lam = self._lambda[min(9, max(0, prio))]
+        big_p = max(1, req.prompt_tokens)
+        knee = c.lambda_knee_s
+        if knee is not None:
+            # The TTFT cost linearised at the request's best case t0: lambda x t0 / knee
+            # under the knee, rounded up to a power of two (module docstring).
+            t0 = _REF_STEP_S + big_p / _REF.prefill_tokens_per_s
+            while t0 + t0 <= knee:
+                lam *= 0.5
+                t0 += t0
         model = req.model
         adapter = req.adapter
         # One key object per (model, adapter, lambda), so views compare it with `is`.
@@ -602,7 +660,6 @@ class Picker:
             kkey = kkeys[(model, adapter, lam)] = (model, adapter, lam)
         hashes = req.block_hashes
         nb = len(hashes)
-        big_p = max(1, req.prompt_tokens)
         big_m = max(0, req.max_tokens)
         pm = big_p + big_m
         hook = self._eligible
@@ -649,6 +706,8 @@ class Picker:
             v = by_name[name]
             unc = big_p - min(cached, big_p - 1.0)
             j = v.k0 + unc * v.k1 + big_m * v.usd_per_out_tok
+            if big_m > v.decode_span:
+                j += (big_m - v.decode_span) * v.decode_extra
             if unc + big_m > v.free_kv:
                 j += (unc + big_m - v.free_kv) * v.kv_wait_per_token * lam
             cands[v.stamp - base] = (j, name, v)
@@ -858,7 +917,18 @@ class Picker:
             b = running + queued + 1
             if b > DECODE_REF_BATCH:
                 b = DECODE_REF_BATCH
-            v.usd_per_out_tok = v.price_s * (step1 + step_slope * (b - 1)) / b
+            share = v.usd_per_out_tok = v.price_s * (step1 + step_slope * (b - 1)) / b
+            # ...for as long as that batch lasts: the requests we sent there have this many
+            # output tokens each on average (at most: some are already decoded), and past
+            # them this one decodes alone. Partners we know nothing about (reported, none
+            # of ours) are taken to outlast it.
+            known = e.outstanding
+            if b > 1 and known > 0:
+                v.decode_span = e.output_tokens_in_flight / known
+                v.decode_extra = v.price_s * step1 - share
+            else:
+                v.decode_span = _INF
+                v.decode_extra = 0.0
         # The calibration, unchanged since this view last computed it unless a sample
         # finished, the ratio moved or the class's pooled prior was pushed (_calibration).
         name = e.name
@@ -1003,6 +1073,8 @@ class Picker:
         v.price_s = gpu.price_per_s * n
         # The "reference" pricing (see _view for "batch", the default).
         v.usd_per_out_tok = gpu.price_per_s * gpu.decode_step_s(DECODE_REF_BATCH) / DECODE_REF_BATCH
+        v.decode_span = _INF
+        v.decode_extra = 0.0
         cap = e.kv_capacity(now)
         if cap is None:
             cap = gpu.kv_tokens * n
@@ -1074,6 +1146,8 @@ class Picker:
             k0,
             k1,
             v.usd_per_out_tok,
+            v.decode_span,
+            v.decode_extra,
             v.free_kv,
             v.kv_wait_per_token * lam,
             v.load,
@@ -1178,7 +1252,7 @@ class Picker:
         share of keys proportional to its capacity weight) over the endpoints within the
         bound whose J exceeds the best's by at most `tolerance` x the best's prefill-and-wait
         part (J less its decode: what a cached prefix can change)."""
-        window = best[0] + abs(best[0] - max_tokens * best[2].usd_per_out_tok) * tolerance
+        window = best[0] + abs(best[0] - best[2].decode_usd(max_tokens)) * tolerance
         top = best
         top_score = _INF
         draws = self._draws
@@ -1219,7 +1293,7 @@ class Picker:
             kv_wait = (unc + big_m - v.free_kv) * v.kv_wait_per_token
             ttft += kv_wait
             fixed += kv_wait
-        cost = v.price_s * (pre + cold) + big_m * v.usd_per_out_tok
+        cost = v.price_s * (pre + cold) + v.decode_usd(big_m)
         nominal = v.q_nominal + unc * v.inv_nominal
         # tuple.__new__ directly: the NamedTuple's generated __new__ is one more call.
         return _new_choice(

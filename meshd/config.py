@@ -176,6 +176,9 @@ class PickerSettings(_Strict):
     """meshd's picker (routing.policy: meshd); the model is in filters/picker.py."""
 
     lambda_usd_per_s: float = Field(default=1e-2, ge=0)
+    # A first token within this many seconds anyway values a second of TTFT in proportion
+    # (lambda x best-case TTFT / knee, rounded up to a power of two); null: lambda always.
+    lambda_knee_s: float | None = Field(default=0.05, gt=0)
     epsilon: float = Field(default=0.25, ge=0)
     load_metric: Literal["requests", "tokens"] = "requests"
     # batch: decode priced at the request's share of the batch it joins (packs running
@@ -612,6 +615,7 @@ routing:
   policy: meshd                # prefix-aware picker; or least-request, round-robin
   picker:
     lambda_usd_per_s: 0.01     # $ one second of TTFT is worth at priority 5 (lower: cheaper)
+    lambda_knee_s: 0.05        # best-case TTFT under which a second is worth less (null: off)
     epsilon: 0.25              # bounded load: no endpoint above (1+epsilon) x mean
     load_metric: requests      # or tokens
     decode_pricing: batch      # or reference (every endpoint priced at batch 64)

@@ -1653,6 +1653,7 @@ def build_routers(config: Config) -> dict[str, PoolRouter]:
     routing = config.routing
     picker_config = PickerConfig(
         lambda_usd_per_s=routing.picker.lambda_usd_per_s,
+        lambda_knee_s=routing.picker.lambda_knee_s,
         epsilon=routing.picker.epsilon,
         load_metric=routing.picker.load_metric,
         decode_pricing=routing.picker.decode_pricing,

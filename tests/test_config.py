@@ -54,6 +54,11 @@ def test_defaults_file_env_and_overrides_in_that_order(tmp_path):
             "greater than 0",
         ),
         (
+            GOOD + "routing: {picker: {lambda_knee_s: -1}}",
+            "routing.picker.lambda_knee_s",
+            "greater than 0",
+        ),
+        (
             GOOD + "routing: {learn_chars_per_token: 1}",
             "routing.learn_chars_per_token",
             "boolean",
@@ -238,6 +243,18 @@ def test_prefix_ttl_reaches_the_routers_index(tmp_path):
     f.write_text(GOOD + "routing: {policy: meshd, picker: {prefix_ttl_s: 45}}\n")
     (router,) = build_routers(load_config(f, env={})).values()
     assert router.picker.index.ttl_s == 45
+
+
+def test_lambda_knee_reaches_the_routers_picker(tmp_path):
+    from meshd.sidecar import build_routers
+
+    f = tmp_path / "c.yaml"
+    f.write_text(GOOD + "routing: {policy: meshd}\n")
+    (router,) = build_routers(load_config(f, env={})).values()
+    assert router.picker.config.lambda_knee_s == 0.05
+    f.write_text(GOOD + "routing: {policy: meshd, picker: {lambda_knee_s: null}}\n")
+    (router,) = build_routers(load_config(f, env={})).values()
+    assert router.picker.config.lambda_knee_s is None
 
 
 def test_learn_chars_per_token_defaults_off_and_env_turns_it_on(tmp_path):

@@ -54,7 +54,9 @@ class _FakeEndpoint:
 finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False)
 positive = st.floats(min_value=0.0, max_value=1e7, allow_nan=False, allow_infinity=False)
 tiny = st.floats(min_value=0.0, max_value=1e-2, allow_nan=False, allow_infinity=False)
-kc_values = st.tuples(finite, tiny, tiny, positive, tiny, positive, positive)
+# (k0, k1, usd_per_out_tok, decode_span, decode_extra, free_kv, kvw, load, weight)
+span = st.one_of(st.just(float("inf")), positive)
+kc_values = st.tuples(finite, tiny, tiny, span, tiny, positive, tiny, positive, positive)
 endpoint_spec = st.tuples(
     st.sampled_from(["fresh", "none", "other-class"]),
     st.one_of(st.none(), kc_values),  # the kc the view has (or gets from refresh)
@@ -73,7 +75,7 @@ def _world(
         if state == "fresh":
             e._pick_view = _FakeView(e.name, KKEY, kc, stamp)
         elif state == "other-class":
-            e._pick_view = _FakeView(e.name, OTHER, (0.0,) * 7 + (e.name,), stamp)
+            e._pick_view = _FakeView(e.name, OTHER, (0.0,) * 9 + (e.name,), stamp)
             e.next_kc = kc
         else:
             e.next_kc = kc
