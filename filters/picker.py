@@ -51,10 +51,15 @@ Time spent queueing is paid by whoever
 is being served. lambda converts seconds into dollars: at the default 1e-2 $/s a second
 of TTFT is worth a cent for a standard request, 16x that at priority 9 and 1/32 at
 priority 0 (a batch job goes to the cheapest GPU). Measured on the 16-engine bench
-(H100 + A100), virtual clock, 2026-12-04: on mooncake 1e-3 gives 0.70 of round robin's
-$ per successful task and 5e-3 0.76, at the same TTFT p90 (37.2 ms) as 1e-2's 0.80, but
-the demo workload's TTFT p90 doubles at 5e-3 (25.5 -> 54.3 ms) for little saving, so 1e-2
-is the default. (An earlier live run's figures, before the TTL and calibration fixes, are
+(H100 + A100), virtual clock, 2026-12-05, with the knee (below) and the decode span:
+
+    lambda $/s   mooncake: $/ok task vs RR, TTFT p50/p90/p99 ms   demo seed 0: same
+    1e-3         0.67, 11.5 / 40.7 / 107                           0.49, p90 56.7
+    5e-3         0.69, 10.8 / 37.2 / 96.0                          0.56, p90 33.4
+    1e-2         0.70,  7.5 / 36.9 / 95.9                          0.59, p90 24.8
+
+Below 1e-2 the demo's TTFT p90 grows by a third to double for a few cents' saving, so
+1e-2 is the default. (Earlier sweeps, before the knee, the TTL and calibration fixes, are
 in git history.)
 
 The knee: what a TTFT costs is judged by its tail, so a request whose first token comes
