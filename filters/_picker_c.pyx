@@ -100,7 +100,7 @@ cdef inline PyObject *_slot(object o, Py_ssize_t off):
 
 
 def price_candidates(
-    endpoints, kkey, Py_ssize_t base, big_p, big_m, refresh, hook, req, now
+    endpoints, kkey, Py_ssize_t base, big_p, big_m, double lam, refresh, hook, req, now
 ):
     cdef double dp = big_p
     cdef double dm = big_m
@@ -162,16 +162,17 @@ def price_candidates(
             v.stamp = stamp
         slot += 1
         kc = <tuple>kco
-        j = <double>kc[0] + dp * <double>kc[1] + dm * <double>kc[2]
-        span = <double>kc[3]
+        j = (<double>kc[0] + lam * <double>kc[1]
+             + dp * (<double>kc[2] + lam * <double>kc[3]) + dm * <double>kc[4])
+        span = <double>kc[5]
         if dm > span:
-            j += (dm - span) * <double>kc[4]
-        free = <double>kc[5]
+            j += (dm - span) * <double>kc[6]
+        free = <double>kc[7]
         if pm > free:
-            j += (pm - free) * <double>kc[6]
-        cands.append((j, kc[9], v))
-        load_sum += <double>kc[7]
-        weight_sum += <double>kc[8]
+            j += (pm - free) * (<double>kc[8] * lam)
+        cands.append((j, kc[11], v))
+        load_sum += <double>kc[9]
+        weight_sum += <double>kc[10]
     return cands, load_sum, weight_sum
 
 

@@ -68,7 +68,11 @@ TTFT T is taken as Huber-shaped, lambda * T**2 / (2 knee) under the knee and
 lambda * (T - knee / 2) over it: a second is worth lambda * min(1, T / knee). The picker
 prices it at the request's best case t0 (before the pick, so without its cached prefix:
 an over-estimate, which errs toward lambda), rounded up to a power of two (never below
-that marginal value, and few request classes for the views' constants). Over the knee
+that marginal value). lambda is applied in the hot loop, not kept in the views' per-class
+constants, so requests of every priority and best case share them (keyed by the class's
+lambda, a 50/50 mix of 16- and 4,000-token prompts over 64 endpoints recomputed them on
+every switch: pick p50 / p99 57 / 104-109 us against 44 / 86 without the knee; applied in
+the loop, 44 / 84-87 with it). Over the knee
 nothing changes. Measured on the same bench, virtual clock, 2026-12-05: the Mooncake
 trace's prompts of a few tokens (best case ~7.5 ms, lambda / 4) with a few dozen tokens to
 decode move to A100s (one more step to the first token, ~4 ms, for 2/3 of the decode
@@ -330,8 +334,8 @@ class Choice(NamedTuple):
     state: EndpointState
 
 
-# (model, adapter, lambda): the request class a view's J constants were computed for.
-_KKey = tuple[str, str | None, float]
+# (model, adapter): the request class a view's J constants were computed for.
+_KKey = tuple[str, str | None]
 
 
 class _View:
@@ -340,6 +344,8 @@ class _View:
     __slots__ = (
         "adapters",
         "budget",
+        "c0",
+        "c1",
         "cal",
         "cal_key",
         "cal_seen",
@@ -352,8 +358,6 @@ class _View:
         "free_kv",
         "inv",
         "inv_nominal",
-        "k0",
-        "k1",
         "kc",
         "kkey",
         "kkey_cold",
@@ -378,6 +382,7 @@ class _View:
         "static_version",
         "step1",
         "step_slope",
+        "t0",
         "tps0",
         "trust",
         "until",
@@ -419,14 +424,20 @@ class _View:
     # (samples, ttft_ratio, class, class's pushed prior) it was computed from, or None.
     cal_seen: tuple[int, float, _CalClass, float] | None
     why: str | None
-    # Per request class (model, adapter, lambda), recomputed after any change.
+    # Per request class (model, adapter), recomputed after any change.
     kkey: _KKey | None
-    k0: float
-    k1: float
-    # (k0, k1, usd_per_out_tok, decode_span, decode_extra, free_kv,
-    # kv_wait_per_token * lambda, load, weight, name), or None when this endpoint cannot
-    # serve the class.
-    kc: tuple[float, float, float, float, float, float, float, float, float, str] | None
+    # J's constants for the class, dollars (c) apart from seconds (t, valued by lambda):
+    # J = c0 + lambda * t0 + U * (c1 + lambda * inv) + decode + kv wait.
+    c0: float  # price x cold-load time
+    t0: float  # cold-load time + queueing
+    c1: float  # price x seconds per prefilled token
+    # (c0, t0, c1, inv, usd_per_out_tok, decode_span, decode_extra, free_kv,
+    # kv_wait_per_token, load, weight, name), or None when this endpoint cannot serve the
+    # class.
+    kc: (
+        tuple[float, float, float, float, float, float, float, float, float, float, float, str]
+        | None
+    )
     cold_now: float
     kkey_cold: _KKey | None  # the class cold_now was computed for (static, like `cold`)
     # Static part (rebuilt on a report, a flag, a failure or a freshness deadline).
@@ -469,14 +480,16 @@ def price_candidates(
     base: int,
     big_p: int,
     big_m: int,
+    lam: float,
     refresh: Callable[[EndpointState, _View | None, _KKey, float], _View],
     hook: Callable[[EndpointState, PickRequest, float], bool] | None,
     req: PickRequest,
     now: float,
 ) -> tuple[list[_Cand], float, float]:
     """The hot loop of Picker.pick: every eligible endpoint priced as if nothing were
-    cached (U = P), in endpoint order, each view stamped with base + its slot (a view
-    stamped >= base already is a duplicate), plus the sums of load and capacity weight.
+    cached (U = P), at this request's lambda, in endpoint order, each view stamped with
+    base + its slot (a view stamped >= base already is a duplicate), plus the sums of load
+    and capacity weight.
     The reference for the compiled twin in filters/_picker_c.pyx, which must agree exactly
     (tests/test_picker_twins.py)."""
     pm = big_p + big_m
@@ -496,12 +509,12 @@ def price_candidates(
             continue
         v.stamp = slot
         slot += 1
-        k0, k1, u, span, extra, free, kvw, load, weight, name = kc
-        j = k0 + big_p * k1 + big_m * u
+        c0, t0, c1, t1, u, span, extra, free, kvw, load, weight, name = kc
+        j = c0 + lam * t0 + big_p * (c1 + lam * t1) + big_m * u
         if big_m > span:
             j += (big_m - span) * extra
         if pm > free:
-            j += (pm - free) * kvw
+            j += (pm - free) * (kvw * lam)
         append((j, name, v))
         load_sum += load
         weight_sum += weight
@@ -656,13 +669,15 @@ class Picker:
                 t0 += t0
         model = req.model
         adapter = req.adapter
-        # One key object per (model, adapter, lambda), so views compare it with `is`.
+        # One key object per (model, adapter), so views compare it with `is`. lambda is
+        # not part of it: the hot loop applies it, so requests of other priorities or best
+        # cases (the knee) share the views' constants.
         kkeys = self._kkeys
-        kkey = kkeys.get((model, adapter, lam))
+        kkey = kkeys.get((model, adapter))
         if kkey is None:
             if len(kkeys) >= MAX_REQUEST_CLASSES:  # model names come from clients
                 kkeys.clear()
-            kkey = kkeys[(model, adapter, lam)] = (model, adapter, lam)
+            kkey = kkeys[(model, adapter)] = (model, adapter)
         hashes = req.block_hashes
         nb = len(hashes)
         big_m = max(0, req.max_tokens)
@@ -678,7 +693,7 @@ class Picker:
         if now >= self._min_until:
             self._expire_views(now)
         cands, load_sum, weight_sum = _price(
-            endpoints, kkey, base, big_p, big_m, self._refresh, hook, req, now
+            endpoints, kkey, base, big_p, big_m, lam, self._refresh, hook, req, now
         )
         if not cands:
             return []
@@ -710,11 +725,11 @@ class Picker:
         for name, cached in cached_of.items():
             v = by_name[name]
             unc = big_p - min(cached, big_p - 1.0)
-            j = v.k0 + unc * v.k1 + big_m * v.usd_per_out_tok
+            j = v.c0 + lam * v.t0 + unc * (v.c1 + lam * v.inv) + big_m * v.usd_per_out_tok
             if big_m > v.decode_span:
                 j += (big_m - v.decode_span) * v.decode_extra
             if unc + big_m > v.free_kv:
-                j += (unc + big_m - v.free_kv) * v.kv_wait_per_token * lam
+                j += (unc + big_m - v.free_kv) * (v.kv_wait_per_token * lam)
             cands[v.stamp - base] = (j, name, v)
         sticky_t: _Cand | None = None
         if sticky is not None:
@@ -1111,12 +1126,13 @@ class Picker:
 
     def _constants(self, v: _View, e: EndpointState, kkey: _KKey, now: float) -> None:
         """The request-class constants of J (see the module docstring): with U uncached
-        tokens and M output tokens, J = k0 + U * k1 + M * usd_per_out_tok, plus
+        tokens, M output tokens and the request's lambda, J = c0 + lambda * t0 +
+        U * (c1 + lambda * inv) + M * usd_per_out_tok (+ the decode past its span), plus
         (U + M - free_kv) * kv_wait_per_token * lambda when that is positive. Packed into
         one tuple (`kc`, None when the endpoint cannot serve the class) for the hot loop."""
         if v.picker is not self:
             v = self._view(e, now)
-        model, adapter, lam = kkey
+        model, adapter = kkey
         v.kkey = kkey
         if v.kkey_cold is kkey:  # a load change: the class's cold-load cost is static
             cold = v.cold_now
@@ -1145,16 +1161,21 @@ class Picker:
             v.cold_now = cold
             v.kkey_cold = kkey
         price_s = v.price_s
-        v.k0 = k0 = price_s * cold + lam * (cold + v.q)
-        v.k1 = k1 = v.inv * (price_s + lam)
+        # J = c0 + lambda * t0 + U * (c1 + lambda * t1) + ...: dollars and seconds apart,
+        # so one set serves every lambda.
+        v.c0 = c0 = price_s * cold
+        v.t0 = t0 = cold + v.q
+        v.c1 = c1 = v.inv * price_s
         v.kc = (
-            k0,
-            k1,
+            c0,
+            t0,
+            c1,
+            v.inv,
             v.usd_per_out_tok,
             v.decode_span,
             v.decode_extra,
             v.free_kv,
-            v.kv_wait_per_token * lam,
+            v.kv_wait_per_token,
             v.load,
             v.weight,
             v.name,

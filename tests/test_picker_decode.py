@@ -124,3 +124,39 @@ def test_a_long_prompt_keeps_lambda():
 def test_the_knee_must_be_positive():
     with pytest.raises(ValueError, match="lambda_knee_s"):
         PickerConfig(lambda_knee_s=0.0)
+
+
+def test_requests_of_other_lambdas_share_the_views_constants():
+    # lambda (priority, and the knee's discount for a short prompt) is applied in the hot
+    # loop: alternating a short and a long prompt, or priorities, recomputes no view's
+    # per-class constants while nothing about the endpoints changed.
+    eps = fleet()
+    p = Picker()
+    calls = []
+    constants = p._constants
+
+    def counting(v, e, kkey, now):
+        calls.append(e.name)
+        constants(v, e, kkey, now)
+
+    p._constants = counting
+    short = PickRequest("m", (), prompt_tokens=4, max_tokens=16)  # under the knee
+    long = PickRequest("m", (), prompt_tokens=8000, max_tokens=16)
+    urgent = PickRequest("m", (), prompt_tokens=4, max_tokens=16, priority=9)
+    p.pick(short, eps, 1.0, record=False)
+    assert sorted(calls) == ["a100", "h100"]  # the first pick of the class computes them
+    calls.clear()
+    for r in (long, urgent, short, long):
+        p.pick(r, eps, 1.0, record=False)
+    assert calls == []
+
+
+def test_the_loop_prices_each_lambda_as_the_model_says():
+    # J = cost + lambda x TTFT for each request's own lambda, whichever came before it.
+    eps = fleet()
+    p = Picker(PickerConfig(lambda_knee_s=None))
+    for prio in (9, 0, 5, 9):
+        r = PickRequest("m", (), prompt_tokens=2000, max_tokens=16, priority=prio)
+        lam = 1e-2 * 2.0 ** (prio - 5)
+        for c in p.pick(r, eps, 1.0, record=False):
+            assert c.score == pytest.approx(c.predicted_cost_usd + lam * c.predicted_ttft_s)

@@ -163,7 +163,7 @@ def test_unset_slot_raises_as_getattr_does() -> None:
     assert compiled is not None
     e = EndpointState("a", url="http://a", gpu="H100")
     v = picker_mod._View()
-    v.kkey = ("m", None, 0.01)
+    v.kkey = ("m", None)
     v.stamp = 0
     e._pick_view = v
 
@@ -172,7 +172,7 @@ def test_unset_slot_raises_as_getattr_does() -> None:
 
     for impl in (price_candidates, compiled.price_candidates):
         with pytest.raises(AttributeError):
-            impl([e], v.kkey, 1, 10, 10, refresh, None, None, 0.0)
+            impl([e], v.kkey, 1, 10, 10, 0.01, refresh, None, None, 0.0)
 
 
 # Few distinct J values (ties, -0.0 == 0.0, NaN) or many; lists longer than the C sort's

@@ -28,8 +28,8 @@ needs_compiled = pytest.mark.skipif(
     reason="compiled twin filters._picker_c not built (run setup.py build_ext --inplace)",
 )
 
-KKEY = ("m", None, 0.01)
-OTHER = ("m", "lora", 0.01)
+KKEY = ("m", None)
+OTHER = ("m", "lora")
 
 
 class _FakeView:
@@ -54,9 +54,12 @@ class _FakeEndpoint:
 finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False)
 positive = st.floats(min_value=0.0, max_value=1e7, allow_nan=False, allow_infinity=False)
 tiny = st.floats(min_value=0.0, max_value=1e-2, allow_nan=False, allow_infinity=False)
-# (k0, k1, usd_per_out_tok, decode_span, decode_extra, free_kv, kvw, load, weight)
+# (c0, t0, c1, t1, usd_per_out_tok, decode_span, decode_extra, free_kv, kvw, load, weight)
 span = st.one_of(st.just(float("inf")), positive)
-kc_values = st.tuples(finite, tiny, tiny, span, tiny, positive, tiny, positive, positive)
+kc_values = st.tuples(
+    finite, positive, tiny, tiny, tiny, span, tiny, positive, tiny, positive, positive
+)
+lambdas = st.one_of(st.just(0.0), st.floats(min_value=1e-6, max_value=10.0))
 endpoint_spec = st.tuples(
     st.sampled_from(["fresh", "none", "other-class"]),
     st.one_of(st.none(), kc_values),  # the kc the view has (or gets from refresh)
@@ -75,7 +78,7 @@ def _world(
         if state == "fresh":
             e._pick_view = _FakeView(e.name, KKEY, kc, stamp)
         elif state == "other-class":
-            e._pick_view = _FakeView(e.name, OTHER, (0.0,) * 9 + (e.name,), stamp)
+            e._pick_view = _FakeView(e.name, OTHER, (0.0,) * 11 + (e.name,), stamp)
             e.next_kc = kc
         else:
             e.next_kc = kc
@@ -89,6 +92,7 @@ def _run(
     dup: list[int],
     big_p: int,
     big_m: int,
+    lam: float,
     hooked: bool,
 ) -> tuple[Any, ...]:
     base = 1000
@@ -102,7 +106,7 @@ def _run(
         return nv
 
     hook = (lambda e, req, now: hash(e.name) % 3 != 0) if hooked else None
-    cands, load_sum, weight_sum = impl(eps, KKEY, base, big_p, big_m, refresh, hook, None, 5.0)
+    cands, load_sum, weight_sum = impl(eps, KKEY, base, big_p, big_m, lam, refresh, hook, None, 5.0)
     stamps = [e._pick_view.stamp if e._pick_view is not None else None for e in eps]
     return [(j, name, v.name) for j, name, v in cands], load_sum, weight_sum, stamps, calls
 
@@ -114,6 +118,7 @@ def _run(
     dup=st.lists(st.integers(min_value=0, max_value=23), max_size=3),
     big_p=st.integers(min_value=1, max_value=2_000_000),
     big_m=st.integers(min_value=0, max_value=100_000),
+    lam=lambdas,
     hooked=st.booleans(),
 )
 def test_compiled_loop_agrees_with_the_reference(
@@ -121,11 +126,12 @@ def test_compiled_loop_agrees_with_the_reference(
     dup: list[int],
     big_p: int,
     big_m: int,
+    lam: float,
     hooked: bool,
 ) -> None:
     assert compiled is not None
-    want = _run(price_candidates, specs, dup, big_p, big_m, hooked)
-    got = _run(compiled.price_candidates, specs, dup, big_p, big_m, hooked)
+    want = _run(price_candidates, specs, dup, big_p, big_m, lam, hooked)
+    got = _run(compiled.price_candidates, specs, dup, big_p, big_m, lam, hooked)
     assert got == want
 
 
