@@ -40,7 +40,9 @@ from loadtest.openloop import Endpoint, LoadGenerator, completion_request
 from loadtest.overhead import (
     PLACEMENTS,
     Child,
+    Target,
     meshd_config,
+    pin_processes,
     placement_split,
     process_settings,
     start_backends,
@@ -266,15 +268,9 @@ def measure(
                 children.append(proxy)
                 roles[proxy.proc.pid] = "sidecar"
                 targets = (Endpoint.parse(str(proxy.ready["outbound"])),)
-            split = placement_split(placement, cpus)
-            if split.proxy is not None:
-                assert split.load is not None and split.backends is not None
-                procstats.pin(os.getpid(), set(split.load))
-                for b in children:
-                    if b is not proxy:
-                        procstats.pin(b.proc.pid, set(split.backends))
-                if proxy is not None:
-                    procstats.pin(proxy.proc.pid, set(split.proxy))
+            proxies = {} if proxy is None else {"meshd": Target("meshd", pid=proxy.proc.pid)}
+            backends_only = [c for c in children if c is not proxy]
+            pin_processes(proxies, backends_only, placement_split(placement, cpus))
             unprobe = _probe_client(ev)
             # uvloop for this run only: installing its policy would outlive the call.
             with asyncio.Runner(loop_factory=_fast_loop_factory()) as runner:
