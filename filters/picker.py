@@ -46,12 +46,12 @@ by lambda) or the bounded-load rule stops it. (`decode_pricing="reference"` pric
 endpoint at batch 64 instead: no packing pull.) The span S_e counts the partners' whole
 max_tokens, not what they have left, so it errs toward the batch lasting; without it a
 request joining an H100 whose one partner had 2 tokens to go was priced at half an H100
-step a token for all its output (cheaper than a whole A100 step) and ran alone there.
-Time spent queueing is paid by whoever
-is being served. lambda converts seconds into dollars: at the default 1e-2 $/s a second
-of TTFT is worth a cent for a standard request, 16x that at priority 9 and 1/32 at
-priority 0 (a batch job goes to the cheapest GPU). Measured on the 16-engine bench
-(H100 + A100), virtual clock, 2026-12-05, with the knee (below) and the decode span:
+step a token for all its output (cheaper than a whole A100 step) and ran alone there. Time
+spent queueing is paid by whoever is being served. lambda converts seconds into dollars:
+at the default 1e-2 $/s a second of TTFT is worth a cent for a standard request, 16x that
+at priority 9 and 1/32 at priority 0 (a batch job goes to the cheapest GPU). Measured on
+the 16-engine bench (H100 + A100), virtual clock, 2026-12-05, with the knee (below) and
+the decode span:
 
     lambda $/s   mooncake: $/ok task vs RR, TTFT p50/p90/p99 ms   demo seed 0: same
     1e-3         0.67, 11.5 / 40.7 / 107                           0.49, p90 56.7
@@ -64,24 +64,24 @@ in git history.)
 
 The knee: what a TTFT costs is judged by its tail, so a request whose first token comes
 well inside the tail anyway loses little by waiting a few milliseconds more. The cost of a
-TTFT T is taken as Huber-shaped, lambda * T**2 / (2 knee) under the knee and
-lambda * (T - knee / 2) over it: a second is worth lambda * min(1, T / knee). The picker
-prices it at the request's best case t0 (before the pick, so without its cached prefix:
-an over-estimate, which errs toward lambda), rounded up to a power of two (never below
-that marginal value). lambda is applied in the hot loop, not kept in the views' per-class
+TTFT T is taken as Huber-shaped, lambda * T**2 / (2 knee) under the knee and lambda * (T -
+knee / 2) over it: a second is worth lambda * min(1, T / knee). The picker prices it at
+the request's best case t0 (before the pick, so without its cached prefix: an
+over-estimate, which errs toward lambda), rounded up to a power of two (never below that
+marginal value). lambda is applied in the hot loop, not kept in the views' per-class
 constants, so requests of every priority and best case share them (keyed by the class's
 lambda, a 50/50 mix of 16- and 4,000-token prompts over 64 endpoints recomputed them on
 every switch: pick p50 / p99 57 / 104-109 us against 44 / 86 without the knee; applied in
-the loop, 44 / 84-87 with it). Over the knee
-nothing changes. Measured on the same bench, virtual clock, 2026-12-05: the Mooncake
-trace's prompts of a few tokens (best case ~7.5 ms, lambda / 4) with a few dozen tokens to
-decode move to A100s (one more step to the first token, ~4 ms, for 2/3 of the decode
-price): $ per successful task 0.794 -> 0.704 of round robin, TTFT p50 / p90 7.5 / 36.9 ms
-(37.2 before); the demo, shared-prefix and agentic workloads, whose prompts' best case is
-over knee / 2, are unchanged; live (the sidecar over HTTP, same fleet and trace) 0.71, TTFT
-p50 / p90 / p99 12.0 / 41.0 / 101 ms. The knee is a value judgement, like lambda: at 0.1 s
-the demo's ~700-token prompts (best case ~33 ms) were discounted too, and its TTFT p90
-went from 24.8 to 28.5-55.7 ms (seeds 0, 1).
+the loop, 44 / 84-87 with it). Over the knee nothing changes. Measured on the same bench,
+virtual clock, 2026-12-05: the Mooncake trace's prompts of a few tokens (best case ~7.5
+ms, lambda / 4) with a few dozen tokens to decode move to A100s (one more step to the
+first token, ~4 ms, for 2/3 of the decode price): $ per successful task 0.794 -> 0.704 of
+round robin, TTFT p50 / p90 7.5 / 36.9 ms (37.2 before); the demo, shared-prefix and
+agentic workloads, whose prompts' best case is over knee / 2, are unchanged; live (the
+sidecar over HTTP, same fleet and trace) 0.71, TTFT p50 / p90 / p99 12.0 / 41.0 / 101 ms.
+The knee is a value judgement, like lambda: at 0.1 s the demo's ~700-token prompts (best
+case ~33 ms) were discounted too, and its TTFT p90 went from 24.8 to 28.5-55.7 ms (seeds
+0, 1).
 
 The step has a floor: the first token waits for one engine step, a weight read at HBM
 speed, so a calibration under 1 (prefill compute, or our estimate of the tokens left to
@@ -177,7 +177,7 @@ _REF_DECODE_TOKEN_S = _REF.decode_step_s(DECODE_REF_BATCH) / DECODE_REF_BATCH
 # A request's best case first token: one step of an idle reference GPU, plus its prompt
 # at the reference prefill speed (lambda_knee_s).
 _REF_STEP_S = _REF.decode_step_s(1)
-# Bound on remembered (model, adapter, priority) classes: model names come from clients.
+# Bound on remembered (model, adapter) classes: model names come from clients.
 MAX_REQUEST_CLASSES = 1024
 # Bound on remembered rendezvous draws (one float per group key x endpoint name).
 RENDEZVOUS_CACHE_SIZE = 65_536
@@ -375,6 +375,7 @@ class _View:
         "r_running",
         "r_tokens",
         "r_waiting",
+        "s0",
         "salt",
         "slots",
         "stamp",
@@ -382,7 +383,6 @@ class _View:
         "static_version",
         "step1",
         "step_slope",
-        "t0",
         "tps0",
         "trust",
         "until",
@@ -426,12 +426,12 @@ class _View:
     why: str | None
     # Per request class (model, adapter), recomputed after any change.
     kkey: _KKey | None
-    # J's constants for the class, dollars (c) apart from seconds (t, valued by lambda):
-    # J = c0 + lambda * t0 + U * (c1 + lambda * inv) + decode + kv wait.
+    # J's constants for the class, dollars (c) apart from seconds (s, valued by lambda):
+    # J = c0 + lambda * s0 + U * (c1 + lambda * inv) + decode + kv wait.
     c0: float  # price x cold-load time
-    t0: float  # cold-load time + queueing
+    s0: float  # cold-load time + queueing
     c1: float  # price x seconds per prefilled token
-    # (c0, t0, c1, inv, usd_per_out_tok, decode_span, decode_extra, free_kv,
+    # (c0, s0, c1, inv, usd_per_out_tok, decode_span, decode_extra, free_kv,
     # kv_wait_per_token, load, weight, name), or None when this endpoint cannot serve the
     # class.
     kc: (
@@ -509,8 +509,8 @@ def price_candidates(
             continue
         v.stamp = slot
         slot += 1
-        c0, t0, c1, t1, u, span, extra, free, kvw, load, weight, name = kc
-        j = c0 + lam * t0 + big_p * (c1 + lam * t1) + big_m * u
+        c0, s0, c1, s1, u, span, extra, free, kvw, load, weight, name = kc
+        j = c0 + lam * s0 + big_p * (c1 + lam * s1) + big_m * u
         if big_m > span:
             j += (big_m - span) * extra
         if pm > free:
@@ -725,7 +725,7 @@ class Picker:
         for name, cached in cached_of.items():
             v = by_name[name]
             unc = big_p - min(cached, big_p - 1.0)
-            j = v.c0 + lam * v.t0 + unc * (v.c1 + lam * v.inv) + big_m * v.usd_per_out_tok
+            j = v.c0 + lam * v.s0 + unc * (v.c1 + lam * v.inv) + big_m * v.usd_per_out_tok
             if big_m > v.decode_span:
                 j += (big_m - v.decode_span) * v.decode_extra
             if unc + big_m > v.free_kv:
@@ -1126,7 +1126,7 @@ class Picker:
 
     def _constants(self, v: _View, e: EndpointState, kkey: _KKey, now: float) -> None:
         """The request-class constants of J (see the module docstring): with U uncached
-        tokens, M output tokens and the request's lambda, J = c0 + lambda * t0 +
+        tokens, M output tokens and the request's lambda, J = c0 + lambda * s0 +
         U * (c1 + lambda * inv) + M * usd_per_out_tok (+ the decode past its span), plus
         (U + M - free_kv) * kv_wait_per_token * lambda when that is positive. Packed into
         one tuple (`kc`, None when the endpoint cannot serve the class) for the hot loop."""
@@ -1161,14 +1161,14 @@ class Picker:
             v.cold_now = cold
             v.kkey_cold = kkey
         price_s = v.price_s
-        # J = c0 + lambda * t0 + U * (c1 + lambda * t1) + ...: dollars and seconds apart,
+        # J = c0 + lambda * s0 + U * (c1 + lambda * inv) + ...: dollars and seconds apart,
         # so one set serves every lambda.
         v.c0 = c0 = price_s * cold
-        v.t0 = t0 = cold + v.q
+        v.s0 = s0 = cold + v.q
         v.c1 = c1 = v.inv * price_s
         v.kc = (
             c0,
-            t0,
+            s0,
             c1,
             v.inv,
             v.usd_per_out_tok,

@@ -54,7 +54,7 @@ class _FakeEndpoint:
 finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False)
 positive = st.floats(min_value=0.0, max_value=1e7, allow_nan=False, allow_infinity=False)
 tiny = st.floats(min_value=0.0, max_value=1e-2, allow_nan=False, allow_infinity=False)
-# (c0, t0, c1, t1, usd_per_out_tok, decode_span, decode_extra, free_kv, kvw, load, weight)
+# (c0, s0, c1, s1, usd_per_out_tok, decode_span, decode_extra, free_kv, kvw, load, weight)
 span = st.one_of(st.just(float("inf")), positive)
 kc_values = st.tuples(
     finite, positive, tiny, tiny, tiny, span, tiny, positive, tiny, positive, positive
