@@ -42,11 +42,12 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from filters.balancer import EndpointBalancer
+from filters.cache_aware import CacheAwareBalancer, CacheAwareConfig
 from filters.endpoint_state import BlockDigest, EndpointState, ReportedBlocks, ReportedState
 from filters.picker import Choice, Picker, PickerConfig, PickRequest
 
-Policy = Literal["round-robin", "least-request", "meshd"]
-POLICIES: tuple[Policy, ...] = ("meshd", "least-request", "round-robin")
+Policy = Literal["round-robin", "least-request", "meshd", "cache-aware"]
+POLICIES: tuple[Policy, ...] = ("meshd", "least-request", "round-robin", "cache-aware")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,9 @@ class Route:
     predicted_ttft_s: float | None = None
     cached_tokens: float | None = None
     choice: Choice | None = None
+    # On the primary: why the endpoint holding the request's prefix (its affinity holder)
+    # was left ("deadline", "overloaded", "faster-elsewhere", "replicate"), else None.
+    departure: str | None = None
 
 
 class PoolRouter(Protocol):
@@ -166,6 +170,15 @@ class BalancerRouter:
         cooldown_s: float,
     ) -> None:
         self.policy: Policy = policy
+        self._init_balancer(endpoints, policy, unhealthy_after, cooldown_s)
+
+    def _init_balancer(
+        self,
+        endpoints: Sequence[EndpointSpec],
+        policy: Literal["round-robin", "least-request"],
+        unhealthy_after: int,
+        cooldown_s: float,
+    ) -> None:
         self._balancer = EndpointBalancer(
             [(e.url, e.weight) for e in endpoints],
             policy=policy,
@@ -271,6 +284,60 @@ class BalancerRouter:
         return out
 
 
+class CacheAwareRouter(BalancerRouter):
+    """The peers' cache-aware rule (filters/cache_aware.py) as the primary, then the rest
+    by least outstanding requests; passive health, reports and flags as the balancers
+    have them (an endpoint resting or flagged is never the cache-aware primary)."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[EndpointSpec],
+        *,
+        unhealthy_after: int,
+        cooldown_s: float,
+        config: CacheAwareConfig | None = None,
+    ) -> None:
+        self.policy = "cache-aware"
+        self._init_balancer(endpoints, "least-request", unhealthy_after, cooldown_s)
+        self.cache = CacheAwareBalancer([e.url for e in endpoints], config)
+
+    def order(self, req: PickRequest, now: float) -> list[Route]:
+        routes = super().order(req, now)
+        # Not flagged, reported out or resting: what the balancer's order names by policy.
+        ok = [r.url for r in routes if r.reason == self.policy]
+        ok = [u for u in ok if self._balancer.load(u).healthy(now)]
+        if not ok:
+            return routes
+        # The tree's candidates in configured order, so its ties break as the peers' do.
+        healthy = set(ok)
+        pick = self.cache.choose(
+            req.block_hashes, [u for u in self._balancer.endpoints if u in healthy]
+        )
+        rest = [r for r in routes if r.url != pick]
+        return [Route(pick, "cache-aware"), *rest]
+
+    def started(self, route: Route, rid: Hashable, req: PickRequest, now: float) -> None:
+        super().started(route, rid, req, now)
+        self.cache.started(route.url)
+
+    def finished(
+        self,
+        route: Route,
+        rid: Hashable,
+        req: PickRequest,
+        now: float,
+        *,
+        ok: bool,
+        cached_tokens: int | None = None,
+    ) -> None:
+        super().finished(route, rid, req, now, ok=ok, cached_tokens=cached_tokens)
+        self.cache.finished(route.url)
+
+    def connect_failed(self, route: Route, rid: Hashable, now: float, reason: str) -> None:
+        super().connect_failed(route, rid, now, reason)
+        self.cache.finished(route.url)
+
+
 class PickerRouter:
     """meshd's prefix-aware, cost-and-latency picker over EndpointStates."""
 
@@ -301,6 +368,10 @@ class PickerRouter:
             self._materialize(req.block_hashes, now)
         choices = self.picker.pick(req, self.states, now)
         routes = [Route(c.url, c.reason, c.predicted_ttft_s, c.cached_tokens, c) for c in choices]
+        left = self.picker.last_departure
+        if left is not None and routes:
+            r = routes[0]
+            routes[0] = Route(r.url, r.reason, r.predicted_ttft_s, r.cached_tokens, r.choice, left)
         if not routes:
             # Every endpoint is ejected or draining: try them anyway, least failing first,
             # rather than refusing outright (static stability).
@@ -447,4 +518,6 @@ def make_router(
 ) -> PoolRouter:
     if policy == "meshd":
         return PickerRouter(endpoints, picker)
+    if policy == "cache-aware":
+        return CacheAwareRouter(endpoints, unhealthy_after=unhealthy_after, cooldown_s=cooldown_s)
     return BalancerRouter(endpoints, policy, unhealthy_after=unhealthy_after, cooldown_s=cooldown_s)

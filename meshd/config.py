@@ -189,6 +189,15 @@ class PickerSettings(_Strict):
     # cached tokens than predicted). A hedge for engines shared by many sidecars without KV
     # events, whose indexes each see part of the traffic that evicts the engine's cache.
     prefix_ttl_s: float | None = Field(default=None, gt=0)
+    # Affinity (filters/picker.py): a prompt at least this share cached at one endpoint (a
+    # follow-up step) stays there, unless its load is over affinity_imbalance x its fair
+    # share, it would miss the deadline, or another endpoint is predicted faster by more
+    # than max(affinity_margin_s, the seconds it would spend recomputing the prefix x
+    # (affinity_redo_weight + requests waiting there)).
+    affinity_min_fraction: float = Field(default=0.3, gt=0, le=1)
+    affinity_imbalance: float = Field(default=2.0, ge=1)
+    affinity_margin_s: float = Field(default=0.05, ge=0)
+    affinity_redo_weight: float = Field(default=2.0, ge=0)
 
 
 class Tokenizer(_Strict):
@@ -207,7 +216,7 @@ class Tokenizer(_Strict):
 class Routing(_Strict):
     block_size_bytes: int = Field(default=64, ge=8, le=65536)
     cache_salt: str = ""
-    policy: Literal["meshd", "least-request", "round-robin"] = "meshd"
+    policy: Literal["meshd", "least-request", "round-robin", "cache-aware"] = "meshd"
     picker: PickerSettings = PickerSettings()
     unhealthy_after_failures: int = Field(default=3, ge=1)
     unhealthy_cooldown_s: float = Field(default=10.0, gt=0)
@@ -612,7 +621,8 @@ trust:
 routing:
   block_size_bytes: 64         # prefix block for hashing (about 16 tokens)
   cache_salt: ""
-  policy: meshd                # prefix-aware picker; or least-request, round-robin
+  policy: meshd                # prefix-aware picker; or least-request, round-robin,
+                               # cache-aware (sglang-router's rule, filters/cache_aware.py)
   picker:
     lambda_usd_per_s: 0.01     # $ one second of TTFT is worth at priority 5 (lower: cheaper)
     lambda_knee_s: 0.05        # best-case TTFT under which a second is worth less (null: off)
@@ -620,6 +630,10 @@ routing:
     load_metric: requests      # or tokens
     decode_pricing: batch      # or reference (every endpoint priced at batch 64)
     prefix_ttl_s: null         # age limit of learnt prefix entries (null: KV capacity LRU only)
+    affinity_min_fraction: 0.3 # a prompt this much cached at one endpoint stays there...
+    affinity_imbalance: 2.0    # ...unless its load is over 2x its fair share,
+    affinity_margin_s: 0.05    # ...or another is faster by more than this or than the
+    affinity_redo_weight: 2.0  # recompute x (this + requests waiting there)
   unhealthy_after_failures: 3  # consecutive connect failures before an endpoint rests
   unhealthy_cooldown_s: 10
   learn_chars_per_token: false # learn chars per prompt token per model from usage (else 4)

@@ -665,7 +665,7 @@ class Sidecar:
                 inference=inference,
                 routing=routing,
             )
-            if routing_cfg.policy == "meshd":  # only the prefix-aware picker reads them
+            if routing_cfg.policy in ("meshd", "cache-aware"):  # the prefix-aware policies
                 precise = self.precise.get(pool)
                 engine_hashes = (
                     None
@@ -1042,6 +1042,8 @@ class Sidecar:
         pick = ctx.pick
         now = time.monotonic()
         routes = self.routers[ctx.pool].order(pick, now)
+        if routes and routes[0].departure is not None:
+            self.metrics.affinity_departures.labels(ctx.pool, routes[0].departure).inc()
         ctx.trace.picked(routes, loop.time())
         retry = self.retry_budgets[ctx.pool]
         retry.deposit(now)
@@ -1659,6 +1661,10 @@ def build_routers(config: Config) -> dict[str, PoolRouter]:
         decode_pricing=routing.picker.decode_pricing,
         tokens_per_block=routing.block_size_bytes / CHARS_PER_TOKEN,
         prefix_ttl_s=routing.picker.prefix_ttl_s,
+        affinity_min_fraction=routing.picker.affinity_min_fraction,
+        affinity_imbalance=routing.picker.affinity_imbalance,
+        affinity_margin_s=routing.picker.affinity_margin_s,
+        affinity_redo_weight=routing.picker.affinity_redo_weight,
     )
     return {
         pool.name: make_router(
