@@ -56,6 +56,9 @@ class ClientSettings:
     drain_s: float = 60.0
     model: str = DEFAULT_MODEL
     ignore_eos: bool = True
+    # Send x-meshd-task-id / x-meshd-session-id (False: a client that names no session,
+    # so a router must find the conversation from the prompt).
+    context_headers: bool = True
     progress: bool = False
     progress_desc: str = ""
 
@@ -87,6 +90,8 @@ class RequestOutcome:
     cached_tokens: int | None
     detail: str = ""
     itl_s: tuple[float, ...] = field(default=(), repr=False)
+    # The engine that served it, where the run knows (the virtual clock does; "" unknown).
+    endpoint: str = ""
 
     @property
     def end_at_s(self) -> float:
@@ -156,7 +161,9 @@ def plan_starts(
     return starts, orphans
 
 
-def request_headers(request: PlannedRequest, deadline_ms: int | None) -> dict[str, str]:
+def request_headers(
+    request: PlannedRequest, deadline_ms: int | None, context: bool = True
+) -> dict[str, str]:
     headers = {
         "Content-Type": "application/json",
         "Accept": "text/event-stream",
@@ -164,9 +171,9 @@ def request_headers(request: PlannedRequest, deadline_ms: int | None) -> dict[st
         "x-meshd-tenant": request.tenant,
         "x-meshd-priority": str(request.priority),
     }
-    if request.task_id is not None:
+    if context and request.task_id is not None:
         headers["x-meshd-task-id"] = request.task_id
-    if request.session_id is not None:
+    if context and request.session_id is not None:
         headers["x-meshd-session-id"] = request.session_id
     if deadline_ms is not None:
         headers["x-meshd-deadline-ms"] = str(deadline_ms)
@@ -342,7 +349,7 @@ class LoadClient:
         s = self.settings
         path = "/v1/completions" if request.kind == "completion" else "/v1/chat/completions"
         body = request_body(request, sent, s.model, s.ignore_eos)
-        headers = request_headers(request, deadline_ms)
+        headers = request_headers(request, deadline_ms, s.context_headers)
         loop = asyncio.get_running_loop()
         queued_at = loop.time()
         status = 0

@@ -82,6 +82,8 @@ VIRTUAL_POLICIES: dict[str, str] = {
     "least-request": "least-request",
     "meshd": MESHD_BEST_POLICY,
     "meshd-no-gpu": MESHD_BEST_POLICY,
+    # sglang-router's and vllm-router's cache_aware rule, in-process (filters/cache_aware.py)
+    "cache-aware": "cache-aware",
 }
 # At most this many queue samples per pass: 1,000 engines x 3 series each is memory.
 MAX_SAMPLES = 600
@@ -462,10 +464,11 @@ class VirtualPass:
         body = request_body(r, flight.sent, self.model, self.settings.ignore_eos)
         inference = parse_inference_request(r.kind, body)
         routing, _ = parse_routing_headers(
-            list(request_headers(r, flight.deadline_ms).items()), sc.trusted
+            list(request_headers(r, flight.deadline_ms, self.settings.context_headers).items()),
+            sc.trusted,
         )
         hashes: Sequence[int] = ()
-        if sc.policy == "meshd":  # only the prefix-aware picker reads them
+        if sc.policy in ("meshd", "cache-aware"):  # the prefix-aware policies
             hashes = block_hashes(
                 inference.prompt_text, inference.model, sc.cache_salt, sc.block_size_bytes
             )
@@ -592,6 +595,7 @@ class VirtualPass:
             cached_tokens=cached_tokens,
             detail=detail,
             itl_s=tuple(flight.gaps),
+            endpoint="" if flight.route is None else flight.route.url,
         )
 
 

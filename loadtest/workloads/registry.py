@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 
 from loadtest.workloads.generators import agentic, mix, multi_turn, shared_prefix
 from loadtest.workloads.request import PlannedRequest
@@ -15,7 +16,9 @@ from loadtest.workloads.tenants import DEMO_TENANTS
 from loadtest.workloads.traces import (
     AZURE_CODE,
     AZURE_CONV,
+    MOONCAKE_BLOCK_TOKENS,
     MOONCAKE_SYNTHETIC,
+    mooncake_sessions,
     read_azure,
     read_mooncake,
 )
@@ -32,14 +35,50 @@ def mooncake(
     *,
     traces_dir: PathArg = None,
     cap: int | None = None,
+    skip: int = 0,
     time_scale: float = 1.0,
     token_scale: float = MOONCAKE_TOKEN_SCALE,
     seed: int = 0,
     strict: bool = True,
 ) -> list[PlannedRequest]:
-    """Mooncake's synthetic trace (synthetic_trace.jsonl), shrunk by token_scale."""
+    """Mooncake's synthetic trace (synthetic_trace.jsonl), shrunk by token_scale; `skip`
+    drops the first rows (a window of the trace: rows skip .. skip + cap)."""
     path = resolve_traces_dir(traces_dir) / MOONCAKE_SYNTHETIC
-    return read_mooncake(path, cap, time_scale, token_scale, seed, strict)
+    rows = read_mooncake(
+        path, None if cap is None else skip + cap, time_scale, token_scale, seed, strict
+    )
+    if skip:
+        rows = rows[skip:]
+        origin = rows[0].at_s if rows else 0.0
+        rows = [replace(r, at_s=r.at_s - origin) for r in rows]
+    return rows
+
+
+def mooncake_sessions_workload(
+    *,
+    traces_dir: PathArg = None,
+    cap: int | None = None,
+    skip: int = 0,
+    time_scale: float = 1.0,
+    token_scale: float = MOONCAKE_TOKEN_SCALE,
+    seed: int = 0,
+    strict: bool = True,
+    think_s: float = 2.0,
+    max_steps: int = 8,
+) -> list[PlannedRequest]:
+    """Mooncake's conversations as closed-loop sessions (traces.mooncake_sessions): the
+    trace's arrivals start sessions, each next turn goes `think_s` after the answer."""
+    rows = mooncake(
+        traces_dir=traces_dir,
+        cap=cap,
+        skip=skip,
+        time_scale=time_scale,
+        token_scale=token_scale,
+        seed=seed,
+        strict=strict,
+    )
+    block = max(1, round(MOONCAKE_BLOCK_TOKENS * token_scale))
+    return mooncake_sessions(rows, think_s=think_s, max_steps=max_steps, block_tokens=block)
 
 
 def azure_code(
@@ -117,6 +156,7 @@ WORKLOADS: dict[str, Callable[..., list[PlannedRequest]]] = {
     "multi-turn": multi_turn,
     "agentic": agentic,
     "mooncake": mooncake,
+    "mooncake-sessions": mooncake_sessions_workload,
     "azure-code": azure_code,
     "azure-conv": azure_conv,
     "demo": demo,

@@ -14,6 +14,7 @@ import math
 import os
 import re
 from collections.abc import Iterable
+from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -315,3 +316,89 @@ def read_azure(
     """
     with open(path, encoding="utf-8", newline="") as f:
         return parse_azure(f, str(path), cap, time_scale, token_scale, seed, strict, errors)
+
+
+def mooncake_sessions(
+    requests: Iterable[PlannedRequest],
+    *,
+    think_s: float = 2.0,
+    max_steps: int = 8,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> list[PlannedRequest]:
+    """The conversations of a Mooncake replay (`read_mooncake`'s requests, in time order)
+    as closed-loop sessions: each next step is sent `think_s` after the previous answer.
+
+    How a conversation is found: request j continues request i (earlier, not yet
+    continued) when j's hash ids start with all of i's full blocks (every id but i's last,
+    possibly partial one) and at least one block; the longest such i wins. Its step then
+    carries only j's blocks past i's (the runner sends i's prompt + i's answer + them),
+    so the engine sees what a chat client sends: the whole history, then the new turn. A
+    chain longer than `max_steps` starts a new session with its whole prompt. The first
+    step keeps its trace arrival; later ones keep only their order. `session_id` names the
+    chain (`step`, `steps_in_task` set); the client may withhold it (ClientSettings.
+    context_headers) so that the router must find the session from the prompt alone.
+    """
+    if max_steps < 1 or not (math.isfinite(think_s) and think_s >= 0):
+        raise ValueError("max_steps must be >= 1 and think_s finite and >= 0")
+    reqs = sorted(requests, key=lambda r: r.at_s)
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    # Chained keys of each request's id prefixes: keys[L] names ids[:L].
+    by_key: dict[int, int] = {}  # key of a request's full-block prefix -> its index
+    parent: list[int | None] = [None] * len(reqs)
+    cut: list[int] = [0] * len(reqs)  # blocks of the parent's that the child skips
+    depth: list[int] = [0] * len(reqs)
+    for j, r in enumerate(reqs):
+        ids = r.block_ids
+        keys = [0]
+        for b in ids:
+            keys.append(hash((keys[-1], b)))
+        for length in range(len(ids) - 1, 0, -1):
+            i = by_key.pop(keys[length], None)
+            if i is None:
+                continue
+            if depth[i] + 1 < max_steps:
+                parent[j], cut[j], depth[j] = i, len(reqs[i].block_ids), depth[i] + 1
+            break
+        if len(ids) > 1:
+            by_key[keys[len(ids) - 1]] = j
+    # Chains, from each root, and the blocks each step adds.
+    children: dict[int, int] = {p: j for j, p in enumerate(parent) if p is not None}
+    out: list[PlannedRequest] = []
+    for root, r in enumerate(reqs):
+        if parent[root] is not None:
+            continue
+        chain = [root]
+        while chain[-1] in children:
+            chain.append(children[chain[-1]])
+        sid = f"session-{r.request_id}"
+        at = r.at_s
+        for step, j in enumerate(chain):
+            q = reqs[j]
+            if step == 0:
+                out.append(replace(q, session_id=sid, step=0, steps_in_task=len(chain)))
+                continue
+            # The new turn: q's text past its parent's blocks (blocks are joined by single
+            # spaces, one block a segment).
+            skip = min(cut[j], len(q.block_ids) - 1)
+            assert q.prompt is not None
+            # A block is block_tokens words (the last may be shorter), one token a word.
+            words = q.prompt.split(" ")[skip * block_tokens :]
+            text = " ".join(words)
+            at += think_s
+            out.append(
+                replace(
+                    q,
+                    at_s=at,
+                    prompt=text,
+                    prompt_tokens=len(words),
+                    session_id=sid,
+                    step=step,
+                    steps_in_task=len(chain),
+                    depends_on_previous=True,
+                    think_s=think_s,
+                    block_ids=reqs[chain[step - 1]].block_ids + q.block_ids[skip:],
+                )
+            )
+    out.sort(key=lambda r: r.at_s)
+    return out
