@@ -170,6 +170,10 @@ class EndpointState:
     outstanding: int = 0
     waiting: int = 0  # outstanding without a first token yet
     pending_prefill_tokens: int = 0  # uncached prompt tokens of those
+    # Since when the engine has been working through those: the last time the queue went
+    # from empty to busy or its head got its first token (engines prefill first come,
+    # first served), so the work done since is behind it (Picker: the queue drains).
+    prefill_since: float = 0.0
     tokens_in_flight: int = 0  # prompt + max output tokens of all outstanding
     output_tokens_in_flight: int = 0  # max output tokens of all outstanding
     ttft_ratio: float = 1.0  # EWMA of observed / predicted TTFT compute time
@@ -265,6 +269,8 @@ class EndpointState:
             prompt_tokens, uncached, max_tokens, now, nominal_s, fixed_s
         )
         self.outstanding += 1
+        if not self.waiting:
+            self.prefill_since = now
         self.waiting += 1
         self.pending_prefill_tokens += uncached
         self.tokens_in_flight += prompt_tokens + max_tokens
@@ -280,6 +286,7 @@ class EndpointState:
         f.first_token_at = now
         self.waiting -= 1
         self.pending_prefill_tokens -= f.uncached_tokens
+        self.prefill_since = now
         ttft = now - f.started_at
         if f.nominal_s >= CALIBRATION_MIN_NOMINAL_S:
             lo, hi = CALIBRATION_SAMPLE_RANGE

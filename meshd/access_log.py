@@ -119,6 +119,8 @@ class AccessRecord:
     priority: int | None = None
     deadline_ms: int | None = None
     predicted_cached_tokens: int | None = None
+    pick_reason: str | None = None  # why the picker chose the first endpoint tried
+    affinity_departure: str | None = None  # why it left the prefix's holder, if it did
     v: int = SCHEMA_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -183,6 +185,8 @@ class AccessRecord:
             priority=_opt_int(obj, "priority"),
             deadline_ms=_opt_int(obj, "deadline_ms"),
             predicted_cached_tokens=_opt_int(obj, "predicted_cached_tokens"),
+            pick_reason=_opt_str(obj, "pick_reason"),
+            affinity_departure=_opt_str(obj, "affinity_departure"),
             v=_opt_int(obj, "v") or SCHEMA_VERSION,
         )
 

@@ -239,6 +239,13 @@ class DataPlaneMetrics:
             ["pool"],
             registry=r,
         )
+        self.affinity_departures = Counter(
+            "meshd_affinity_departures",
+            "Requests sent away from the endpoint holding their prefix (a follow-up step's "
+            "engine), by reason (deadline, overloaded, faster-elsewhere, replicate)",
+            ["pool", "reason"],
+            registry=r,
+        )
         self.stream_resumes = Counter(
             "meshd_stream_resumes",
             "Mid-stream failovers, by outcome (resumed, refused, failed)",

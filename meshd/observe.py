@@ -581,6 +581,7 @@ class RequestTrace:
         "_context",
         "_predicted",
         "_ttft_attempt",
+        "affinity_departure",
         "cached_tokens",
         "completion_tokens",
         "cost_usd",
@@ -595,6 +596,7 @@ class RequestTrace:
         "kind",
         "observer",
         "outcome",
+        "pick_reason",
         "pool",
         "prompt_tokens",
         "queue_s",
@@ -632,6 +634,8 @@ class RequestTrace:
         self._attempts: list[AttemptTrace] = []
         self._ttft_attempt: AttemptTrace | None = None
         self._predicted: dict[str, int] | None = None
+        self.pick_reason: str | None = None
+        self.affinity_departure: str | None = None
         self.step: int | None = None
         self.steps_in_task: int | None = None
         self.final: bool | None = None
@@ -708,6 +712,9 @@ class RequestTrace:
         self._predicted = {
             r.url: int(r.cached_tokens) for r in routes if r.cached_tokens is not None
         }
+        if routes:
+            self.pick_reason = routes[0].reason
+            self.affinity_departure = getattr(routes[0], "departure", None)
         tracer = self.observer._tracer
         if tracer is None or self.span is None or not self.span.is_recording() or not routes:
             return
@@ -929,6 +936,8 @@ class RequestTrace:
             priority=routing.priority if routing is not None else None,
             deadline_ms=routing.deadline_ms if routing is not None else None,
             predicted_cached_tokens=last.predicted_cached_tokens if last is not None else None,
+            pick_reason=self.pick_reason,
+            affinity_departure=self.affinity_departure,
         )
 
 

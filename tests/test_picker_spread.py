@@ -247,9 +247,13 @@ def test_tokens_per_block_of_the_request_converts_matched_engine_blocks():
     p16.index.store("e0", hashes, 0.0)
     c16 = next(c for c in p16.pick(legacy, eps, 0.0, record=False) if c.endpoint == "e0")
     assert c16.cached_tokens == 40 * 16
-    # The ghost check converts the engine's cached tokens back with the same block size.
+    # The ghost check compares the engine's cached tokens in the same block size: 64 of
+    # 1,280 predicted is a ghost (capacity down), 1,280 is not.
+    scale = p.index_capacity_scale("e0")
+    p.observe_cached(c, r, 1280, 0.0)
+    assert p.index_capacity_scale("e0") == scale
     p.observe_cached(c, r, 64, 0.0)
-    assert p.index.match(hashes, 0.0) == {"e0": 2}
+    assert p.index_capacity_scale("e0") < scale
 
 
 def test_tokens_per_block_through_build_and_validation():

@@ -1,0 +1,191 @@
+"""Picker affinity (routing v2): a follow-up step stays on the endpoint holding its prefix
+without any header, leaves it only for a stated reason that is counted, the prefill queue
+drains with time, and the prefix index learns each engine's capacity from its answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from filters.endpoint_state import EndpointState
+from filters.hotpath import block_hashes
+from filters.picker import (
+    INDEX_CAPACITY_UNKNOWN_START,
+    Picker,
+    PickerConfig,
+    PickRequest,
+)
+from filters.pool_router import EndpointSpec, make_router
+
+CONVERSATION = "User: here is my long document. " + "lorem ipsum dolor sit amet " * 800
+
+
+def req(text: str, **kw) -> PickRequest:
+    kw.setdefault("max_tokens", 64)
+    return PickRequest("m", block_hashes(text, "m"), prompt_tokens=max(1, len(text) // 4), **kw)
+
+
+def fleet(n: int, gpu: str = "H100") -> list[EndpointState]:
+    return [EndpointState(f"e{i}", url=f"http://e{i}", gpu=gpu) for i in range(n)]
+
+
+def serve(p: Picker, r: PickRequest, eps: list[EndpointState], rid: int, now: float) -> str:
+    """Pick, dispatch, first token and finish at `now`: the endpoint that served it."""
+    c = p.pick(r, eps, now)[0]
+    p.dispatch(c, r, rid, now)
+    c.state.first_token(rid, now)
+    c.state.finish(rid, now)
+    return c.endpoint
+
+
+def busy(e: EndpointState, n: int, now: float, *, prompt: int = 50, waiting: bool = False) -> None:
+    for i in range(n):
+        e.start(("busy", e.name, i), now, prompt_tokens=prompt, max_tokens=10)
+        if not waiting:
+            e.first_token(("busy", e.name, i), now)
+
+
+def test_a_follow_up_stays_with_its_prefix_without_any_header():
+    eps = fleet(4)
+    p = Picker()
+    first = serve(p, req(CONVERSATION), eps, 1, 0.0)
+    # The holder is now the busiest endpoint (a few decoding streams): the others are idle
+    # and would each look as good for a cold prompt.
+    busy(next(e for e in eps if e.name == first), 3, 1.0)
+    turn2 = CONVERSATION + " Assistant: an answer. User: and the summary?"
+    out = p.pick(req(turn2), eps, 2.0)
+    assert out[0].endpoint == first and out[0].reason == "prefix-affinity"
+    assert out[0].cached_tokens > 0.5 * req(turn2).prompt_tokens
+    assert p.departures == {} and p.last_departure is None
+
+
+def test_a_short_shared_prefix_is_not_a_follow_up():
+    eps = fleet(4)
+    p = Picker(PickerConfig(affinity_min_fraction=0.5))
+    header = "System: be brief. " * 4
+    first = serve(p, req(header + "question one " * 50), eps, 1, 0.0)
+    busy(next(e for e in eps if e.name == first), 1, 1.0, prompt=40_000, waiting=True)
+    out = p.pick(req(header + "a different question " * 60), eps, 1.0)
+    # No holder, so no departure either: an ordinary pick, away from the queue.
+    assert out[0].endpoint != first and p.departures == {}
+    # The same with a long shared part is a follow-up, and leaving it is a departure.
+    out = p.pick(req(header + "question one " * 50 + "more"), eps, 1.0)
+    assert p.departures == {"faster-elsewhere": 1}
+
+
+def test_departure_when_the_holder_is_far_slower_is_counted():
+    eps = fleet(2)
+    p = Picker()
+    first = serve(p, req(CONVERSATION), eps, 1, 0.0)
+    holder = next(e for e in eps if e.name == first)
+    # A huge prefill queued at the holder just now: seconds of work ahead of us.
+    busy(holder, 2, 1.0, prompt=400_000, waiting=True)
+    turn2 = CONVERSATION + " and more"
+    out = p.pick(req(turn2), eps, 1.0)
+    assert out[0].endpoint != first
+    assert p.last_departure == "faster-elsewhere" and p.departures == {"faster-elsewhere": 1}
+    assert first in [c.endpoint for c in out[1:]]  # still a fallback
+
+
+def test_the_queue_drains_with_time():
+    eps = fleet(2)
+    p = Picker()
+    first = serve(p, req(CONVERSATION), eps, 1, 0.0)
+    holder = next(e for e in eps if e.name == first)
+    busy(holder, 1, 1.0, prompt=400_000, waiting=True)  # ~15 s of H100 prefill
+    turn2 = CONVERSATION + " and more"
+    assert p.pick(req(turn2), eps, 1.0, record=False)[0].endpoint != first
+    # Most of it worked off since (the engine prefills first come, first served).
+    assert p.pick(req(turn2), eps, 15.0, record=False)[0].endpoint == first
+
+
+def test_departure_when_the_holder_is_over_the_imbalance_bound():
+    eps = fleet(4)
+    p = Picker(PickerConfig(affinity_imbalance=2.0, load_floor=2.0))
+    first = serve(p, req(CONVERSATION), eps, 1, 0.0)
+    holder = next(e for e in eps if e.name == first)
+    busy(holder, 12, 1.0)  # 12 of 13 requests in flight: far over 2x its fair share
+    out = p.pick(req(CONVERSATION + " and more"), eps, 1.0)
+    assert out[0].endpoint != first and p.last_departure == "overloaded"
+    # Within the bound (2 streams of a pool total of 3 < 2 x 3/4 ... plus the floor) it stays.
+    eps2 = fleet(4)
+    p2 = Picker(PickerConfig(affinity_imbalance=2.0, load_floor=2.0))
+    first2 = serve(p2, req(CONVERSATION), eps2, 1, 0.0)
+    busy(next(e for e in eps2 if e.name == first2), 2, 1.0)
+    assert p2.pick(req(CONVERSATION + " and more"), eps2, 1.0)[0].endpoint == first2
+
+
+def test_departure_when_the_holder_would_miss_the_deadline():
+    eps = fleet(2)
+    p = Picker()
+    first = serve(p, req(CONVERSATION), eps, 1, 0.0)
+    busy(next(e for e in eps if e.name == first), 1, 1.0, prompt=60_000, waiting=True)
+    out = p.pick(req(CONVERSATION + " more", deadline_s=1.0 + 1.5), eps, 1.0)
+    assert out[0].endpoint != first and p.last_departure == "deadline"
+
+
+def test_the_task_header_keeps_a_step_even_when_the_index_lost_it():
+    eps = fleet(4)
+    p = Picker()
+    first = serve(p, req(CONVERSATION, context_key="task-7"), eps, 1, 0.0)
+    p.index.clear(first)  # e.g. the index evicted it
+    out = p.pick(req(CONVERSATION + " next", context_key="task-7"), eps, 1.0)
+    assert out[0].endpoint == first and out[0].reason == "sticky"
+
+
+def test_affinity_config_is_validated():
+    for bad in (
+        {"affinity_min_fraction": 0.0},
+        {"affinity_min_fraction": 1.5},
+        {"affinity_imbalance": 0.5},
+        {"affinity_margin_s": -1.0},
+    ):
+        with pytest.raises(ValueError):
+            PickerConfig(**bad)
+
+
+def test_router_marks_the_departure_on_the_primary_route():
+    router = make_router("meshd", [EndpointSpec(f"http://e{i}") for i in range(2)])
+    r = req(CONVERSATION)
+    first = router.order(r, 0.0)[0]
+    assert first.departure is None
+    router.started(first, 1, r, 0.0)
+    router.first_token(first, 1, 0.0)
+    router.finished(first, 1, r, 0.0, ok=True)
+    state = router._by_url[first.url]  # type: ignore[attr-defined]
+    busy(state, 2, 1.0, prompt=400_000, waiting=True)
+    nxt = router.order(req(CONVERSATION + " more"), 1.0)
+    assert nxt[0].url != first.url and nxt[0].departure == "faster-elsewhere"
+
+
+# -- the index's capacity, learnt ---------------------------------------------------------------
+
+
+def test_an_engine_nobody_described_starts_with_a_generous_index_capacity():
+    eps = fleet(1, gpu="unknown")
+    p = Picker()
+    p.pick(req("hello"), eps, 0.0)
+    assert p.index_capacity_scale("e0") == INDEX_CAPACITY_UNKNOWN_START
+    told = [EndpointState("t", url="http://t", gpu="H100", kv_capacity_tokens=100_000)]
+    p.pick(req("hello"), told, 0.0)
+    assert p.index_capacity_scale("t") == 1.0
+    assert p.index.capacity("t") == int(100_000 / p.config.tokens_per_block)
+
+
+def test_index_capacity_grows_on_hits_it_dropped_and_shrinks_on_ghosts():
+    eps = [EndpointState("e0", url="http://e0", gpu="H100", kv_capacity_tokens=64_000)]
+    p = Picker()
+    r = req(CONVERSATION)
+    c = p.pick(r, eps, 0.0)[0]
+    assert c.cached_tokens == 0
+    cap = p.index.capacity("e0")
+    # The engine had 5,000 tokens of it cached that the index did not know of.
+    p.observe_cached(c, r, 5_000, 0.0)
+    assert p.index.capacity("e0") > cap
+    grown = p.index.capacity("e0")
+    c2 = p.pick(r, eps, 1.0)[0]
+    assert c2.cached_tokens > 1_000
+    p.observe_cached(c2, r, 0, 1.0)  # a ghost
+    assert p.index.capacity("e0") < grown
+    for _ in range(200):
+        p.observe_cached(c2, r, 0, 1.0)
+    assert p.index_capacity_scale("e0") == pytest.approx(0.25)  # bounded
