@@ -21,7 +21,8 @@ The cells vary one axis at a time around a centre (8 identical H100s, small cach
   system prompts of 1,024 tokens) and `azure-conv` (Azure's conversation trace, no
   shared prefixes: load balance alone);
 - engines: 4, 8, 16, 64; cache: `small` (KV for ~10 of the workload's mean prompts per
-  engine) or `large` (~1,000); load: 0.5, 0.8, 1.0, 1.5 of the fleet's nominal capacity
+  engine, and at least a batch of 32 mean requests: ~32 of Mooncake's) or `large`
+  (~1,000); load: 0.5, 0.8, 1.0, 1.5 of the fleet's nominal capacity
   (below); GPUs: identical H100s, or H100 and A100 alternating (`mixed`).
 
 Load: the arrivals are compressed so that the offered work per second, in H100-seconds
@@ -60,6 +61,9 @@ MESHD_TOLD = "meshd"  # ...told each GPU and KV capacity
 DECODE_WEIGHT = 5.0
 SMALL_CACHE_PROMPTS = 10
 LARGE_CACHE_PROMPTS = 1000
+# A cache holds at least this many mean requests (a real H100 serving an 8B model holds
+# ~28 of Mooncake's prompts: 442k tokens).
+MIN_BATCH = 32
 SESSION_THINK_S = 2.0
 SESSION_MAX_STEPS = 8
 TASK_DEADLINE_BASE_MS = 3000
@@ -135,7 +139,7 @@ def _base_requests(workload: str, engines: int, quick: bool) -> list[PlannedRequ
     from loadtest.workloads.registry import azure_conv, mooncake
     from loadtest.workloads.traces import mooncake_sessions
 
-    n = 300 if quick else max(600, min(4000, 125 * engines))
+    n = 300 if quick else max(600, min(2000, 125 * engines))
     if workload == "mooncake":
         return mooncake(cap=n, token_scale=1.0)
     if workload in ("sessions", "sessions-nohdr"):
@@ -215,7 +219,10 @@ def capacity(gpus: Sequence[str]) -> float:
 
 
 def kv_blocks(requests: Sequence[PlannedRequest], prompts: int) -> int:
-    """KV blocks (16 tokens) for `prompts` of the workload's mean sent prompt."""
+    """KV blocks (16 tokens) for `prompts` of the workload's mean sent prompt, and at least
+    for MIN_BATCH mean requests (prompt and output) running at once: ten prompts of
+    Azure's ~1k tokens would cap an engine at a batch of eight and make every load an
+    overload."""
     by_chain: dict[str, int] = collections.defaultdict(int)
     sizes = []
     for r in requests:
@@ -227,7 +234,8 @@ def kv_blocks(requests: Sequence[PlannedRequest], prompts: int) -> int:
                 by_chain[r.chain_id] = r.prompt_tokens + r.max_tokens
             sizes.append(r.prompt_tokens)
     mean = statistics.fmean(sizes) if sizes else 1.0
-    return max(64, math.ceil(prompts * mean / 16))
+    out = statistics.fmean(r.max_tokens for r in requests) if requests else 0.0
+    return max(64, math.ceil(max(prompts * mean, MIN_BATCH * (mean + out)) / 16))
 
 
 # ---- one cell ----------------------------------------------------------------------------
