@@ -26,7 +26,7 @@ closed in the set because a prompt's every prefix is inserted with it).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["CacheAwareBalancer", "CacheAwareConfig"]
@@ -52,15 +52,14 @@ class CacheAwareConfig:
 
 
 class CacheAwareBalancer:
-    """Chooses one endpoint per request by the peers' cache-aware rule (module docstring).
-    The driver counts outstanding requests with `started` / `finished`."""
+    """Chooses one endpoint per request by the peers' cache-aware rule (module docstring);
+    the driver says each candidate's outstanding requests."""
 
     def __init__(self, endpoints: Sequence[str], config: CacheAwareConfig | None = None) -> None:
         if not endpoints:
             raise ValueError("a pool needs at least one endpoint")
         self.config = config or CacheAwareConfig()
         self.endpoints = list(endpoints)
-        self.outstanding: dict[str, int] = dict.fromkeys(self.endpoints, 0)
         self._trees: dict[str, OrderedDict[int, None]] = {e: OrderedDict() for e in self.endpoints}
 
     def match(self, endpoint: str, hashes: Sequence[int]) -> int:
@@ -75,12 +74,13 @@ class CacheAwareBalancer:
                 hi = mid - 1
         return lo
 
-    def choose(self, hashes: Sequence[int], candidates: Sequence[str] | None = None) -> str:
-        """The endpoint for a request with these block hashes, among `candidates` (every
-        endpoint by default, in their configured order); the choice is recorded."""
+    def choose(self, hashes: Sequence[int], loads: Mapping[str, int]) -> str:
+        """The endpoint for a request with these block hashes among the candidates `loads`
+        names (with their outstanding requests; ties go to the first); it is recorded."""
         c = self.config
-        names = self.endpoints if candidates is None else list(candidates)
-        loads = self.outstanding
+        names = list(loads)
+        if not names:
+            raise ValueError("no candidate endpoint")
         lo = min(loads[e] for e in names)
         hi = max(loads[e] for e in names)
         if hi - lo > c.balance_abs_threshold and hi > c.balance_rel_threshold * lo:
@@ -113,9 +113,3 @@ class CacheAwareBalancer:
 
     def tree_blocks(self, endpoint: str) -> int:
         return len(self._trees[endpoint])
-
-    def started(self, endpoint: str) -> None:
-        self.outstanding[endpoint] += 1
-
-    def finished(self, endpoint: str) -> None:
-        self.outstanding[endpoint] = max(0, self.outstanding[endpoint] - 1)

@@ -308,34 +308,15 @@ class CacheAwareRouter(BalancerRouter):
         ok = [u for u in ok if self._balancer.load(u).healthy(now)]
         if not ok:
             return routes
-        # The tree's candidates in configured order, so its ties break as the peers' do.
+        # The candidates in configured order, so the tree's ties break as the peers' do,
+        # with the balancer's count of outstanding requests.
         healthy = set(ok)
+        b = self._balancer
         pick = self.cache.choose(
-            req.block_hashes, [u for u in self._balancer.endpoints if u in healthy]
+            req.block_hashes, {u: b.load(u).outstanding for u in b.endpoints if u in healthy}
         )
         rest = [r for r in routes if r.url != pick]
         return [Route(pick, "cache-aware"), *rest]
-
-    def started(self, route: Route, rid: Hashable, req: PickRequest, now: float) -> None:
-        super().started(route, rid, req, now)
-        self.cache.started(route.url)
-
-    def finished(
-        self,
-        route: Route,
-        rid: Hashable,
-        req: PickRequest,
-        now: float,
-        *,
-        ok: bool,
-        cached_tokens: int | None = None,
-    ) -> None:
-        super().finished(route, rid, req, now, ok=ok, cached_tokens=cached_tokens)
-        self.cache.finished(route.url)
-
-    def connect_failed(self, route: Route, rid: Hashable, now: float, reason: str) -> None:
-        super().connect_failed(route, rid, now, reason)
-        self.cache.finished(route.url)
 
 
 class PickerRouter:

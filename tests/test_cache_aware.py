@@ -25,31 +25,31 @@ def chain(*ids: int) -> list[int]:
     return out
 
 
+IDLE = dict.fromkeys(EPS, 0)
+
+
 def test_a_long_match_sticks_and_a_cold_prompt_goes_to_the_smallest_tree():
     b = CacheAwareBalancer(EPS)
-    first = b.choose(chain(1, 2, 3, 4))
+    first = b.choose(chain(1, 2, 3, 4), IDLE)
     assert first == "a"  # every tree empty: the first in order
-    assert b.choose(chain(1, 2, 3, 4, 5)) == "a"  # 4/5 matched > 0.3
-    assert b.choose(chain(9, 8, 7)) == "b"  # cold: the smallest tree
-    assert b.choose(chain(1, 6, 6, 6, 6)) != "a"  # 1/5 matched < 0.3: cold again
+    assert b.choose(chain(1, 2, 3, 4, 5), IDLE) == "a"  # 4/5 matched > 0.3
+    assert b.choose(chain(9, 8, 7), IDLE) == "b"  # cold: the smallest tree
+    assert b.choose(chain(1, 6, 6, 6, 6), IDLE) != "a"  # 1/5 matched < 0.3: cold again
     assert b.tree_blocks("a") == 5
+    assert b.choose(chain(1, 2, 3), {"b": 0, "c": 0}) in ("b", "c")  # a is not a candidate
+    with pytest.raises(ValueError):
+        b.choose(chain(1), {})
 
 
 def test_an_imbalanced_pool_goes_by_shortest_queue():
     b = CacheAwareBalancer(
         EPS, CacheAwareConfig(balance_abs_threshold=4, balance_rel_threshold=1.5)
     )
-    assert b.choose(chain(1, 2, 3)) == "a"
-    for _ in range(6):
-        b.started("a")
-    b.started("b")
+    assert b.choose(chain(1, 2, 3), IDLE) == "a"
     # a: 6 outstanding, c: 0 -> imbalanced: the shortest queue, whatever the cache says.
-    assert b.choose(chain(1, 2, 3, 4)) == "c"
-    for _ in range(6):
-        b.finished("a")
-    assert b.outstanding["a"] == 0
-    b.finished("a")
-    assert b.outstanding["a"] == 0  # never negative
+    assert b.choose(chain(1, 2, 3, 9), {"a": 6, "b": 1, "c": 0}) == "c"
+    # Within the thresholds the cache decides.
+    assert b.choose(chain(1, 2, 3, 4), {"a": 4, "b": 1, "c": 0}) == "a"
 
 
 @settings(max_examples=60, deadline=None)
