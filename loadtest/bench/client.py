@@ -90,7 +90,8 @@ class RequestOutcome:
     cached_tokens: int | None
     detail: str = ""
     itl_s: tuple[float, ...] = field(default=(), repr=False)
-    # The engine that served it, where the run knows (the virtual clock does; "" unknown).
+    # The engine that served it, where the run knows (the virtual clock does, and meshd
+    # says in x-meshd-endpoint to a trusted client; "" unknown).
     endpoint: str = ""
 
     @property
@@ -356,6 +357,7 @@ class LoadClient:
         meter = StreamMeter(keep_text=keep_text)
         error: str | None = None
         detail = ""
+        endpoint = ""
         async with self._sem:
             started = loop.time()
             try:
@@ -364,6 +366,8 @@ class LoadClient:
                         self.base_url + path, data=body, headers=headers
                     ) as resp:
                         status = resp.status
+                        # meshd names the engine that served a trusted client.
+                        endpoint = resp.headers.get("x-meshd-endpoint", "")
                         if status != 200:
                             raw = await resp.content.read(_ERROR_BODY_BYTES)
                             error = f"{HTTP_PREFIX}{status}"
@@ -377,7 +381,15 @@ class LoadClient:
                 error, detail = CANCELLED, "still running when the run's time ran out"
                 self._record(
                     self._outcome(
-                        request, queued_at, started, loop.time(), status, meter, error, detail
+                        request,
+                        queued_at,
+                        started,
+                        loop.time(),
+                        status,
+                        meter,
+                        error,
+                        detail,
+                        endpoint,
                     )[0]
                 )
                 raise
@@ -387,7 +399,9 @@ class LoadClient:
                 error = TRUNCATED if status else CONNECT
                 detail = _describe(exc)
             ended = loop.time()
-        return self._outcome(request, queued_at, started, ended, status, meter, error, detail)
+        return self._outcome(
+            request, queued_at, started, ended, status, meter, error, detail, endpoint
+        )
 
     def _outcome(
         self,
@@ -399,6 +413,7 @@ class LoadClient:
         meter: StreamMeter,
         error: str | None,
         detail: str,
+        endpoint: str = "",
     ) -> tuple[RequestOutcome, StreamSummary]:
         summary = meter.summary()
         if error is None:
@@ -428,6 +443,7 @@ class LoadClient:
             cached_tokens=summary.usage_cached_tokens,
             detail=detail,
             itl_s=summary.gaps,
+            endpoint=endpoint,
         )
         return outcome, summary
 

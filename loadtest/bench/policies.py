@@ -364,6 +364,8 @@ def vllm_router_policy(policy: str = "cache_aware") -> PolicySpec:
 POLICIES: dict[str, PolicySpec] = {
     "round-robin": meshd_policy("round-robin"),
     "least-request": meshd_policy("least-request"),
+    # sglang-router's / vllm-router's cache_aware rule inside meshd (filters/cache_aware.py)
+    "cache-aware": meshd_policy("cache-aware"),
     "meshd": meshd_policy(MESHD_BEST_POLICY, label="meshd"),
     "envoy-rr": envoy_policy("envoy-rr", "ROUND_ROBIN"),
     "envoy-lr": envoy_policy("envoy-lr", "LEAST_REQUEST"),
