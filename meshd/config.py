@@ -195,7 +195,7 @@ class PickerSettings(_Strict):
     # than max(affinity_margin_s, the seconds it would spend recomputing the prefix x
     # (affinity_redo_weight + requests waiting there)).
     affinity_min_fraction: float = Field(default=0.3, gt=0, le=1)
-    affinity_imbalance: float = Field(default=2.0, ge=1)
+    affinity_imbalance: float = Field(default=3.0, ge=1)
     affinity_margin_s: float = Field(default=0.05, ge=0)
     affinity_redo_weight: float = Field(default=2.0, ge=0)
 
@@ -631,7 +631,7 @@ routing:
     decode_pricing: batch      # or reference (every endpoint priced at batch 64)
     prefix_ttl_s: null         # age limit of learnt prefix entries (null: KV capacity LRU only)
     affinity_min_fraction: 0.3 # a prompt this much cached at one endpoint stays there...
-    affinity_imbalance: 2.0    # ...unless its load is over 2x its fair share,
+    affinity_imbalance: 3.0    # ...unless its load is over 3x its fair share,
     affinity_margin_s: 0.05    # ...or another is faster by more than this or than the
     affinity_redo_weight: 2.0  # recompute x (this + requests waiting there)
   unhealthy_after_failures: 3  # consecutive connect failures before an endpoint rests

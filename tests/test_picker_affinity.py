@@ -189,3 +189,17 @@ def test_index_capacity_grows_on_hits_it_dropped_and_shrinks_on_ghosts():
     for _ in range(200):
         p.observe_cached(c2, r, 0, 1.0)
     assert p.index_capacity_scale("e0") == pytest.approx(0.25)  # bounded
+
+
+def test_late_everywhere_the_holder_comes_first():
+    eps = fleet(3)
+    p = Picker()
+    first = serve(p, req(CONVERSATION), eps, 1, 0.0)
+    busy(next(e for e in eps if e.name == first), 1, 1.0, prompt=30_000, waiting=True)
+    # A deadline nobody can meet: moving would recompute the whole prefix for a request
+    # that is late anyway, so the holder stays first (the rest follow by predicted TTFT).
+    out = p.pick(req(CONVERSATION + " more", deadline_s=1.0 + 1e-4), eps, 1.0)
+    assert [c.reason for c in out] == ["deadline-unmeetable"] * 3
+    assert out[0].endpoint == first
+    rest = [c.predicted_ttft_s for c in out[1:]]
+    assert rest == sorted(rest)
