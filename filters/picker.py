@@ -1451,14 +1451,15 @@ class Picker:
         max_tokens: int,
         within: Callable[[_Cand], bool],
     ) -> _Cand:
-        """Weighted rendezvous hashing (Thaler & Ravishankar; the weighted form: each endpoint
-        draws -ln(u) / w_e from the key's hash and the lowest wins, so an endpoint wins a
-        share of keys proportional to its capacity weight) over the endpoints within the
+        """The least loaded per unit of capacity weight, then weighted rendezvous hashing
+        (Thaler & Ravishankar; the weighted form: each endpoint draws -ln(u) / w_e from the
+        key's hash and the lowest wins, so an endpoint wins a share of keys proportional to
+        its capacity weight) among equals, over the endpoints within the
         bound whose J exceeds the best's by at most `tolerance` x the best's prefill-and-wait
         part (J less its decode: what a cached prefix can change)."""
         window = best[0] + abs(best[0] - best[2].decode_usd(max_tokens)) * tolerance
         top = best
-        top_score = _INF
+        top_score = (_INF, _INF)
         draws = self._draws
         for t in meet:
             if t[0] > window:
@@ -1474,7 +1475,10 @@ class Picker:
                 if len(draws) >= RENDEZVOUS_CACHE_SIZE:
                     draws.clear()
                 draw = draws[x] = -math.log(((_mix(x) >> 11) + 0.5) * _TWO_M53)
-            s = draw / v.weight
+            # Least loaded per unit of capacity first (a cold prompt gains nothing from
+            # any one of them), the rendezvous draw among equals: idle or equally loaded
+            # fleets, and so sidecars that see little of each other's load, still agree.
+            s = (v.load / v.weight, draw / v.weight)
             if s < top_score:
                 top, top_score = t, s
         return top

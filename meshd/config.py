@@ -181,9 +181,10 @@ class PickerSettings(_Strict):
     lambda_knee_s: float | None = Field(default=0.05, gt=0)
     epsilon: float = Field(default=0.25, ge=0)
     load_metric: Literal["requests", "tokens"] = "requests"
-    # batch: decode priced at the request's share of the batch it joins (packs running
-    # batches, the cheaper fleet); reference: every endpoint at a batch of 64.
-    decode_pricing: Literal["batch", "reference"] = "batch"
+    # reference: every endpoint's decode priced at a batch of 64 (a fixed fleet: latency
+    # first, cost between equals); batch: the request's share of the batch it joins (packs
+    # running batches, so an elastic pool can hand GPUs back).
+    decode_pricing: Literal["batch", "reference"] = "reference"
     # Age limit of what the prefix index learnt from this sidecar's own routing (None: none;
     # entries leave by the engine's KV capacity, LRU, and when an engine answers with fewer
     # cached tokens than predicted). A hedge for engines shared by many sidecars without KV
@@ -628,7 +629,7 @@ routing:
     lambda_knee_s: 0.05        # best-case TTFT under which a second is worth less (null: off)
     epsilon: 0.25              # bounded load: no endpoint above (1+epsilon) x mean
     load_metric: requests      # or tokens
-    decode_pricing: batch      # or reference (every endpoint priced at batch 64)
+    decode_pricing: reference  # fixed fleet; batch packs running batches (elastic pools)
     prefix_ttl_s: null         # age limit of learnt prefix entries (null: KV capacity LRU only)
     affinity_min_fraction: 0.3 # a prompt this much cached at one endpoint stays there...
     affinity_imbalance: 3.0    # ...unless its load is over 3x its fair share,
