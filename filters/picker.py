@@ -147,9 +147,10 @@ behind it). Departures are counted (Picker.departures, the router's Route.depart
 The prediction's prefill queue drains with time: a view's queue is less the seconds
 since the engine's queue head last changed (EndpointState.prefill_since). Measured on the
 virtual clock, Mooncake conversations as closed-loop sessions without headers, 8 H100s
-with ~20 prompts of KV each, no deadlines (2026-12-06, final defaults): next turns kept
-0.47 -> 0.84, token hit rate 0.050 -> 0.113 (cache_aware 0.127), task makespan p50 7.1
--> 5.5 s (cache_aware 6.1), E2E p50 3.2 -> 2.9 s (cache_aware 3.6).
+with ~20 prompts of KV each, no deadlines (2026-12-06, the sidecar's defaults: reference
+decode pricing): next turns kept 0.47 -> 0.94, token hit rate 0.050 -> 0.120
+(cache_aware 0.127), task makespan p50 7.1 -> 5.6 s (cache_aware 6.1), E2E p50 3.3 ->
+3.0 s (cache_aware 3.6), TTFT p90 2.30 -> 2.12 s (cache_aware 2.11).
 affinity_redo_weight 1 -> 2 on the matrix's sessions cell (load 0.8): kept 0.78 -> 0.88,
 TTFT p90 3.99 -> 3.72 s.
 
@@ -158,7 +159,7 @@ gave starts at INDEX_CAPACITY_UNKNOWN_START (4) x the default GPU's, x1.1 when t
 answers with cached tokens for a prefix the index had dropped, x0.9 on a ghost (fewer
 than half the predicted), within 0.25-8x. A ghost's entry is not cut: the request was just
 prefilled there, so the engine holds it now. Measured (same bench, open loop, ~200
-prompts of KV per engine): hit rate 0.076 -> 0.168 (cache_aware 0.172).
+prompts of KV per engine): hit rate 0.076 -> 0.169 (cache_aware 0.172).
 
 Replication (after Preble, Srivatsa et al., "Preble: Efficient Distributed Prompt
 Scheduling for LLM Serving", arXiv:2407.00023): requests are grouped by the hash of their
