@@ -962,8 +962,10 @@ class Picker:
         self, choice: Choice, req: PickRequest, cached_tokens: int, now: float
     ) -> None:
         """The engine reported how many prompt tokens it had cached (usage.prompt_tokens_
-        details.cached_tokens). Far fewer than predicted means the index has ghosts there:
-        cut that endpoint's entry for this chain back to what the engine really had."""
+        details.cached_tokens). Fewer than half the predicted means the index had a ghost
+        there, and more than twice (plus two blocks) that it had dropped what the engine
+        still held: the endpoint's index capacity is learnt from both (_scale_capacity).
+        The entry itself stays: the request was just prefilled there."""
         tpb = req.tokens_per_block or self.config.tokens_per_block
         predicted = choice.cached_tokens
         if cached_tokens >= 0.5 * predicted:

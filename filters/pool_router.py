@@ -38,7 +38,7 @@ hashes: meshd/kv_events.py; text-block hashes match only a digest built from the
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from filters.balancer import EndpointBalancer
@@ -170,15 +170,6 @@ class BalancerRouter:
         cooldown_s: float,
     ) -> None:
         self.policy: Policy = policy
-        self._init_balancer(endpoints, policy, unhealthy_after, cooldown_s)
-
-    def _init_balancer(
-        self,
-        endpoints: Sequence[EndpointSpec],
-        policy: Literal["round-robin", "least-request"],
-        unhealthy_after: int,
-        cooldown_s: float,
-    ) -> None:
         self._balancer = EndpointBalancer(
             [(e.url, e.weight) for e in endpoints],
             policy=policy,
@@ -297,8 +288,10 @@ class CacheAwareRouter(BalancerRouter):
         cooldown_s: float,
         config: CacheAwareConfig | None = None,
     ) -> None:
+        super().__init__(
+            endpoints, "least-request", unhealthy_after=unhealthy_after, cooldown_s=cooldown_s
+        )
         self.policy = "cache-aware"
-        self._init_balancer(endpoints, "least-request", unhealthy_after, cooldown_s)
         self.cache = CacheAwareBalancer([e.url for e in endpoints], config)
 
     def order(self, req: PickRequest, now: float) -> list[Route]:
@@ -351,8 +344,7 @@ class PickerRouter:
         routes = [Route(c.url, c.reason, c.predicted_ttft_s, c.cached_tokens, c) for c in choices]
         left = self.picker.last_departure
         if left is not None and routes:
-            r = routes[0]
-            routes[0] = Route(r.url, r.reason, r.predicted_ttft_s, r.cached_tokens, r.choice, left)
+            routes[0] = replace(routes[0], departure=left)
         if not routes:
             # Every endpoint is ejected or draining: try them anyway, least failing first,
             # rather than refusing outright (static stability).

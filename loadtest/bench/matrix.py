@@ -306,7 +306,7 @@ def figures(
     good = [o for o in outcomes if o.ok]
     per_engine = collections.Counter(o.endpoint for o in outcomes if o.endpoint)
     counts = list(per_engine.values()) or [0]
-    mean = statistics.fmean(counts) if counts else 0.0
+    mean = statistics.fmean(counts)
     tasks = result.tasks
     return Figures(
         policy=policy,
@@ -503,7 +503,7 @@ def report(cells: Sequence[dict[str, Any]]) -> str:
                 fails[n] += 1
             row.append(text)
         lines.append("| " + " | ".join(row) + " |")
-        if "meshd" in {r["policy"] for r in c["figures"]}:
+        if MESHD_TOLD in {r["policy"] for r in c["figures"]}:
             told = compare(c, MESHD_TOLD)
             row = [c["label"] + " (told)"]
             for n in names:
