@@ -7,8 +7,10 @@ Order of service
 1. Bands, strictly: band = 2 x priority + sunk, where priority (0..9, clamped to the
    tenant's `max_priority`) is the request's and sunk is 1 when its task already has
    `sunk_cost_min_steps` successful steps (and `sunk_cost_min_usd` spent), reported through
-   `task_progress`. Step 3 of a task whose steps 1 and 2 succeeded goes before a new task's
-   step 1 at the same priority, and a new task is shed before it.
+   `task_progress` / `record_step`, or when the driver knows the request continues a
+   started task (`AdmissionItem.started`: a task step header past 0, or a prompt that
+   extends one routed before). Step 3 of a task whose steps 1 and 2 succeeded goes before
+   a new task's step 1 at the same priority, and a new task is shed before it.
 2. Within a band, tenants share by weight: start-time fair queueing (Goyal, Vin, Cheng,
    "Start-Time Fair Queueing", SIGCOMM 1996) at the level of tenant flows. A backlogged
    tenant's flow has start tag S = max(V, F); dispatch takes the flow with the least S,
@@ -17,6 +19,19 @@ Order of service
    share.
 3. Within a tenant's flow: earliest deadline first (no deadline sorts last), then arrival.
 
+The knee (`knee_wait_s`, with a `wait_source`: the router's least predicted queueing
+delay over the pool's eligible endpoints, PoolRouter.pool_wait): once every engine has
+more than knee_wait_s of work queued, sending more only lengthens the engines' queues,
+where nothing can reorder them. So while the pool is past its knee a *new* task's request
+(an even band) waits here even when slots are free, and a started task's (an odd band)
+still goes at once: a new task is queued or refused before a started one suffers. When
+the wait falls back under the knee, queued new work goes one request at a time: the next
+is judged once the router has placed the previous one (`routed`; or it was released, or
+a `tick` passed), so the wait it reads counts every request let through (no herd). One
+queued past `knee_max_wait_s` (for whatever reason it queued) is refused ("overload",
+Retry-After): under sustained overload the queue turns new tasks away instead of
+starting them late. (A request requeued after its dispatch was admitted: it is kept.)
+
 Refusals (OpenAI-style 429 with Retry-After; `Reject.code` names them):
 - "deadline": the deadline minus the predicted TTFT has passed, or the queue ahead (a
   lower bound: queued requests in higher bands x the mean slot time / slots) already makes
@@ -24,7 +39,8 @@ Refusals (OpenAI-style 429 with Retry-After; `Reject.code` names them):
   lowest band up, so the least important late work is refused first.
 - "quota": the tenant already has `max_queued` requests queued.
 - "overload": the queue holds `max_queued` requests; a newcomer of a higher band displaces
-  the newest request of the lowest band (which is refused), otherwise the newcomer is.
+  the newest request of the lowest band (which is refused), otherwise the newcomer is; or
+  a new task's request waited knee_max_wait_s while the pool was past its knee.
 
 Guarantee: every item offered is answered exactly once: Admit or Reject from `offer`, or
 later exactly one of: returned by `next`, a Reject in `take_rejected()`, or `cancel` by
@@ -37,8 +53,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict
-from collections.abc import Hashable, Mapping
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -96,10 +112,18 @@ class AdmissionConfig:
     # After a requeue, no dispatch until a release or this long, whichever comes first
     # (with nothing in flight here, no release may ever come).
     requeue_backoff_s: float = 0.1
+    # The pool's knee (module docstring): None, or seconds of predicted queueing delay
+    # beyond which new tasks wait here; and how long one may wait so before a 429.
+    knee_wait_s: float | None = None
+    knee_max_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1 or self.max_queued < 0 or self.max_queued_per_tenant < 0:
             raise ValueError("max_in_flight must be >= 1, queue bounds >= 0")
+        if self.knee_wait_s is not None and not self.knee_wait_s >= 0:
+            raise ValueError(f"knee_wait_s must be >= 0, got {self.knee_wait_s}")
+        if not self.knee_max_wait_s > 0:
+            raise ValueError(f"knee_max_wait_s must be > 0, got {self.knee_max_wait_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +135,7 @@ class AdmissionItem:
     predicted_ttft_s: float = 0.0  # the picker's estimate, so a deadline means first token
     cost: float = 1.0  # fair-share cost (expected tokens, or 1 per request)
     task_id: str | None = None
+    started: bool = False  # continues a task already under way (the driver knows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +177,7 @@ class _Entry:
     seq: int
     latest_start: float  # deadline - predicted TTFT
     queued: bool = True
+    knee_until: float = math.inf  # held at the knee: refused from then on
 
 
 @dataclass(slots=True, eq=False)
@@ -200,13 +226,29 @@ class Admission:
         a waiter that goes away: adm.cancel(item.id)
         an admitted request that the pool still cannot place: adm.requeue(item.id, now)
 
+    With `knee_wait_s`, set `wait_source` (the router's PoolRouter.pool_wait(now,
+    stop_below)) so the
+    queue can tell when the pool is past its knee.
+
     Counters: `admitted` (at offer), `queued_total`, `dispatched` (from the queue),
-    `rejected` (by reason), `cancelled`, `shed` (displaced by higher-band work).
+    `rejected` (by reason), `cancelled`, `shed` (displaced by higher-band work),
+    `knee_held` (new tasks' requests queued because the pool was past its knee).
     """
 
-    def __init__(self, config: AdmissionConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: AdmissionConfig | None = None,
+        *,
+        wait_source: Callable[[float, float], float | None] | None = None,
+    ) -> None:
         cfg = config or AdmissionConfig()
         self.config = cfg
+        self.wait_source = wait_source
+        # The knee gate: the queued new-task request that passed it and that the router
+        # has not placed yet (`routed`); the next is judged after it.
+        self._gate_item: Hashable | None = None
+        self._knee: deque[_Entry] = deque()  # held at the knee, in arrival order
+        self.knee_held = 0
         self._capacity = cfg.max_in_flight
         self._bands = [_Band() for _ in range(BANDS)]
         self._queued: dict[Hashable, _Entry] = {}
@@ -276,7 +318,15 @@ class Admission:
     def band_of(self, item: AdmissionItem) -> int:
         p = DEFAULT_PRIORITY if item.priority is None else item.priority
         p = max(0, min(PRIORITY_MAX, p, self.policy(item.tenant).max_priority))
-        return 2 * p + (1 if self.has_sunk_cost(item.task_id) else 0)
+        return 2 * p + (1 if item.started or self.has_sunk_cost(item.task_id) else 0)
+
+    def past_knee(self, now: float) -> bool:
+        """Whether the pool's predicted queueing delay (wait_source) exceeds knee_wait_s."""
+        knee = self.config.knee_wait_s
+        if knee is None or self.wait_source is None:
+            return False
+        wait = self.wait_source(now, knee)  # (it may stop at the first endpoint under it)
+        return wait is not None and wait > knee
 
     def expected_wait(self, band: int) -> float:
         """Estimated queueing time for a newcomer in `band`: every request queued in it or
@@ -314,11 +364,13 @@ class Admission:
         t = self._tenants.get(tenant)
         queued_here = 0 if t is None else t.queued
         in_flight_here = 0 if t is None else t.in_flight
+        knee: bool | None = None
         if (
             now >= self._blocked_until
             and len(self._in_flight) < self._capacity
             and (policy.max_in_flight is None or in_flight_here < policy.max_in_flight)
             and not any(b.count for b in self._bands[band:])
+            and not (knee := band % 2 == 0 and self.past_knee(now))
         ):
             entry = _Entry(item, tenant, band, self._next_seq(), latest, queued=False)
             self._dispatch(entry, now)
@@ -356,6 +408,14 @@ class Admission:
                 )
             self._shed(low)
         entry = _Entry(item, tenant, band, self._next_seq(), latest)
+        if band % 2 == 0 and cfg.knee_wait_s is not None:
+            # A new task's request waits at most knee_max_wait_s here, whatever queued it
+            # (the gate may shut on it while it waits for a slot).
+            entry.knee_until = now + cfg.knee_max_wait_s
+            self._knee.append(entry)
+            if knee is None:
+                knee = self.past_knee(now)
+            self.knee_held += knee
         self._enqueue(entry)
         self.queued_total += 1
         ahead = sum(b.count for b in self._bands[band:]) - 1
@@ -407,6 +467,7 @@ class Admission:
     def _unqueue(self, e: _Entry) -> None:
         """Take a queued entry out of the counts; heap entries go stale (skipped later)."""
         e.queued = False
+        e.knee_until = math.inf  # whatever happens next, it is no longer held at the knee
         del self._queued[e.item.id]
         b = self._bands[e.band]
         b.count -= 1
@@ -477,16 +538,47 @@ class Admission:
         self._expire(now)
         if now < self._blocked_until or len(self._in_flight) >= self._capacity or not self._queued:
             return None
+        shut: bool | None = None  # the knee gate for new tasks, judged once, if needed
         for band in range(BANDS - 1, -1, -1):
             b = self._bands[band]
             if not b.count:
                 continue
-            e = self._pop_band(b)
+            if band % 2 == 0 and self.config.knee_wait_s is not None:
+                if shut is None:
+                    shut = self._gate_item is not None or self.past_knee(now)
+                if shut:
+                    continue  # started tasks (odd bands) below may still go
+            e = self._pop_held(b) if shut is False else None
+            if e is None:
+                e = self._pop_band(b)
             if e is not None:
+                if band % 2 == 0 and shut is not None:
+                    self._gate_item = e.item.id  # judged by the router before the next
                 self._unqueue(e)
                 self._dispatch(e, now)
                 self.dispatched += 1
                 return e.item
+        return None
+
+    def _pop_held(self, b: _Band) -> _Entry | None:
+        """The newest request held at the knee in band `b` (None if the newest queued one
+        is not held, or its tenant is at its in-flight cap): with a standing queue, one
+        that waited long has likely spent its budget, the newest has not (adaptive LIFO,
+        Maurer, "Fail at Scale", ACM Queue 2015)."""
+        newest = b.newest
+        while newest:
+            e = newest[0][1]
+            if not e.queued:
+                heapq.heappop(newest)
+                continue
+            if e.knee_until == math.inf:
+                return None
+            cap = self.policy(e.item.tenant).max_in_flight
+            t = self._tenants.get(e.tenant)
+            if cap is not None and t is not None and t.in_flight >= cap:
+                return None
+            heapq.heappop(newest)
+            return e
         return None
 
     def _pop_band(self, b: _Band) -> _Entry | None:
@@ -526,6 +618,17 @@ class Admission:
         self._residence = sample if r is None else r + self.config.residence_alpha * (sample - r)
         self._free(d)
         self._blocked_until = -math.inf
+        if self._gate_item == item_id:
+            self._gate_item = None
+
+    def routed(self, item_id: Hashable) -> bool:
+        """The router placed a dispatched item (its first attempt started): True when that
+        item was the one let past the knee gate, which is now open for the next (the
+        driver then calls `next` again)."""
+        if self._gate_item is not None and self._gate_item == item_id:
+            self._gate_item = None
+            return True
+        return False
 
     def _free(self, d: _Dispatched) -> None:
         t = self._tenants[d.tenant]
@@ -560,7 +663,9 @@ class Admission:
 
     def expire(self, now: float) -> list[Reject]:
         """Refuse every queued item that can no longer meet its deadline, lowest band
-        first; return them with any other pending refusals (same as take_rejected)."""
+        first; return them with any other pending refusals (same as take_rejected). On
+        the driver's timer: it also lets one more held new task past the knee gate."""
+        self._gate_item = None
         self._expire(now)
         return self.take_rejected()
 
@@ -570,6 +675,26 @@ class Admission:
         return out
 
     def _expire(self, now: float) -> None:
+        knee = self._knee
+        while knee:
+            e = knee[0]
+            if e.knee_until > now and e.knee_until != math.inf:
+                break
+            knee.popleft()
+            if e.knee_until == math.inf:
+                continue  # dispatched, cancelled or refused since: no longer held
+            self._unqueue(e)
+            self._rejected.append(
+                self._refuse(
+                    e.item,
+                    "overload",
+                    f"every engine of the pool has more than {_secs(self.config.knee_wait_s or 0)}"
+                    f" of work queued and this new task waited "
+                    f"{_secs(self.config.knee_max_wait_s)} for it to drain "
+                    "(reliability.admission.knee_wait_s, knee_max_wait_s)",
+                    len(self._queued),
+                )
+            )
         top = self._deadlines
         while top and not top[0][2].queued:
             heapq.heappop(top)

@@ -39,7 +39,7 @@ detector only (`slow_abandon_factor`).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -187,10 +187,14 @@ class PoolGuard:
         endpoints: Iterable[str] = (),
         *,
         endpoint_limits: dict[str, Limits] | None = None,
+        pool_wait: Callable[[float, float], float | None] | None = None,
     ) -> None:
+        """`pool_wait`: the router's PoolRouter.pool_wait, for admission's knee."""
         self.config = config
         self.throttle = AdaptiveThrottle(config.throttle) if config.throttle else None
-        self.admission = Admission(config.admission) if config.admission else None
+        self.admission = (
+            Admission(config.admission, wait_source=pool_wait) if config.admission else None
+        )
         self.breaker = TokenBreaker(config.breaker) if config.breaker else None
         self.outlier = OutlierDetector(config.outlier) if config.outlier else None
         self.slow_start = SlowStart(config.slow_start) if config.slow_start else None
@@ -374,6 +378,20 @@ class PoolGuard:
 
     # -- queue -------------------------------------------------------------------------------
 
+    def routed(self, item_id: Hashable, now: float) -> GuardEvents | None:
+        """The router placed admitted item `item_id`: when it was the one let past
+        admission's knee gate, the next held request may be judged now (the pump's
+        events), else None."""
+        if self.admission is None or not self.admission.routed(item_id):
+            return None
+        return self.pump(now)
+
+    def step_succeeded(self, task_id: str) -> None:
+        """A step of the task (its context key: workflow, session or task id) succeeded:
+        its later steps are a started task's (admission's sunk-cost band)."""
+        if self.admission is not None:
+            self.admission.record_step(task_id)
+
     def release(self, item_id: Hashable, now: float) -> None:
         if self.admission is not None:
             self.admission.release(item_id, now)
@@ -401,9 +419,10 @@ class PoolGuard:
         return ev
 
     def tick(self, now: float) -> GuardEvents:
+        # Expiry first: it refuses what is late and lets one held new task past the knee.
+        late = self.admission.expire(now) if self.admission is not None else []
         ev = self.pump(now)
-        if self.admission is not None:
-            ev.rejected.extend(self.admission.expire(now))
+        ev.rejected[:0] = late
         if self.breaker is not None:
             ev.breaker = self.breaker.tick(now)
         if self.outlier is not None:

@@ -237,6 +237,9 @@ INDEX_CAPACITY_GROW = 1.1
 INDEX_CAPACITY_SHRINK = 0.9
 INDEX_CAPACITY_SCALE_RANGE = (0.25, 8.0)
 INDEX_CAPACITY_UNKNOWN_START = 4.0
+# A prompt whose blocks some endpoint holds at least this share of continues a task under
+# way (Picker.follow_up: admission lets it past the knee before new tasks).
+FOLLOW_UP_FRACTION = 0.5
 
 
 def _mix(x: int) -> int:
@@ -957,6 +960,59 @@ class Picker:
             nominal_s=nominal,
             fixed_s=choice.fixed_s,
         )
+
+    def pool_wait(
+        self, endpoints: Sequence[EndpointState], now: float, stop_below: float = -_INF
+    ) -> float | None:
+        """The least predicted queueing delay, seconds, before a new request's prefill could
+        start on any eligible endpoint: the view's queue (prefill queue less what the
+        engine worked off since its head started, slot waits, one step), as in the
+        prediction, plus the turnover of KV past the engine's capacity for a request of
+        its usual size. How far past its knee the pool is (filters/admission.py); None
+        when no endpoint is eligible. The first endpoint found under `stop_below` ends the
+        scan (the knee gate only asks whether one is: O(1) while the pool has room)."""
+        best = _INF
+        for e in endpoints:
+            v = e._pick_view
+            if v is None or v.picker is not self or now >= v.until:
+                v = self._view(e, now)
+            if v.why is not None:
+                continue
+            q = v.q
+            if e.waiting:
+                q = max(v.q_fixed, q - (now - e.prefill_since))
+            # Memory, as kv_wait_e prices it, for a request of the engine's usual size:
+            # past its KV capacity a new stream waits for (or preempts) the running ones
+            # until the excess has turned over.
+            n = e.outstanding
+            typical = e.prompt_tokens_avg + (e.output_tokens_in_flight / n if n else 0.0)
+            used = float(e.tokens_in_flight)
+            if v.r_kv_used > used:
+                used = v.r_kv_used
+            excess = used + typical - v.kv_cap
+            if excess > 0.0:
+                q += excess * v.kv_wait_per_token
+            if q < best:
+                best = q
+                if q < stop_below:
+                    break
+        return None if best == _INF else best
+
+    def follow_up(self, req: PickRequest, now: float) -> bool:
+        """Whether `req` continues a task under way: its context key names a task seen
+        within task_ttl_s, or some endpoint holds at least FOLLOW_UP_FRACTION of its
+        prompt's blocks in the prefix index (a prompt that extends one routed before: the
+        next turn of a conversation, the next step of an agent). No header is needed."""
+        key = req.context_key
+        if key is not None:
+            task = self._tasks.get(key)
+            if task is not None and now - task.at <= self.config.task_ttl_s:
+                return True
+        hashes = req.block_hashes
+        if not hashes:
+            return False
+        need = FOLLOW_UP_FRACTION * len(hashes)
+        return any(m[0] >= need for m in self.index.match_detail(hashes, now).values())
 
     def observe_cached(
         self, choice: Choice, req: PickRequest, cached_tokens: int, now: float

@@ -37,6 +37,7 @@ hashes: meshd/kv_events.py; text-block hashes match only a digest built from the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
@@ -89,6 +90,8 @@ class PoolRouter(Protocol):
         cached_tokens: int | None = None,
     ) -> None: ...
     def connect_failed(self, route: Route, rid: Hashable, now: float, reason: str) -> None: ...
+    def pool_wait(self, now: float, stop_below: float = ...) -> float | None: ...
+    def follow_up(self, req: PickRequest, now: float) -> bool: ...
     def snapshot(self, now: float) -> list[dict[str, object]]: ...
     def report(
         self, url: str, state: ReportedState | None, now: float, *, ttl_s: float
@@ -257,6 +260,13 @@ class BalancerRouter:
     def connect_failed(self, route: Route, rid: Hashable, now: float, reason: str) -> None:
         self._balancer.on_finish(route.url)
         self._balancer.on_connect_failure(route.url, now, reason)
+
+    def pool_wait(self, now: float, stop_below: float = 0.0) -> float | None:
+        """No prediction of queueing here: the admission knee gate stays open."""
+        return None
+
+    def follow_up(self, req: PickRequest, now: float) -> bool:
+        return False
 
     def snapshot(self, now: float) -> list[dict[str, object]]:
         out = self._balancer.snapshot(now)
@@ -458,6 +468,16 @@ class PickerRouter:
                 k = blocks.prefix_blocks(hashes)
                 if k:
                     index.store(s.name, hashes[:k], now)
+
+    def pool_wait(self, now: float, stop_below: float = -math.inf) -> float | None:
+        """The least predicted queueing delay over the pool's eligible endpoints
+        (Picker.pool_wait): how far past its knee the pool is; the scan ends at the first
+        endpoint under `stop_below`."""
+        return self.picker.pool_wait(self.states, now, stop_below)
+
+    def follow_up(self, req: PickRequest, now: float) -> bool:
+        """Whether `req` continues a task under way (Picker.follow_up)."""
+        return self.picker.follow_up(req, now)
 
     def snapshot(self, now: float) -> list[dict[str, object]]:
         return [

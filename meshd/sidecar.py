@@ -285,9 +285,13 @@ class Sidecar:
             )
             for pool in config.pools
         }
-        guard_config = _guard_config(config)
+        guard_cfg = guard_config(config)
         self.guards = {
-            pool.name: PoolGuard(guard_config, [ep.url for ep in pool.endpoints])
+            pool.name: PoolGuard(
+                guard_cfg,
+                [ep.url for ep in pool.endpoints],
+                pool_wait=self.routers[pool.name].pool_wait,
+            )
             for pool in config.pools
         }
         self._waiters: dict[Hashable, asyncio.Future[Reject | None]] = {}
@@ -821,15 +825,18 @@ class Sidecar:
         pick, routing = ctx.pick, ctx.routing
         assert pick is not None and routing is not None
         ctx.item_id = next(self._attempt_ids)
+        now = time.monotonic()
         item = AdmissionItem(
             ctx.item_id,
             tenant=pick.tenant,
             priority=pick.priority,
             deadline=pick.deadline_s,
             cost=float(max(1, ctx.tokens)),
-            task_id=routing.task_id or routing.workflow_id,
+            task_id=pick.context_key,
+            started=guard.admission is not None
+            and ((routing.step or 0) >= 1 or self.routers[ctx.pool].follow_up(pick, now)),
         )
-        decision = guard.gate(item, time.monotonic(), self._rng)
+        decision = guard.gate(item, now, self._rng)
         if isinstance(decision, Admit):
             return None
         ctx_item, ctx.item_id = ctx.item_id, None  # not admitted: nothing to release
@@ -971,6 +978,8 @@ class Sidecar:
         router.started(route, attempt.rid, ctx.pick, now)
         if guard is not None:
             guard.started(route.url, attempt.rid, ctx.tokens, now, model=ctx.pick.model)
+            if ctx.item_id is not None and (ev := guard.routed(ctx.item_id, now)) is not None:
+                self._apply_guard(ctx.pool, ev)  # the next held new task may be judged
         ctx.tried.add(route.url)
         return attempt
 
@@ -1003,6 +1012,8 @@ class Sidecar:
                 attempt.inference.model, len(text), utf8_length(text), attempt.prompt_tokens
             )
         if attempt.guard is not None:
+            if attempt.ok and attempt.pick.context_key is not None:
+                attempt.guard.step_succeeded(attempt.pick.context_key)
             attempt.guard.finished(
                 route.url,
                 attempt.rid,
@@ -1724,7 +1735,7 @@ def _precise_prefixes(
     return out
 
 
-def _guard_config(config: Config) -> GuardConfig:
+def guard_config(config: Config) -> GuardConfig:
     rel = config.reliability
     b, o, a, t = rel.breaker, rel.outlier, rel.admission, rel.throttle
     ss = rel.slow_start
@@ -1734,6 +1745,8 @@ def _guard_config(config: Config) -> GuardConfig:
             max_in_flight=a.max_in_flight,
             max_queued=a.max_queued,
             max_queued_per_tenant=a.max_queued_per_tenant,
+            knee_wait_s=a.knee_wait_s,
+            knee_max_wait_s=a.knee_max_wait_s,
             tenants={
                 name: TenantPolicy(
                     weight=tp.weight,

@@ -300,19 +300,26 @@ _op = st.one_of(
     st.tuples(st.just("requeue"), st.integers(0, 50)),
     st.tuples(st.just("progress"), st.sampled_from(["t1", "t2"])),
     st.tuples(st.just("capacity"), st.integers(1, 4)),
+    # The pool's predicted wait (the knee gate's source) and the router placing an item.
+    st.tuples(st.just("wait"), st.sampled_from([None, 0.0, 0.5, 3.0])),
+    st.tuples(st.just("routed"), st.integers(0, 50)),
 )
 
 
+@pytest.mark.parametrize("knee", [False, True])
 @settings(max_examples=200, deadline=None)
 @given(ops=st.lists(_op, min_size=30, max_size=150))
-def test_every_item_is_answered_exactly_once(ops: list[tuple[Any, ...]]) -> None:
+def test_every_item_is_answered_exactly_once(knee: bool, ops: list[tuple[Any, ...]]) -> None:
     cfg = AdmissionConfig(
         max_in_flight=2,
         max_queued=4,
         max_queued_per_tenant=3,
         tenants={"A": TenantPolicy(weight=2.0, max_in_flight=1), "C": TenantPolicy(max_priority=4)},
+        knee_wait_s=1.0 if knee else None,
+        knee_max_wait_s=1.5,
     )
-    a = Admission(cfg)
+    wait: list[float | None] = [0.0]
+    a = Admission(cfg, wait_source=lambda now, knee: wait[0])
     now = 0.0
     fate: dict[int, list[str]] = {}
     running: list[int] = []
@@ -339,7 +346,8 @@ def test_every_item_is_answered_exactly_once(ops: list[tuple[Any, ...]]) -> None
             offered += 1
             fate[i] = []
             deadline = None if rel_deadline is None else now + rel_deadline
-            d = a.offer(AdmissionItem(i, tenant, prio, deadline, 0.1, 1.0, task), now)
+            started = i % 3 == 0
+            d = a.offer(AdmissionItem(i, tenant, prio, deadline, 0.1, 1.0, task, started), now)
             if d is ADMIT:
                 fate[i].append("admitted")
                 running.append(i)
@@ -367,13 +375,19 @@ def test_every_item_is_answered_exactly_once(ops: list[tuple[Any, ...]]) -> None
             a.task_progress(op[1], 1.0, 2)
         elif kind == "capacity":
             a.set_capacity(op[1])
+        elif kind == "wait":
+            wait[0] = op[1]
+        elif kind == "routed" and running and a.routed(running[op[1] % len(running)]):
+            pump()
         assert a.in_flight == len(running)
         assert a.queued <= cfg.max_queued + sum(1 for o in ops if o[0] == "requeue")
     # Drain: finish everything in flight, pumping as a driver's timer would.
+    wait[0] = 0.0  # nothing in flight: the pool has drained
     for _ in range(offered + 2):
         now += 1.0
         while running:
             a.release(running.pop(), now)
+        settle(a.expire(now))
         pump()
     assert a.queued == 0 and a.in_flight == 0
     for i, f in fate.items():

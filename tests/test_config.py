@@ -211,13 +211,13 @@ def test_label_caps_default_to_the_observers_and_reach_it(tmp_path):
 
 
 def test_slow_start_and_slow_abandon_settings_reach_the_guard() -> None:
-    from meshd.sidecar import _guard_config
+    from meshd.sidecar import guard_config
 
     base = {"pools": [{"name": "p", "endpoints": ["http://a:1"]}]}
-    on = _guard_config(load_config(None, base=base, env={}))
+    on = guard_config(load_config(None, base=base, env={}))
     assert on.slow_start is not None and on.slow_start.window_s == 60.0
     assert on.slow_abandon_factor == 3.0
-    off = _guard_config(
+    off = guard_config(
         load_config(
             None,
             base=base,

@@ -203,3 +203,56 @@ def test_late_everywhere_the_holder_comes_first():
     assert out[0].endpoint == first
     rest = [c.predicted_ttft_s for c in out[1:]]
     assert rest == sorted(rest)
+
+
+# -- what admission's knee gate asks the picker (filters/admission.py) --------------------
+
+
+def test_pool_wait_is_the_least_queue_and_grows_when_every_engine_is_behind():
+    eps = fleet(3)
+    p = Picker()
+    idle = p.pool_wait(eps, 0.0)
+    assert idle is not None and idle < 0.05  # one engine step
+    # Two engines with long prefill queues: the third still takes work at once.
+    for e in eps[:2]:
+        busy(e, 8, 0.0, prompt=40_000, waiting=True)
+    assert p.pool_wait(eps, 0.0) == pytest.approx(idle, rel=0.2)
+    busy(eps[2], 8, 0.0, prompt=40_000, waiting=True)
+    behind = p.pool_wait(eps, 0.0)
+    assert behind is not None and behind > 1.0
+    # The queue drains with time (nothing has reached a first token: the head is older).
+    later = p.pool_wait(eps, 0.5)
+    assert later is not None and later < behind
+    for e in eps:
+        e.set_flags(draining=True)
+    assert p.pool_wait(eps, 1.0) is None
+
+
+def test_pool_wait_counts_kv_past_the_engines_capacity():
+    def wait_with(prompt: int) -> float:
+        eps = fleet(1)
+        p = Picker()
+        for i in range(8):  # streams already decoding: no prefill queue
+            eps[0].start(("kv", i), 0.0, prompt_tokens=prompt, max_tokens=100)
+            eps[0].first_token(("kv", i), 0.0)
+        eps[0].finish(("kv", 0), 5.0)  # a residence time measured
+        w = p.pool_wait(eps, 5.0)
+        assert w is not None
+        return w
+
+    # The same batch, its KV within the engine's capacity (an H100's ~440k tokens) or
+    # past it: past it a new stream waits for the excess to turn over.
+    assert wait_with(150_000) > wait_with(1_000) + 1.0
+
+
+def test_follow_up_is_a_prompt_extending_one_routed_before_or_a_known_task():
+    eps = fleet(4)
+    p = Picker()
+    serve(p, req(CONVERSATION), eps, 1, 0.0)
+    turn2 = CONVERSATION + " Assistant: an answer. User: and the summary?"
+    assert p.follow_up(req(turn2), 1.0)
+    assert not p.follow_up(req("an unrelated question about the weather " * 40), 1.0)
+    assert not p.follow_up(req("short", context_key="task-1"), 1.0)
+    serve(p, req("step one of an agent " * 30, context_key="task-1"), eps, 2, 1.0)
+    assert p.follow_up(req("short", context_key="task-1"), 2.0)
+    assert not p.follow_up(req("short", context_key="task-1"), 2.0 + 10 * p.config.task_ttl_s)

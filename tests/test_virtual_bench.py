@@ -199,3 +199,32 @@ def test_meshd_bench_virtual_clock_flag(tmp_path: Path, capsys: pytest.CaptureFi
     assert rc == 0 and "meshd" in out
     report = json.loads((tmp_path / "results.json").read_text())
     assert "virtual clock" in json.dumps(report)
+
+
+def test_meshd_holds_new_tasks_past_the_knee_and_never_a_started_one() -> None:
+    """Overload: the sidecar's admission (modelled in the virtual pass) holds new tasks
+    while every engine is past its knee and refuses those held too long (429, the knee
+    named); a task's later steps are never held, and the first tokens of what it serves
+    come sooner than with round robin, which piles everything onto the engines."""
+    reqs = agentic(
+        tasks=60,
+        steps=3,
+        step_tokens=2000,
+        system_prompt_tokens=16,
+        max_tokens=64,
+        think_s=0.2,
+        rate=30.0,
+        deadline_ms=10**9,
+        seed=1,
+    )
+    spec = FleetSpec(gpus=("A100",), kv_blocks=4096)
+    mine, run = run_virtual_policy("meshd", spec, reqs, QUIET, log=_log)
+    rr, _ = run_virtual_policy("round-robin", spec, reqs, QUIET, log=_log)
+    assert run is not None
+    refused = [o for o in run.outcomes if o.status == 429]
+    assert refused, "the pool was never past its knee"
+    assert all("knee_wait_s" in o.detail for o in refused)
+    assert all(o.step == 0 for o in refused)  # new tasks only
+    assert mine.succeeded + len(refused) == len(run.outcomes)
+    assert rr.succeeded == rr.requests_sent  # no admission there: everything served, late
+    assert mine.ttft.p90 < 0.5 * rr.ttft.p90

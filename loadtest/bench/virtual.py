@@ -16,13 +16,19 @@ the work it simulates. What runs is the code of a real run, called in-process:
   concurrency cap; outcomes are client.RequestOutcome and results.summarize makes the
   PolicyResult.
 
+- admission (meshd's policies): the sidecar's filters/admission.py, built from its config
+  with the router's pool_wait, driven as the sidecar drives it: offer at arrival, queued
+  requests dispatched on each release and on the reaper's 0.25 s tick, refused ones
+  answered 429, a queued request's wait bounded by queue_timeout_s and its deadline, each
+  successful step recorded for its task. The peers' rules run without it.
+
 Left out, so a real run differs by them: the network and the sidecar's own time (3-7 ms
-per request here, tests/test_virtual_agreement.py), the sidecar's PoolGuard (admission,
-breaker, outlier ejection, slow start, and the flags it hands the router; at default
-limits it changes nothing below 512 requests in flight per pool and 128 pending per
-endpoint), its retry budget and mid-stream failover (a connect failure moves on to the
-next route, up to upstream.max_attempts; an HTTP error or a reset ends the request), and
-the peers (Envoy, sglang-router, vllm-router are other processes: skipped).
+per request here, tests/test_virtual_agreement.py), the rest of the sidecar's PoolGuard
+(breaker, outlier ejection, slow start, throttling, and the flags it hands the router; at
+default limits it changes nothing below 128 pending per endpoint), its retry budget and
+mid-stream failover (a connect failure moves on to the next route, up to
+upstream.max_attempts; an HTTP error or a reset ends the request), and the peers (Envoy,
+sglang-router, vllm-router are other processes: skipped).
 
     python -m loadtest.bench.virtual --engines 100 --workload azure-conv \
         --policies round-robin,meshd --concurrency 100000 --no-plots
@@ -38,11 +44,12 @@ import itertools
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from filters.admission import Admission, AdmissionItem, Queue, Reject
 from filters.chars_per_token import CharsPerToken, pick_inputs, utf8_length
 from filters.hotpath import block_hashes, parse_routing_headers
 from filters.picker import PickRequest
@@ -87,6 +94,8 @@ VIRTUAL_POLICIES: dict[str, str] = {
 }
 # At most this many queue samples per pass: 1,000 engines x 3 series each is memory.
 MAX_SAMPLES = 600
+# The sidecar reaper's period (meshd/sidecar.py _REAPER_PERIOD_S): admission expiry and pump.
+ADMISSION_TICK_S = 0.25
 # Where virtual engines "listen": a URL the sidecar config accepts, naming the engine.
 VIRTUAL_PORT = 8000
 
@@ -125,6 +134,9 @@ class SidecarModel:
     max_attempts: int
     # routing.learn_chars_per_token: the sidecar's learner, fed by each answer's usage.
     chars_per_token: CharsPerToken | None = None
+    # reliability.admission, for meshd's policies (None: the peers', or disabled).
+    admission: Admission | None = None
+    queue_timeout_s: float = 30.0
 
 
 def sidecar_model(
@@ -137,7 +149,7 @@ def sidecar_model(
     `gpus` (and `kv_capacity_tokens`): each endpoint's GPU (and KV capacity) in the config,
     as a pass started on the fleet has them."""
     from meshd.config import Config
-    from meshd.sidecar import build_routers
+    from meshd.sidecar import build_routers, guard_config
 
     doc = sidecar_config(urls, policy)
     if gpus is not None:
@@ -152,6 +164,10 @@ def sidecar_model(
     routing = config.routing
     (router,) = build_routers(config).values()
     loopback = ipaddress.ip_address("127.0.0.1")  # the bench client's address
+    adm_config = guard_config(config).admission
+    admission = None
+    if adm_config is not None and routing.policy == "meshd":
+        admission = Admission(adm_config, wait_source=router.pool_wait)
     return SidecarModel(
         router=router,
         policy=routing.policy,
@@ -160,6 +176,8 @@ def sidecar_model(
         trusted=any(loopback in net for net in config.trust.networks()),
         max_attempts=config.upstream.max_attempts,
         chars_per_token=CharsPerToken() if routing.learn_chars_per_token else None,
+        admission=admission,
+        queue_timeout_s=config.reliability.admission.queue_timeout_s,
     )
 
 
@@ -178,6 +196,7 @@ class _Flight:
         "engine",
         "first_at",
         "gaps",
+        "item",
         "keep_text",
         "last_at",
         "on_done",
@@ -222,6 +241,7 @@ class _Flight:
         self.seen = 0
         self.gaps: list[float] = []
         self.done = False
+        self.item: AdmissionItem | None = None  # admitted or queued: released once
 
     # loadtest.engine.virtual.Stream
     def on_tokens(self, engine: VirtualEngine, req: SimRequest, now: float) -> None:
@@ -297,6 +317,11 @@ class VirtualPass:
         self._progress: Any = None
         self._stopped = False
         self.now = 0.0
+        # Admission (meshd's policies): queued flights by item id, the reaper's tick.
+        self._items = itertools.count()
+        self._held: dict[Hashable, _Flight] = {}
+        self._ticking = False
+        self._pumping = False
 
     def _at(self, t: float, fn: Callable[[float], None]) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn))
@@ -479,6 +504,42 @@ class VirtualPass:
         )
         flight.pick = pick
         flight.prompt = (inference.model, inference.prompt_text)
+        adm = sc.admission
+        if adm is not None:
+            # The sidecar's _admit: a started task's step goes past the knee first.
+            item = AdmissionItem(
+                next(self._items),
+                tenant=pick.tenant,
+                priority=pick.priority,
+                deadline=pick.deadline_s,
+                cost=float(max(1, pick.prompt_tokens + pick.max_tokens)),
+                task_id=pick.context_key,
+                started=(routing.step or 0) >= 1 or sc.router.follow_up(pick, now),
+            )
+            flight.item = item
+            decision = adm.offer(item, now)
+            if isinstance(decision, Reject):
+                flight.item = None
+                self.finish_error(flight, f"{HTTP_PREFIX}429", 429, decision.message, now)
+                return
+            if isinstance(decision, Queue):
+                self._held[item.id] = flight
+                limit = sc.queue_timeout_s
+                if pick.deadline_s is not None:
+                    limit = min(limit, pick.deadline_s - now)
+                self._at(now + max(0.0, limit), lambda t: self._queue_timeout(flight, t))
+                self._tick_later(now)
+                return
+        self._route(flight, now, body)
+
+    def _route(self, flight: _Flight, now: float, body: bytes | None = None) -> None:
+        """The sidecar's attempts: pick, then try the routes in order."""
+        r = flight.planned
+        sc = self.sidecar
+        pick = flight.pick
+        assert pick is not None
+        if body is None:
+            body = request_body(r, flight.sent, self.model, self.settings.ignore_eos)
         router = sc.router
         why = "no endpoint"
         for route in router.order(pick, now)[: sc.max_attempts]:
@@ -501,6 +562,66 @@ class VirtualPass:
             )
             return
         self.finish_error(flight, CONNECT, 0, why, now)
+
+    # ---- the sidecar's admission queue ----------------------------------------------------
+    def _pump(self, now: float) -> None:
+        """Queued requests that may go now, and refused ones (the sidecar's _apply_guard)."""
+        adm = self.sidecar.admission
+        if adm is None or self._pumping:
+            return
+        self._pumping = True
+        try:
+            while True:
+                item = adm.next(now)
+                for refused in adm.take_rejected():
+                    f = self._held.pop(refused.item.id, None)
+                    if f is not None:
+                        f.item = None
+                        self.finish_error(f, f"{HTTP_PREFIX}429", 429, refused.message, now)
+                if item is None:
+                    break
+                f = self._held.pop(item.id, None)
+                if f is None or f.done:
+                    adm.release(item.id, now)
+                else:
+                    self._route(f, now)
+                    adm.routed(item.id)
+        finally:
+            self._pumping = False
+
+    def _tick_later(self, now: float) -> None:
+        if not self._ticking:
+            self._ticking = True
+            self._at(now + ADMISSION_TICK_S, self._tick)
+
+    def _tick(self, now: float) -> None:
+        """The sidecar's reaper: expire late or long-held requests, then pump."""
+        self._ticking = False
+        adm = self.sidecar.admission
+        if adm is None:
+            return
+        for refused in adm.expire(now):
+            f = self._held.pop(refused.item.id, None)
+            if f is not None:
+                f.item = None
+                self.finish_error(f, f"{HTTP_PREFIX}429", 429, refused.message, now)
+        self._pump(now)
+        if self._held:
+            self._tick_later(now)
+
+    def _queue_timeout(self, flight: _Flight, now: float) -> None:
+        """The sidecar's _wait_turn gave up: still queued past queue_timeout_s or the
+        deadline."""
+        adm = self.sidecar.admission
+        if flight.done or adm is None or flight.item is None:
+            return
+        if self._held.pop(flight.item.id, None) is None:
+            return  # dispatched
+        adm.cancel(flight.item.id)
+        flight.item = None
+        self.finish_error(
+            flight, f"{HTTP_PREFIX}429", 429, "queued past its deadline or queue_timeout_s", now
+        )
 
     def _timeout(self, flight: _Flight, now: float) -> None:
         if flight.done:
@@ -553,6 +674,17 @@ class VirtualPass:
             self.sidecar.router.finished(
                 flight.route, flight.rid, flight.pick, now, ok=ok, cached_tokens=cached
             )
+        adm = self.sidecar.admission
+        item = flight.item
+        if adm is not None and item is not None:
+            flight.item = None
+            if ok and item.task_id is not None:
+                adm.record_step(item.task_id)
+            if self._held.pop(item.id, None) is not None:
+                adm.cancel(item.id)  # still queued (the run's end): never dispatched
+            else:
+                adm.release(item.id, now)
+                self._at(now, self._pump)  # after this answer is recorded
 
     def _outcome(
         self,
