@@ -64,7 +64,7 @@ from filters.slow_start import SlowStartConfig
 from filters.throttle import AdaptiveThrottleConfig
 from filters.token_breaker import Limits, TokenBreakerConfig
 from meshd import __version__
-from meshd.config import Config, ConfigError, load_config
+from meshd.config import ADMISSION_SLOTS_PER_ENDPOINT, Config, ConfigError, load_config
 from meshd.errors import error_response, sse_error_event
 from meshd.metrics import BREAKER_CLOSED, BREAKER_HALF_OPEN, BREAKER_OPEN, DataPlaneMetrics
 from meshd.observe import AttemptTrace, RequestObserver, RequestTrace
@@ -285,10 +285,9 @@ class Sidecar:
             )
             for pool in config.pools
         }
-        guard_cfg = guard_config(config)
         self.guards = {
             pool.name: PoolGuard(
-                guard_cfg,
+                guard_config(config, len(pool.endpoints)),
                 [ep.url for ep in pool.endpoints],
                 pool_wait=self.routers[pool.name].pool_wait,
             )
@@ -1735,14 +1734,15 @@ def _precise_prefixes(
     return out
 
 
-def guard_config(config: Config) -> GuardConfig:
+def guard_config(config: Config, endpoints: int = 1) -> GuardConfig:
+    """The guard of a pool of `endpoints` (admission's slots scale with it unless set)."""
     rel = config.reliability
     b, o, a, t = rel.breaker, rel.outlier, rel.admission, rel.throttle
     ss = rel.slow_start
     return GuardConfig(
         throttle=AdaptiveThrottleConfig(k=t.k, window_s=t.window_s) if t.enabled else None,
         admission=AdmissionConfig(
-            max_in_flight=a.max_in_flight,
+            max_in_flight=a.max_in_flight or ADMISSION_SLOTS_PER_ENDPOINT * max(1, endpoints),
             max_queued=a.max_queued,
             max_queued_per_tenant=a.max_queued_per_tenant,
             knee_wait_s=a.knee_wait_s,

@@ -263,3 +263,27 @@ def test_learn_chars_per_token_defaults_off_and_env_turns_it_on(tmp_path):
     assert load_config(f, env={}).routing.learn_chars_per_token is False
     on = load_config(f, env={"MESHD_ROUTING__LEARN_CHARS_PER_TOKEN": "true"})
     assert on.routing.learn_chars_per_token is True
+
+
+def test_admission_slots_scale_with_the_pool_unless_set() -> None:
+    from meshd.config import ADMISSION_SLOTS_PER_ENDPOINT
+    from meshd.sidecar import guard_config
+
+    base = {"pools": [{"name": "p", "endpoints": ["http://a:1"]}]}
+    cfg = load_config(None, base=base, env={})
+    one, many = guard_config(cfg, 1).admission, guard_config(cfg, 64).admission
+    assert one is not None and many is not None
+    assert one.max_in_flight == ADMISSION_SLOTS_PER_ENDPOINT
+    assert many.max_in_flight == 64 * ADMISSION_SLOTS_PER_ENDPOINT
+    assert one.knee_wait_s == 1.0 and one.knee_max_wait_s == 10.0
+    fixed = load_config(
+        None,
+        base=base,
+        env={},
+        overrides=[
+            "reliability.admission.max_in_flight=100",
+            "reliability.admission.knee_wait_s=null",
+        ],
+    )
+    adm = guard_config(fixed, 64).admission
+    assert adm is not None and adm.max_in_flight == 100 and adm.knee_wait_s is None

@@ -169,7 +169,8 @@ def test_figures_and_compare():
     cmp = M.compare(cell)
     assert cmp["ttft_p90"]["ratio"] == pytest.approx(0.5) and cmp["ttft_p90"]["pass"]
     assert cmp["hit_rate"]["ratio"] == pytest.approx(0.5) and not cmp["hit_rate"]["pass"]
-    assert "| x |" in M.report([cell])
+    assert cmp["served"]["meshd"] == pytest.approx(4 / 5)  # ok / sent, informational
+    assert "| x |" in M.report([cell]) and "served" in M.report([cell])
 
 
 def test_one_real_cell_runs_every_policy():

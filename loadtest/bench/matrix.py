@@ -456,6 +456,11 @@ def compare(cell: dict[str, Any], meshd: str = MESHD) -> dict[str, Any]:
         }
     bal = me["max_over_mean"]
     out["max_over_mean"] = {"meshd": bal, "best_peer": None, "ratio": bal, "pass": bal <= 2.0}
+    # Informational: the share meshd answered (its admission refuses new tasks past the
+    # pool's knee with 429); no target, the task and latency figures judge it.
+    served = me["ok"] / me["sent"] if me["sent"] else 1.0
+    best_served = max((p["ok"] / p["sent"] for p in peers if p["sent"]), default=1.0)
+    out["served"] = {"meshd": served, "best_peer": best_served, "ratio": served, "pass": True}
     return out
 
 
@@ -472,6 +477,7 @@ def report(cells: Sequence[dict[str, Any]]) -> str:
         "wasted_share",
         "cost_vs_rr",
         "max_over_mean",
+        "served",
     ]
     head = "| cell | " + " | ".join(names) + " |"
     lines = [
@@ -484,6 +490,8 @@ def report(cells: Sequence[dict[str, Any]]) -> str:
         "<= 1.0, task success >= 1.0, wasted <= 0.7, cost <= 1.0, max/mean <= 2.0) missed.",
         "ᶠ: the best peer's TTFT p90 is within 1/0.7 of the cell's TTFT floor (no router can",
         "reach 0.7x there), so that cell's TTFT p90 is judged against 1.0 instead.",
+        "`served`: the share of meshd's requests answered (no target: past the pool's knee",
+        "its admission refuses new tasks with 429; every peer here answered all).",
         "",
         head,
         "|" + "---|" * (len(names) + 1),

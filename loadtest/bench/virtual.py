@@ -164,7 +164,7 @@ def sidecar_model(
     routing = config.routing
     (router,) = build_routers(config).values()
     loopback = ipaddress.ip_address("127.0.0.1")  # the bench client's address
-    adm_config = guard_config(config).admission
+    adm_config = guard_config(config, len(urls)).admission
     admission = None
     if adm_config is not None and routing.policy == "meshd":
         admission = Admission(adm_config, wait_source=router.pool_wait)
