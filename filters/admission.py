@@ -40,7 +40,7 @@ Refusals (OpenAI-style 429 with Retry-After; `Reject.code` names them):
 - "quota": the tenant already has `max_queued` requests queued.
 - "overload": the queue holds `max_queued` requests; a newcomer of a higher band displaces
   the newest request of the lowest band (which is refused), otherwise the newcomer is; or
-  a new task's request waited knee_max_wait_s while the pool was past its knee.
+  a new task's request queued knee_max_wait_s (with the knee gate on).
 
 Guarantee: every item offered is answered exactly once: Admit or Reject from `offer`, or
 later exactly one of: returned by `next`, a Reject in `take_rejected()`, or `cancel` by
@@ -227,8 +227,7 @@ class Admission:
         an admitted request that the pool still cannot place: adm.requeue(item.id, now)
 
     With `knee_wait_s`, set `wait_source` (the router's PoolRouter.pool_wait(now,
-    stop_below)) so the
-    queue can tell when the pool is past its knee.
+    stop_below)) so the queue can tell when the pool is past its knee.
 
     Counters: `admitted` (at offer), `queued_total`, `dispatched` (from the queue),
     `rejected` (by reason), `cancelled`, `shed` (displaced by higher-band work),
@@ -564,7 +563,8 @@ class Admission:
         """The newest request held at the knee in band `b` (None if the newest queued one
         is not held, or its tenant is at its in-flight cap): with a standing queue, one
         that waited long has likely spent its budget, the newest has not (adaptive LIFO,
-        Maurer, "Fail at Scale", ACM Queue 2015)."""
+        Maurer, "Fail at Scale", ACM Queue 2015). It passes over the tenants' fair
+        shares within the band (their tags are not charged): a known gap."""
         newest = b.newest
         while newest:
             e = newest[0][1]

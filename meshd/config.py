@@ -348,7 +348,7 @@ class AdmissionSettings(_Strict):
     # seconds of work queued (the router's prediction), a new task's request waits here
     # while a started task's goes on; null: off (so with routing policies that predict
     # nothing: round-robin, least-request, cache-aware).
-    knee_wait_s: float | None = Field(default=1.0, ge=0)
+    knee_wait_s: float | None = Field(default=2.0, ge=0)
     knee_max_wait_s: float = Field(default=10.0, gt=0)
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
 
@@ -692,7 +692,7 @@ reliability:
     max_queued: 1024           # 429 with Retry-After beyond
     max_queued_per_tenant: 256
     queue_timeout_s: 30        # longest wait of a request with no deadline
-    knee_wait_s: 1.0           # past it (every engine this far behind) new tasks wait here
+    knee_wait_s: 2.0           # past it (every engine this far behind) new tasks wait here
     knee_max_wait_s: 10        # ...for at most this long, then 429 with Retry-After
     tenants: {}                # e.g. {batch: {weight: 0.5, max_priority: 3}}
   failover:                    # resume a broken stream on another endpoint

@@ -275,7 +275,7 @@ def test_admission_slots_scale_with_the_pool_unless_set() -> None:
     assert one is not None and many is not None
     assert one.max_in_flight == ADMISSION_SLOTS_PER_ENDPOINT
     assert many.max_in_flight == 64 * ADMISSION_SLOTS_PER_ENDPOINT
-    assert one.knee_wait_s == 1.0 and one.knee_max_wait_s == 10.0
+    assert one.knee_wait_s == 2.0 and one.knee_max_wait_s == 10.0
     fixed = load_config(
         None,
         base=base,

@@ -573,11 +573,7 @@ class VirtualPass:
         try:
             while True:
                 item = adm.next(now)
-                for refused in adm.take_rejected():
-                    f = self._held.pop(refused.item.id, None)
-                    if f is not None:
-                        f.item = None
-                        self.finish_error(f, f"{HTTP_PREFIX}429", 429, refused.message, now)
+                self._refuse(adm.take_rejected(), now)
                 if item is None:
                     break
                 f = self._held.pop(item.id, None)
@@ -600,14 +596,18 @@ class VirtualPass:
         adm = self.sidecar.admission
         if adm is None:
             return
-        for refused in adm.expire(now):
+        self._refuse(adm.expire(now), now)
+        self._pump(now)
+        if self._held:
+            self._tick_later(now)
+
+    def _refuse(self, refusals: Sequence[Reject], now: float) -> None:
+        """Answer each queued request admission refused: 429, its reason."""
+        for refused in refusals:
             f = self._held.pop(refused.item.id, None)
             if f is not None:
                 f.item = None
                 self.finish_error(f, f"{HTTP_PREFIX}429", 429, refused.message, now)
-        self._pump(now)
-        if self._held:
-            self._tick_later(now)
 
     def _queue_timeout(self, flight: _Flight, now: float) -> None:
         """The sidecar's _wait_turn gave up: still queued past queue_timeout_s or the
