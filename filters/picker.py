@@ -536,6 +536,16 @@ def _always(t: _Cand) -> bool:
     return True
 
 
+def _step(v: _View) -> float:
+    """The view's engine's decode step with one more sequence in its batch (the GPU's
+    step model, per engine: filters/gpu.py)."""
+    e = v.state
+    running = e.outstanding - e.waiting
+    if v.r_running > running:
+        running = v.r_running
+    return v.step1 + v.step_slope * (running + 1)
+
+
 def price_candidates(
     endpoints: Sequence[EndpointState],
     kkey: _KKey,
@@ -1429,8 +1439,12 @@ class Picker:
     ) -> str | None:
         """Why the affinity holder does not get this request (None: it does). In order: it
         misses the deadline (not in `meet`); its load is over affinity_imbalance x its fair
-        share (weight-proportional) and over the load floor, or it is ramping up (slow
-        start) and outside the bounded-load rule; another endpoint's predicted
+        share (weight-proportional) and over the load floor and some other endpoint is
+        predicted no slower for this request: its TTFT (the recompute of the holder's
+        prefix included) plus its output at each engine's decode step with this request
+        in the batch (the bound sends a request elsewhere only where it ends no later), or
+        it is ramping up (slow start) and outside the bounded-load rule; another
+        endpoint's predicted
         TTFT beats its own by more than max(affinity_margin_s, the seconds that endpoint
         would spend recomputing what the holder has cached)."""
         c = self.config
@@ -1438,23 +1452,26 @@ class Picker:
             return "deadline"
         hv = holder[2]
         fair = load_total * hv.weight / weight_sum
-        if hv.load > hv.floor_load and hv.load >= c.affinity_imbalance * fair:
-            return "overloaded"
         if getattr(hv.state, "ramp", 1.0) < 1.0 and not within(holder):
             return "overloaded"  # slow start: a ramping endpoint keeps the tighter bound
+        over = hv.load > hv.floor_load and hv.load >= c.affinity_imbalance * fair
         ttft_h = self._ttft(holder, prompt, max_tokens, cached_of, now)
+        end_h = ttft_h + max_tokens * _step(hv)
         have = cached_of.get(holder[1], 0.0)
+        faster = False
         for t in meet:
             if t is holder:
                 continue
             ttft = self._ttft(t, prompt, max_tokens, cached_of, now)
+            if over and ttft + max_tokens * _step(t[2]) <= end_h:
+                return "overloaded"
             # The prefix it would recompute, paid by this request and, as a delay, by
             # each request waiting there behind it.
             redo = max(0.0, have - cached_of.get(t[1], 0.0)) * t[2].inv
             redo *= c.affinity_redo_weight + t[2].state.waiting
             if ttft_h > ttft + max(c.affinity_margin_s, redo):
-                return "faster-elsewhere"
-        return None
+                faster = True
+        return "faster-elsewhere" if faster else None
 
     def _demand(self, key: int, uncached: float, max_tokens: int, now: float) -> float:
         c = self.config

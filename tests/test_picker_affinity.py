@@ -104,8 +104,12 @@ def test_departure_when_the_holder_is_over_the_imbalance_bound():
     first = serve(p, req(CONVERSATION), eps, 1, 0.0)
     holder = next(e for e in eps if e.name == first)
     busy(holder, 12, 1.0)  # 12 of 13 requests in flight: far over 2x its fair share
-    out = p.pick(req(CONVERSATION + " and more"), eps, 1.0)
+    # A long answer decodes sooner in a smaller batch than the prefix costs to redo.
+    out = p.pick(req(CONVERSATION + " and more", max_tokens=8192), eps, 1.0, record=False)
     assert out[0].endpoint != first and p.last_departure == "overloaded"
+    # A short one ends sooner where its prefix is: over the bound, it still stays.
+    out = p.pick(req(CONVERSATION + " and less", max_tokens=16), eps, 1.0)
+    assert out[0].endpoint == first and p.last_departure is None
     # Within the bound (2 streams of a pool total of 3 < 2 x 3/4 ... plus the floor) it stays.
     eps2 = fleet(4)
     p2 = Picker(PickerConfig(affinity_imbalance=2.0, load_floor=2.0))
