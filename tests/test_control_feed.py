@@ -274,7 +274,9 @@ async def test_killed_control_plane_leaves_the_sidecar_serving(
     assert ready["control_plane"]["connected"] is False
     assert s.control_feed is feed
     await poll(lambda: router.snapshot(time.monotonic())[1]["ineligible_reason"] is None)
-    assert sorted(await spread(s, 12, "stale")) == ["b0", "b1", "b2"]
+    # b1 is back in rotation: 24 unrelated prompts reach all three (12 left one out in a
+    # full run, where the hash and calibration depend on timing: (2/3)^12 per endpoint).
+    assert sorted(await spread(s, 24, "stale")) == ["b0", "b1", "b2"]
 
     async with aiohttp.ClientSession() as session, session.get(url(s, "/metrics", "admin")) as r:
         text = await r.text()
