@@ -430,6 +430,7 @@ class _View:
         "kkey",
         "kkey_cold",
         "kv_cap",
+        "kv_used",
         "kv_wait_per_token",
         "load",
         "name",
@@ -449,6 +450,7 @@ class _View:
         "stamp",
         "state",
         "static_version",
+        "step",
         "step1",
         "step_slope",
         "tps0",
@@ -521,6 +523,8 @@ class _View:
     r_requests: int
     r_tokens: int
     r_kv_used: float
+    step: float  # decode step at the current batch (running sequences)
+    kv_used: float  # KV tokens held: the larger of ours in flight and the report's
 
     def decode_usd(self, max_tokens: int) -> float:
         """The decode part of cost_e for `max_tokens` output tokens."""
@@ -545,11 +549,7 @@ def _always(t: _Cand) -> bool:
 def _step(v: _View) -> float:
     """The view's engine's decode step with one more sequence in its batch (the GPU's
     step model, per engine: filters/gpu.py)."""
-    e = v.state
-    running = e.outstanding - e.waiting
-    if v.r_running > running:
-        running = v.r_running
-    return v.step1 + v.step_slope * (running + 1)
+    return v.step + v.step_slope
 
 
 def price_candidates(
@@ -1002,10 +1002,7 @@ class Picker:
             # until the excess has turned over.
             n = e.outstanding
             typical = e.prompt_tokens_avg + (e.output_tokens_in_flight / n if n else 0.0)
-            used = float(e.tokens_in_flight)
-            if v.r_kv_used > used:
-                used = v.r_kv_used
-            excess = used + typical - v.kv_cap
+            excess = v.kv_used + typical - v.kv_cap
             if excess > 0.0:
                 q += excess * v.kv_wait_per_token
             if q < best:
@@ -1160,7 +1157,7 @@ class Picker:
             cal = v.cal = self._calibration(v, e)
             k = self._cal_of[name].cls
             v.cal_seen = (n, ratio, k, k.pushed)
-        step = step1 + step_slope * running
+        step = v.step = step1 + step_slope * running
         residence = e.residence_s
         if residence is None:
             residence = self._residence
@@ -1183,6 +1180,7 @@ class Picker:
         used = float(e.tokens_in_flight)
         if v.r_kv_used > used:
             used = v.r_kv_used
+        v.kv_used = used
         kv_cap = v.kv_cap
         free = kv_cap - used
         v.free_kv = free if free > 0.0 else 0.0
@@ -1450,9 +1448,8 @@ class Picker:
         prefix included) plus its output at each engine's decode step with this request
         in the batch (the bound sends a request elsewhere only where it ends no later), or
         it is ramping up (slow start) and outside the bounded-load rule; another
-        endpoint's predicted
-        TTFT beats its own by more than max(affinity_margin_s, the seconds that endpoint
-        would spend recomputing what the holder has cached)."""
+        endpoint's predicted TTFT beats its own by more than max(affinity_margin_s, the
+        seconds that endpoint would spend recomputing what the holder has cached)."""
         c = self.config
         if holder not in meet:
             return "deadline"
