@@ -292,6 +292,25 @@ class PrefixIndex:
             cur ^= low
         return out
 
+    def fan_out(self, hashes: Sequence[int], blocks: int) -> int:
+        """How many ways the prompts in the tree (any endpoint's) go on past the first
+        `blocks` of `hashes`: 0 at the end of an earlier prompt (a conversation's previous
+        turn), 1 or more where other prompts extend it (a shared header). O(nodes on
+        the path)."""
+        if blocks <= 0 or blocks > len(hashes):
+            return 0
+        children = self._root.children
+        node = children.get(hashes[0]) if children else None
+        while node is not None:
+            end = node.depth + len(node.seg)
+            kids = node.children
+            if blocks < end:
+                return 1  # the stored run goes on inside this node
+            if blocks == end:
+                return len(kids) if kids else 0
+            node = kids.get(hashes[end]) if kids else None
+        return 0
+
     # -- updates -----------------------------------------------------------------------------
 
     def record(self, endpoint: str, hashes: Sequence[int], now: float) -> None:

@@ -260,3 +260,26 @@ def test_follow_up_is_a_prompt_extending_one_routed_before_or_a_known_task():
     serve(p, req("step one of an agent " * 30, context_key="task-1"), eps, 2, 1.0)
     assert p.follow_up(req("short", context_key="task-1"), 2.0)
     assert not p.follow_up(req("short", context_key="task-1"), 2.0 + 10 * p.config.task_ttl_s)
+
+
+def test_a_hub_header_is_not_a_requests_history():
+    """A prefix that more prompts extend than there are endpoints (a shared tool prompt)
+    gives no affinity holder: a new task behind it is placed by the bounded-load rule and
+    the cost model instead of gathering on the engine that saw the header first; a task's
+    next step (its match ends where its previous prompt ended) keeps its holder."""
+    eps = fleet(4)
+    p = Picker(PickerConfig(load_floor=2.0))
+    header = "Tool spec: " + "call the tools as documented here. " * 120
+    for i in range(6):  # six tasks extend the header: a hub for four endpoints
+        p.index.record("e0", req(header + f" task {i}: " + "details " * 30).block_hashes, 0.0)
+    busy(eps[0], 12, 0.5)  # decoding streams: over any fair share, still fast to start
+    new_task = req(header + " task 9: " + "other details " * 30, max_tokens=16)
+    matched = p.index.match_detail(new_task.block_hashes, 1.0)["e0"][0]
+    assert p.index.fan_out(new_task.block_hashes, matched) >= 6
+    assert p.pick(new_task, eps, 1.0, record=False)[0].endpoint != "e0"
+    # A task's next step extends exactly one stored prompt: affinity holds it there.
+    step0 = req(header + " task 3: " + "details " * 30)
+    step1 = req(header + " task 3: " + "details " * 30 + " answer. Next step " * 20, max_tokens=16)
+    assert p.index.fan_out(step1.block_hashes, len(step0.block_hashes)) == 0
+    out = p.pick(step1, eps, 1.0, record=False)
+    assert out[0].endpoint == "e0" and out[0].reason == "prefix-affinity"
