@@ -554,6 +554,15 @@ def _always(t: _Cand) -> bool:
     return True
 
 
+def _queue_now(v: _View, now: float) -> float:
+    """The view's queueing delay at `now`: its prefill queue less what the engine worked
+    off since its queue head last changed (EndpointState.prefill_since), never below the
+    part that does not drain (slot waits, the step floor)."""
+    if v.state.waiting:
+        return max(v.q_fixed, v.q - (now - v.state.prefill_since))
+    return v.q
+
+
 def _step(v: _View) -> float:
     """The view's engine's decode step with one more sequence in its batch (the GPU's
     step model, per engine: filters/gpu.py)."""
@@ -1006,9 +1015,7 @@ class Picker:
                 v = self._view(e, now)
             if v.why is not None:
                 continue
-            q = v.q
-            if e.waiting:
-                q = max(v.q_fixed, q - (now - e.prefill_since))
+            q = _queue_now(v, now)
             # Memory, as kv_wait_e prices it, for a request of the engine's usual size:
             # past its KV capacity a new stream waits for (or preempts) the running ones
             # until the excess has turned over.
@@ -1403,9 +1410,7 @@ class Picker:
         engine has worked off since its head started (EndpointState.prefill_since)."""
         v = t[2]
         unc = prompt - min(cached_of.get(t[1], 0.0), prompt - 1.0)
-        q = v.q
-        if now is not None and v.state.waiting:
-            q = max(v.q_fixed, q - (now - v.state.prefill_since))
+        q = v.q if now is None else _queue_now(v, now)
         ttft = v.cold_now + q + unc * v.inv
         if unc + max_tokens > v.free_kv:
             ttft += (unc + max_tokens - v.free_kv) * v.kv_wait_per_token

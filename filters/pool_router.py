@@ -42,6 +42,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
+from filters.admission import AdmissionItem
 from filters.balancer import EndpointBalancer
 from filters.cache_aware import CacheAwareBalancer, CacheAwareConfig
 from filters.endpoint_state import BlockDigest, EndpointState, ReportedBlocks, ReportedState
@@ -106,6 +107,31 @@ class PoolRouter(Protocol):
         ramp: float = 1.0,
         now: float,
     ) -> bool: ...
+
+
+def admission_item(
+    item_id: Hashable,
+    router: PoolRouter | None,
+    req: PickRequest,
+    step: int | None,
+    tokens: int,
+    now: float,
+) -> AdmissionItem:
+    """What admission is told of a request (the sidecar's _admit, and the virtual pass that
+    models it): tenant, priority, deadline and task; its expected tokens as the fair-share
+    cost; and whether it continues a task under way, which puts it in the band above a new
+    task's: x-meshd-task-step past 0, or `router.follow_up` (a prompt extending one routed
+    before; None: no router asked, as when admission is off)."""
+    started = (step or 0) >= 1 or (router is not None and router.follow_up(req, now))
+    return AdmissionItem(
+        item_id,
+        tenant=req.tenant,
+        priority=req.priority,
+        deadline=req.deadline_s,
+        cost=float(max(1, tokens)),
+        task_id=req.context_key,
+        started=started,
+    )
 
 
 @dataclass(frozen=True, slots=True)

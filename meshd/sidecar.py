@@ -51,7 +51,14 @@ from filters.hotpath import (
 )
 from filters.outlier import OutlierConfig
 from filters.picker import PickerConfig, PickRequest
-from filters.pool_router import EndpointSpec, PickerRouter, PoolRouter, Route, make_router
+from filters.pool_router import (
+    EndpointSpec,
+    PickerRouter,
+    PoolRouter,
+    Route,
+    admission_item,
+    make_router,
+)
 from filters.request import (
     CHARS_PER_TOKEN,
     PATH_KINDS,
@@ -825,16 +832,8 @@ class Sidecar:
         assert pick is not None and routing is not None
         ctx.item_id = next(self._attempt_ids)
         now = time.monotonic()
-        item = AdmissionItem(
-            ctx.item_id,
-            tenant=pick.tenant,
-            priority=pick.priority,
-            deadline=pick.deadline_s,
-            cost=float(max(1, ctx.tokens)),
-            task_id=pick.context_key,
-            started=guard.admission is not None
-            and ((routing.step or 0) >= 1 or self.routers[ctx.pool].follow_up(pick, now)),
-        )
+        router = self.routers[ctx.pool] if guard.admission is not None else None
+        item = admission_item(ctx.item_id, router, pick, routing.step, ctx.tokens, now)
         decision = guard.gate(item, now, self._rng)
         if isinstance(decision, Admit):
             return None

@@ -53,7 +53,7 @@ from filters.admission import Admission, AdmissionItem, Queue, Reject
 from filters.chars_per_token import CharsPerToken, pick_inputs, utf8_length
 from filters.hotpath import block_hashes, parse_routing_headers
 from filters.picker import PickRequest
-from filters.pool_router import PoolRouter, Route
+from filters.pool_router import PoolRouter, Route, admission_item
 from filters.request import parse_inference_request
 from loadtest.bench.client import (
     CANCELLED,
@@ -506,21 +506,13 @@ class VirtualPass:
         flight.prompt = (inference.model, inference.prompt_text)
         adm = sc.admission
         if adm is not None:
-            # The sidecar's _admit: a started task's step goes past the knee first.
-            item = AdmissionItem(
-                next(self._items),
-                tenant=pick.tenant,
-                priority=pick.priority,
-                deadline=pick.deadline_s,
-                cost=float(max(1, pick.prompt_tokens + pick.max_tokens)),
-                task_id=pick.context_key,
-                started=(routing.step or 0) >= 1 or sc.router.follow_up(pick, now),
-            )
+            # The sidecar's _admit (expected tokens: no breaker here to learn them).
+            tokens = pick.prompt_tokens + pick.max_tokens
+            item = admission_item(next(self._items), sc.router, pick, routing.step, tokens, now)
             flight.item = item
             decision = adm.offer(item, now)
             if isinstance(decision, Reject):
-                flight.item = None
-                self.finish_error(flight, f"{HTTP_PREFIX}429", 429, decision.message, now)
+                self._too_many(flight, decision.message, now)
                 return
             if isinstance(decision, Queue):
                 self._held[item.id] = flight
@@ -606,8 +598,12 @@ class VirtualPass:
         for refused in refusals:
             f = self._held.pop(refused.item.id, None)
             if f is not None:
-                f.item = None
-                self.finish_error(f, f"{HTTP_PREFIX}429", 429, refused.message, now)
+                self._too_many(f, refused.message, now)
+
+    def _too_many(self, flight: _Flight, message: str, now: float) -> None:
+        """The sidecar's 429 for a request admission did not take (nothing to release)."""
+        flight.item = None
+        self.finish_error(flight, f"{HTTP_PREFIX}429", 429, message, now)
 
     def _queue_timeout(self, flight: _Flight, now: float) -> None:
         """The sidecar's _wait_turn gave up: still queued past queue_timeout_s or the
@@ -618,10 +614,7 @@ class VirtualPass:
         if self._held.pop(flight.item.id, None) is None:
             return  # dispatched
         adm.cancel(flight.item.id)
-        flight.item = None
-        self.finish_error(
-            flight, f"{HTTP_PREFIX}429", 429, "queued past its deadline or queue_timeout_s", now
-        )
+        self._too_many(flight, "queued past its deadline or queue_timeout_s", now)
 
     def _timeout(self, flight: _Flight, now: float) -> None:
         if flight.done:
