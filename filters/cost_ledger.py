@@ -20,6 +20,22 @@ Sans-I/O: records come in (time is the record's own `ts`), summaries go out. The
   `retries` (failed attempts inside requests that ended ok), `failed_requests` (requests that
   ended in an error), `abandoned_streams` (the client went away mid-response) and
   `failed_tasks` (ok requests of tasks that failed: step 3 of 5 fails, steps 1-2 are waste).
+
+Two views of the spend, both in `summary()`, because GPU-seconds saved are money only when
+the pool is elastic:
+
+- elastic (`LedgerSummary.total`, CostFigures): a request costs the GPU-seconds it used, as
+  above, so a GPU-second saved is a dollar saved. Read it for an autoscaled pool (an
+  autoscaler hands idle GPUs back; the picker's `elastic: true`).
+- fixed fleet (`LedgerSummary.fixed`, FixedFleetFigures): every GPU of the fleet is paid for
+  the whole window, busy or idle: spend = sum over the fleet's endpoints of GPUs x $/GPU-second
+  of its generation x the window. Read it for a fixed fleet (the default): there a GPU-second
+  saved is idle time, not money, and what routing buys is more successful tasks per window.
+  Utilisation = elastic spend / fixed spend; idle = fixed - elastic (not below 0). The fleet
+  is the caller's (`fleet`; an endpoint never used still counts), else the endpoints the
+  records name (each attempt's `endpoint`, a record without attempts its own), one GPU each,
+  priced by the GPU they reported; the window is the caller's (`summary(window_s=...)`), else
+  from the earliest request start (`ts`) to the latest end (`ts + e2e_s`).
 """
 
 from __future__ import annotations
@@ -36,12 +52,15 @@ __all__ = [
     "DEFAULT_DECODE_BATCH",
     "DEFAULT_PRICES",
     "IDLE_TIMEOUT_S",
+    "MAX_FLEET_ENDPOINTS",
     "MAX_OPEN_TASKS",
     "NO_WORK_OUTCOMES",
     "OK_OUTCOME",
     "AttemptLike",
     "CostFigures",
     "CostLedger",
+    "FixedFleetFigures",
+    "FleetSpec",
     "LedgerSummary",
     "PriceTable",
     "RecordLike",
@@ -66,6 +85,13 @@ DEFAULT_DECODE_BATCH = 32
 MAX_OPEN_TASKS = 100_000
 # A task with no request for this long is closed (agent think/tool time is seconds to minutes).
 IDLE_TIMEOUT_S = 600.0
+# Endpoints remembered for the fixed view when the caller names no fleet. Endpoints come from
+# service discovery, not from clients, but an autoscaled pool churns them for as long as the
+# ledger lives; beyond this, attempts on new endpoints are counted, not remembered.
+MAX_FLEET_ENDPOINTS = 10_000
+
+# A fleet's endpoint: its GPU generation, or (generation, GPUs it holds).
+FleetSpec = str | tuple[str, int]
 
 OK_OUTCOME = "ok"
 # The client went away: what was generated for it is thrown away.
@@ -105,6 +131,10 @@ class RecordLike(Protocol):
     def model(self) -> str | None: ...
     @property
     def pool(self) -> str | None: ...
+    @property
+    def endpoint(self) -> str | None: ...  # of the final attempt
+    @property
+    def e2e_s(self) -> float | None: ...  # arrival (ts) to the response's end
     @property
     def task_id(self) -> str | None: ...
     @property
@@ -242,13 +272,55 @@ class CostFigures:
 
 
 @dataclass(frozen=True, slots=True)
+class FixedFleetFigures:
+    """The fixed-fleet view of the whole ledger: the fleet paid for over `window_s`, busy or
+    idle. `usd_per_s` is the fleet's burn rate (sum of GPUs x $/GPU-second), `spend_usd` =
+    usd_per_s x window_s, `busy_usd` the elastic view's spend (CostFigures.cost_usd) over the
+    same records. `declared`: the caller named the fleet (else: the endpoints seen).
+    `untracked_attempts`: attempts on endpoints past MAX_FLEET_ENDPOINTS, not in the fleet.
+
+    Utilisation can pass 1 where the elastic figures count GPUs outside the fleet (a declared
+    fleet that misses an endpoint, records that name no endpoint) or the timing model's
+    estimate runs ahead of the engines; idle_usd never goes below 0."""
+
+    spend_usd: float
+    window_s: float
+    endpoints: int
+    gpus: int
+    usd_per_s: float
+    busy_usd: float
+    tasks_succeeded: int
+    declared: bool
+    untracked_attempts: int = 0
+
+    @property
+    def cost_per_successful_task(self) -> float | None:
+        return self.spend_usd / self.tasks_succeeded if self.tasks_succeeded else None
+
+    @property
+    def success_per_dollar(self) -> float | None:
+        return self.tasks_succeeded / self.spend_usd if self.spend_usd > 0 else None
+
+    @property
+    def utilisation(self) -> float | None:
+        return self.busy_usd / self.spend_usd if self.spend_usd > 0 else None
+
+    @property
+    def idle_usd(self) -> float:
+        return max(0.0, self.spend_usd - self.busy_usd)
+
+
+@dataclass(frozen=True, slots=True)
 class LedgerSummary:
-    total: CostFigures
+    total: CostFigures  # the elastic view
     by_tenant: dict[str, CostFigures]
     by_model: dict[str, CostFigures]
     open_tasks: int
     evicted_tasks: int
     estimated_requests: int  # requests whose GPU-seconds came from the timing model
+    # The fixed-fleet view of `total`; None when no fleet is known (none given, no endpoint
+    # named by a record).
+    fixed: FixedFleetFigures | None = None
 
     # The headline figures of the whole ledger, for callers that want one number.
     @property
@@ -339,7 +411,12 @@ class CostLedger:
     `record`, `close_idle` and `close_all` as TaskResult for callers that list them.
 
     Records should arrive roughly in `ts` order (a log is); idle closing uses the newest ts
-    seen. Memory: one small entry per open task, at most `max_open_tasks`."""
+    seen. Memory: one small entry per open task, at most `max_open_tasks`, and one per
+    endpoint seen, at most `max_fleet_endpoints` (none when `fleet` is given).
+
+    `fleet`: endpoint -> GPU generation, or (generation, GPU count), for the fixed view;
+    without it the fleet is the endpoints the records name, one GPU each. Raises ValueError
+    for an empty fleet or a GPU count < 1."""
 
     def __init__(
         self,
@@ -348,11 +425,16 @@ class CostLedger:
         *,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         max_open_tasks: int = MAX_OPEN_TASKS,
+        fleet: Mapping[str, FleetSpec] | None = None,
+        max_fleet_endpoints: int = MAX_FLEET_ENDPOINTS,
     ) -> None:
         if max_open_tasks < 1:
             raise ValueError(f"max_open_tasks must be >= 1, got {max_open_tasks}")
         if not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
+        if max_fleet_endpoints < 1:
+            raise ValueError(f"max_fleet_endpoints must be >= 1, got {max_fleet_endpoints}")
+        self._fleet = None if fleet is None else _fleet_of(fleet)
         self.prices = prices or PriceTable()
         self.timing = timing or TimingModel()
         self.idle_timeout_s = idle_timeout_s
@@ -364,6 +446,11 @@ class CostLedger:
         self._evicted = 0
         self._estimated = 0
         self._now = float("-inf")
+        self.max_fleet_endpoints = max_fleet_endpoints
+        self._seen: dict[str, str | None] = {}  # endpoint -> its GPU, when no fleet is given
+        self._untracked = 0
+        self._first_start = float("inf")
+        self._last_end = float("-inf")
 
     # -- cost of one request ----------------------------------------------------------
 
@@ -416,6 +503,10 @@ class CostLedger:
         `costs`: the record's `attempt_costs`, when the caller has computed them already."""
         closed = self.close_idle(record.ts)
         self._now = max(self._now, record.ts)
+        self._first_start = min(self._first_start, record.ts)
+        self._last_end = max(self._last_end, record.ts + max(0.0, record.e2e_s or 0.0))
+        if self._fleet is None:
+            self._see_endpoints(record)
         tenant = record.tenant or "-"
         model = record.model or "-"
         pool = record.pool or "-"
@@ -504,17 +595,66 @@ class CostLedger:
 
     # -- reading ----------------------------------------------------------------------
 
-    def summary(self) -> LedgerSummary:
+    def summary(self, *, window_s: float | None = None) -> LedgerSummary:
+        """Both views. `window_s`: the time the fixed fleet was paid for (a bench pass's wall
+        time, an hour of a live pool); default: from the earliest request start to the latest
+        request end seen. Raises ValueError for a window < 0."""
+        if window_s is not None and not window_s >= 0:
+            raise ValueError(f"window_s must be >= 0, got {window_s}")
+        total = self._total.freeze()
         return LedgerSummary(
-            total=self._total.freeze(),
+            total=total,
             by_tenant={k: v.freeze() for k, v in sorted(self._tenants.items())},
             by_model={k: v.freeze() for k, v in sorted(self._models.items())},
             open_tasks=len(self._open),
             evicted_tasks=self._evicted,
             estimated_requests=self._estimated,
+            fixed=self._fixed(total, window_s),
         )
 
+    @property
+    def window_s(self) -> float:
+        """Earliest request start to latest request end seen (0 before any record)."""
+        return max(0.0, self._last_end - self._first_start)  # -inf before any record
+
     # -- internals --------------------------------------------------------------------
+
+    def _see_endpoints(self, record: RecordLike) -> None:
+        seen: list[tuple[str | None, str | None]]
+        if record.attempts:
+            seen = [(a.endpoint, a.gpu or record.gpu) for a in record.attempts]
+        else:
+            seen = [(record.endpoint, record.gpu)]
+        for endpoint, gpu in seen:
+            if not endpoint:
+                continue
+            if endpoint in self._seen:
+                if gpu:  # the latest GPU it reported
+                    self._seen[endpoint] = gpu
+            elif len(self._seen) < self.max_fleet_endpoints:
+                self._seen[endpoint] = gpu
+            else:
+                self._untracked += 1
+
+    def _fixed(self, total: CostFigures, window_s: float | None) -> FixedFleetFigures | None:
+        fleet = self._fleet
+        if fleet is None:
+            fleet = {endpoint: (gpu, 1) for endpoint, gpu in self._seen.items()}
+        if not fleet:
+            return None
+        window = self.window_s if window_s is None else window_s
+        usd_per_s = sum(n * self.prices.per_second(gpu) for gpu, n in fleet.values())
+        return FixedFleetFigures(
+            spend_usd=usd_per_s * window,
+            window_s=window,
+            endpoints=len(fleet),
+            gpus=sum(n for _, n in fleet.values()),
+            usd_per_s=usd_per_s,
+            busy_usd=total.cost_usd,
+            tasks_succeeded=total.tasks_succeeded,
+            declared=self._fleet is not None,
+            untracked_attempts=self._untracked,
+        )
 
     def _slices(self, tenant: str, model: str) -> tuple[_Figures, _Figures, _Figures]:
         return (
@@ -566,3 +706,15 @@ class CostLedger:
             pool=task.pool,
             settled_usd=settled,
         )
+
+
+def _fleet_of(fleet: Mapping[str, FleetSpec]) -> dict[str, tuple[str | None, int]]:
+    if not fleet:
+        raise ValueError("fleet is empty; pass None to use the endpoints the records name")
+    out: dict[str, tuple[str | None, int]] = {}
+    for endpoint, spec in fleet.items():
+        gpu, count = (spec, 1) if isinstance(spec, str) else spec
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"fleet endpoint {endpoint!r}: GPU count must be >= 1, got {count!r}")
+        out[endpoint] = (gpu, count)
+    return out

@@ -1,6 +1,7 @@
 """`meshd cost`: read a day of access logs (or a Mooncake/Azure trace joined with a `meshd
 bench` run) through the cost ledger and print cost per successful task beside cost per token
-and cost per request, with the waste broken down, as a table and an optional plot.
+and cost per request, with the waste broken down, as a table and an optional plot; and both
+views of the spend: elastic (busy GPU-seconds) and fixed fleet (every GPU, the whole window).
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ from typing import Any
 
 import yaml
 
-from filters.cost_ledger import CostFigures, CostLedger, LedgerSummary, PriceTable, TaskResult
+from filters.cost_ledger import (
+    CostFigures,
+    CostLedger,
+    FixedFleetFigures,
+    FleetSpec,
+    LedgerSummary,
+    PriceTable,
+    TaskResult,
+)
 from meshd.access_log import AccessLogError, AccessRecord, read_access_log
 
 EXIT_USAGE = 2
@@ -34,6 +43,34 @@ def load_prices(path: str | Path | None) -> PriceTable:
     return PriceTable({str(k): float(v) for k, v in doc.items()})
 
 
+def load_fleet(path: str | Path | None) -> dict[str, FleetSpec] | None:
+    """A fleet from YAML: `{endpoint: GPU}` or `{endpoint: [GPU, count]}`, optionally under
+    `fleet:`; endpoints as the access log names them (attempts' `endpoint`)."""
+    if path is None:
+        return None
+    doc = yaml.safe_load(Path(path).read_text()) or {}
+    if isinstance(doc, dict) and "fleet" in doc:
+        doc = doc["fleet"]
+    if not isinstance(doc, dict) or not doc:
+        raise ValueError(f"{path}: expected a mapping of endpoint to GPU or [GPU, count]")
+    fleet: dict[str, FleetSpec] = {}
+    for endpoint, spec in doc.items():
+        if isinstance(spec, str):
+            fleet[str(endpoint)] = spec
+        elif (
+            isinstance(spec, list)
+            and len(spec) == 2
+            and isinstance(spec[0], str)
+            and isinstance(spec[1], int)
+            and not isinstance(spec[1], bool)
+            and spec[1] >= 1
+        ):
+            fleet[str(endpoint)] = (spec[0], spec[1])
+        else:
+            raise ValueError(f"{path}: {endpoint}: expected GPU or [GPU, count >= 1], got {spec!r}")
+    return fleet
+
+
 def _usd(v: float | None) -> str:
     if v is None:
         return "n/a"
@@ -46,6 +83,10 @@ def _per_token(v: float | None) -> str:
 
 def _num(v: float | None) -> str:
     return "n/a" if v is None else f"{v:,.1f}"
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 100:.1f}%"
 
 
 HEADER = (
@@ -80,6 +121,47 @@ def figures_row(name: str, f: CostFigures) -> list[str]:
         waste,
         *(_usd(getattr(f.waste, k)) for k in _WASTE),
     ]
+
+
+# The fixed-fleet view, appended to a comparison row (one per policy of a bench run).
+FIXED_HEADER = ("fixed cost", "fixed $/ok task", "utilisation")
+
+
+def fixed_cells(fx: FixedFleetFigures | None) -> list[str]:
+    if fx is None:
+        return ["n/a"] * len(FIXED_HEADER)
+    return [_usd(fx.spend_usd), _usd(fx.cost_per_successful_task), _pct(fx.utilisation)]
+
+
+def views_table(summary: LedgerSummary) -> str:
+    """Elastic beside fixed fleet, for the whole ledger (the fleet is shared by every group)."""
+    total, fx = summary.total, summary.fixed
+    header = ("view", "spend", "$/ok task", "ok tasks/$", "utilisation", "idle", "basis")
+    rows = [
+        [
+            "elastic",
+            _usd(total.cost_usd),
+            _usd(total.cost_per_successful_task),
+            _num(total.success_per_dollar),
+            "-",
+            "-",
+            f"{total.gpu_seconds:,.1f} busy GPU-s (an autoscaled pool)",
+        ]
+    ]
+    if fx is not None:
+        source = "as given" if fx.declared else "seen in the log"
+        rows.append(
+            [
+                "fixed",
+                _usd(fx.spend_usd),
+                _usd(fx.cost_per_successful_task),
+                _num(fx.success_per_dollar),
+                _pct(fx.utilisation),
+                _usd(fx.idle_usd),
+                f"{fx.gpus} GPU(s) on {fx.endpoints} endpoint(s) {source} x {fx.window_s:,.1f} s",
+            ]
+        )
+    return render_table(header, rows)
 
 
 def task_rows(tasks: Sequence[TaskResult]) -> tuple[tuple[str, ...], list[list[str]]]:
@@ -117,6 +199,7 @@ def render_summary(summary: LedgerSummary, by: str | None, tasks: Sequence[TaskR
     out = [render_table(HEADER, rows)]
     if by == "task":
         out += ["", render_table(*task_rows(tasks))]
+    out += ["", views_table(summary)]
     notes = []
     if summary.estimated_requests:
         notes.append(
@@ -125,6 +208,13 @@ def render_summary(summary: LedgerSummary, by: str | None, tasks: Sequence[TaskR
         )
     if summary.evicted_tasks:
         notes.append(f"{summary.evicted_tasks} task(s) closed early (open-task limit)")
+    if summary.fixed is None:
+        notes.append("no fixed-fleet view: the log names no endpoint (give --fleet)")
+    elif summary.fixed.untracked_attempts:
+        notes.append(
+            f"{summary.fixed.untracked_attempts} attempt(s) on endpoints past the ledger's "
+            "endpoint limit are not in the fixed fleet (give --fleet)"
+        )
     out += [""] + [f"note: {n}" for n in notes] if notes else []
     return "\n".join(out)
 
@@ -232,7 +322,28 @@ def records_from_bench(
     return out
 
 
-def run_trace_join(args: argparse.Namespace, prices: PriceTable) -> int:
+def bench_fleets(results_dir: Path) -> dict[str, tuple[dict[str, FleetSpec], float | None]]:
+    """Per ok policy of a bench run, its engines as a fleet (name -> GPU) and its wall time:
+    what a fixed fleet paid for during the pass."""
+    doc = json.loads((results_dir / "results.json").read_text())
+    out: dict[str, tuple[dict[str, FleetSpec], float | None]] = {}
+    for p in doc.get("policies", []):
+        if p.get("status") != "ok":
+            continue
+        fleet: dict[str, FleetSpec] = {
+            str(e.get("name") or e.get("url") or f"engine-{i}"): str(e.get("gpu") or "unknown")
+            for i, e in enumerate(p.get("engines", []))
+        }
+        wall = float(p.get("wall_s") or 0.0)
+        out[p["policy"]] = (fleet, wall if wall > 0 else None)
+    return out
+
+
+def run_trace_join(
+    args: argparse.Namespace, prices: PriceTable, fleet: Mapping[str, FleetSpec] | None = None
+) -> int:
+    """One row per policy; the fixed view's fleet is `fleet` (--fleet), else the pass's
+    engines, over the pass's wall time."""
     from loadtest.workloads.traces import read_azure, read_mooncake
 
     planned = read_mooncake(args.mooncake) if args.mooncake else read_azure(args.azure)
@@ -240,21 +351,27 @@ def run_trace_join(args: argparse.Namespace, prices: PriceTable) -> int:
     if not per_policy:
         print("meshd cost: no request of the trace is in the bench results", file=sys.stderr)
         return 1
+    fleets = bench_fleets(Path(args.results))
     rows = []
     for policy, records in sorted(per_policy.items()):
-        ledger = CostLedger(prices, idle_timeout_s=args.idle_timeout)
+        engines, wall = fleets.get(policy, ({}, None))
+        ledger = CostLedger(
+            prices, idle_timeout_s=args.idle_timeout, fleet=fleet or engines or None
+        )
         ledger.record_all(sorted(records, key=lambda r: r.ts))
         ledger.close_all()
-        rows.append(figures_row(policy, ledger.summary().total))
+        summary = ledger.summary(window_s=wall)
+        rows.append([*figures_row(policy, summary.total), *fixed_cells(summary.fixed)])
     matched = sum(len(r) for r in per_policy.values())
     print(f"trace: {len(planned)} requests; {matched} matched in {args.results}")
-    print(render_table(("policy", *HEADER[1:]), rows))
+    print(render_table(("policy", *HEADER[1:], *FIXED_HEADER), rows))
     return 0
 
 
 def cost(args: argparse.Namespace) -> int:
     try:
         prices = load_prices(args.prices)
+        fleet = load_fleet(args.fleet)
     except (OSError, ValueError, yaml.YAMLError) as exc:
         print(f"meshd cost: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -262,11 +379,11 @@ def cost(args: argparse.Namespace) -> int:
         if not args.results:
             print("meshd cost: --mooncake/--azure need --results DIR", file=sys.stderr)
             return EXIT_USAGE
-        return run_trace_join(args, prices)
+        return run_trace_join(args, prices, fleet)
     if not args.log:
         print("meshd cost: give --log FILE (or --mooncake/--azure with --results)", file=sys.stderr)
         return EXIT_USAGE
-    ledger = CostLedger(prices, idle_timeout_s=args.idle_timeout)
+    ledger = CostLedger(prices, idle_timeout_s=args.idle_timeout, fleet=fleet)
     tasks: list[TaskResult] = []
     errors: list[str] = []
     try:
@@ -296,6 +413,10 @@ def add_cost_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PNG", help="also draw the figures into this file")
     p.add_argument("--prices", metavar="YAML", help="$/GPU-hour by GPU, e.g. {H100: 2.5}")
     p.add_argument(
+        "--fleet", metavar="YAML", help="the fixed fleet, endpoint: GPU or [GPU, count] "
+        "(default: the endpoints the log names, one GPU each)"
+    )  # fmt: skip
+    p.add_argument(
         "--idle-timeout", type=float, default=600.0, metavar="S",
         help="close a task after this long without a request (default 600)",
     )  # fmt: skip
@@ -312,8 +433,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "cost",
         help="cost per successful task, cost per token and waste from access logs",
         description="Read access logs (JSON lines, docs/access-log.md) through the cost "
-        "ledger: cost per successful task beside cost per token and per request, and the "
-        "waste (retries, failed requests, abandoned streams, failed tasks).",
+        "ledger: cost per successful task beside cost per token and per request, the "
+        "waste (retries, failed requests, abandoned streams, failed tasks), and the spend "
+        "as an elastic pool (busy GPU-seconds) and as a fixed fleet (every GPU, all the "
+        "time) sees it.",
         epilog="Example: meshd cost --log access.jsonl --by tenant --plot cost.png",
     )
     add_cost_arguments(p)

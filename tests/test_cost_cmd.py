@@ -42,6 +42,27 @@ def test_cost_table_by_tenant(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     ]  # fmt: skip
     assert _row(out, "a")[1:5] == ["3/5", "1/3", "$0.0115", "$0.0115"]
     assert _row(out, "b")[1:5] == ["3/4", "1/1", "$0.005000", "$0.005000"]
+    # Both views of the whole log. Fixed: the endpoints the log names (http://a, http://b,
+    # both H100, $0.001/s each) over ts 0..1000: $2.00, $1.00 per ok task, 0.0165/2 busy.
+    assert _row(out, "elastic")[1:4] == ["$0.0165", "$0.008250", "121.2"]
+    assert _row(out, "fixed")[1:6] == ["$2.0000", "$1.0000", "1.0", "0.8%", "$1.9835"]
+    assert "2 GPU(s) on 2 endpoint(s) seen in the log x 1,000.0 s" in out
+
+
+def test_cost_fixed_fleet_as_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = _write_log(tmp_path)
+    # http://c never served a request: its two A100s ($0.0005/s each) are paid for anyway.
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("fleet:\n  http://a: H100\n  http://b: H100\n  http://c: [A100, 2]\n")
+    argv = ["--log", str(log), "--prices", str(tmp_path / "prices.yaml"), "--fleet", str(fleet)]
+    assert cost_cmd.main(argv) == 0
+    out = capsys.readouterr().out
+    assert _row(out, "fixed")[1:6] == ["$3.0000", "$1.5000", "0.7", "0.6%", "$2.9835"]
+    assert "4 GPU(s) on 3 endpoint(s) as given x 1,000.0 s" in out
+    assert _row(out, "all")[1:5] == ["6/9", "2/4", "$0.0165", "$0.008250"]  # elastic as before
+    for bad in ("{}\n", "http://a: [H100, 0]\n", "http://a: [H100]\n", "- H100\n"):
+        fleet.write_text(bad)
+        assert cost_cmd.main(argv) == cost_cmd.EXIT_USAGE
 
 
 def test_cost_by_task_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -85,6 +106,7 @@ def test_mooncake_trace_joined_with_bench_results(
                         "policy": "meshd",
                         "status": "ok",
                         "gpu_seconds": 10.0,
+                        "wall_s": 20.0,
                         "engines": [{"gpu": "H100"}],
                     }
                 ]
@@ -106,4 +128,6 @@ def test_mooncake_trace_joined_with_bench_results(
     row = _row(out, "meshd")
     # $0.01 over 1 ok task; waste: the failed request's half.
     assert row[1:5] == ["1/2", "1/2", "$0.0100", "$0.0100"]
-    assert row[-3] == "$0.005000"  # failed requests
+    assert row[-6] == "$0.005000"  # failed requests
+    # Fixed: the pass's one H100 engine over its 20 s wall time, busy 10 s of them.
+    assert row[-3:] == ["$0.0200", "$0.0200", "50.0%"]

@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from filters.cost_ledger import (
     DEFAULT_PRICES,
     CostLedger,
+    FleetSpec,
     PriceTable,
     TimingModel,
     task_key_of,
@@ -207,3 +210,173 @@ def test_task_key() -> None:
     assert task_key_of(rec(0, "r", "ok", 1, task_id="t", workflow_id="w")) == "task:t"
     assert task_key_of(rec(0, "r", "ok", 1, workflow_id="w")) == "workflow:w"
     assert task_key_of(rec(0, "r", "ok", 1)) == "request:r"
+
+
+# ---- the fixed-fleet view ---------------------------------------------------------------
+
+
+def on(
+    endpoint: str, gpu: str, ts: float, e2e_s: float, gpu_s: float, **kw: object
+) -> AccessRecord:
+    """A request served by one attempt on `endpoint`."""
+    attempt = AttemptRecord(endpoint, "ok", gpu=gpu, gpu_seconds=gpu_s)
+    return rec(ts, f"{endpoint}@{ts}", "ok", gpu_s, gpu=gpu, e2e_s=e2e_s, attempts=(attempt,), **kw)
+
+
+def two_generations() -> list[AccessRecord]:
+    # An H100 busy 4 s (of a 10 s request) at ts 0, an A100 busy 20 s at ts 50 until 100.
+    return [on("http://h", "H100", 0, 10, 4.0), on("http://a", "A100", 50, 50, 20.0)]
+
+
+def test_fixed_fleet_two_generations_known_answer() -> None:
+    ledger = CostLedger(PRICES)
+    ledger.record_all(two_generations())
+    s = ledger.summary()
+    # Elastic: 4 x $0.001 + 20 x $0.0005 = $0.014 over 2 ok tasks.
+    assert s.total.cost_usd == pytest.approx(0.014)
+    assert s.cost_per_successful_task == pytest.approx(0.007)
+    # Fixed: both GPUs paid for ts 0..100 at $0.001 + $0.0005 per second = $0.15.
+    fx = s.fixed
+    assert fx is not None and not fx.declared
+    assert (fx.endpoints, fx.gpus, fx.window_s) == (2, 2, pytest.approx(100.0))
+    assert fx.usd_per_s == pytest.approx(0.0015)
+    assert fx.spend_usd == pytest.approx(0.15)
+    assert fx.busy_usd == pytest.approx(0.014)
+    assert fx.utilisation == pytest.approx(0.014 / 0.15)
+    assert fx.idle_usd == pytest.approx(0.136)
+    assert fx.cost_per_successful_task == pytest.approx(0.075)
+    assert fx.success_per_dollar == pytest.approx(2 / 0.15)
+    # The same fleet named by the caller gives the same figures; a window of its own scales.
+    declared = CostLedger(PRICES, fleet={"http://h": "H100", "http://a": ("A100", 1)})
+    declared.record_all(two_generations())
+    dfx = declared.summary().fixed
+    assert dfx is not None and dfx.declared and dfx.spend_usd == pytest.approx(0.15)
+    hour = declared.summary(window_s=3600).fixed
+    assert hour is not None and hour.spend_usd == pytest.approx(5.4)
+    assert hour.window_s == 3600
+
+
+def test_fixed_window_grows_with_records() -> None:
+    ledger = CostLedger(PRICES, fleet={"http://h": "H100"})
+    fx = ledger.summary().fixed  # no record yet: an empty window costs nothing
+    assert fx is not None and (fx.window_s, fx.spend_usd, fx.idle_usd) == (0.0, 0.0, 0.0)
+    assert fx.utilisation is None and fx.cost_per_successful_task is None
+    spends = []
+    for r in (on("http://h", "H100", 10, 5, 1.0), on("http://h", "H100", 40, 20, 1.0)):
+        ledger.record(r)
+        now = ledger.summary().fixed
+        assert now is not None
+        spends.append((now.window_s, now.spend_usd))
+    # 10..15, then 10..60 (the latest end, not the latest arrival).
+    assert spends == [(pytest.approx(5.0), pytest.approx(0.005)), (50.0, pytest.approx(0.05))]
+    # A request that ended before the latest end does not shrink the window; one without
+    # e2e_s ends when it arrived.
+    ledger.record(rec(70, "late", "ok", 1.0, endpoint="http://h"))
+    assert ledger.window_s == pytest.approx(60.0)
+
+
+def test_idle_endpoints_of_the_fleet_are_paid_for() -> None:
+    # spare never serves a request: its 8 H100s cost $0.008/s all the same.
+    fleet: dict[str, FleetSpec] = {"http://h": "H100", "http://a": "A100", "spare": ("H100", 8)}
+    ledger = CostLedger(PRICES, fleet=fleet)
+    ledger.record_all(two_generations())
+    fx = ledger.summary().fixed
+    assert fx is not None
+    assert (fx.endpoints, fx.gpus) == (3, 10)
+    assert fx.spend_usd == pytest.approx((0.0015 + 0.008) * 100)
+    assert fx.cost_per_successful_task == pytest.approx(0.95 / 2)
+    assert fx.utilisation == pytest.approx(0.014 / 0.95)
+
+
+def test_fixed_view_without_successful_tasks_or_fleet() -> None:
+    ledger = CostLedger(PRICES)
+    assert ledger.summary().fixed is None  # nothing seen, nothing given
+    ledger.record(rec(0, "x", "http_500", 1.0, endpoint="http://h", e2e_s=2.0))
+    fx = ledger.summary().fixed
+    assert fx is not None and fx.tasks_succeeded == 0
+    assert fx.spend_usd == pytest.approx(0.002)
+    assert fx.cost_per_successful_task is None
+    assert fx.success_per_dollar == 0.0
+    # Records that name no endpoint (no attempts, no `endpoint`) leave the fleet unknown.
+    bare = CostLedger(PRICES)
+    bare.record_all(crafted_log()[:1])
+    assert bare.summary().fixed is None
+
+
+def test_elastic_figures_unchanged_by_the_fleet() -> None:
+    plain, fleet = CostLedger(PRICES), CostLedger(PRICES, fleet={"http://z": ("B200", 4)})
+    for ledger in (plain, fleet):
+        ledger.record_all(crafted_log())
+        ledger.close_all()
+    a, b = plain.summary(), fleet.summary(window_s=10)
+    assert (a.total, a.by_tenant, a.by_model) == (b.total, b.by_tenant, b.by_model)
+    assert a.total.cost_usd == pytest.approx(0.0165)  # test_crafted_log_known_answer's figure
+
+
+def test_seen_fleet_prices_the_latest_gpu_and_is_bounded() -> None:
+    ledger = CostLedger(PRICES, max_fleet_endpoints=1)
+    ledger.record(rec(0, "r0", "ok", 1.0, endpoint="http://h", gpu=None, e2e_s=10))
+    fx = ledger.summary().fixed
+    assert fx is not None  # an endpoint that named no GPU is priced as "unknown"
+    assert fx.usd_per_s == pytest.approx(DEFAULT_PRICES["unknown"] / 3600)
+    ledger.record(rec(1, "r1", "ok", 1.0, endpoint="http://h", gpu="A100"))
+    ledger.record(rec(2, "r2", "ok", 1.0, endpoint="http://other", gpu="H100"))
+    fx = ledger.summary().fixed
+    assert fx is not None and fx.endpoints == 1 and fx.untracked_attempts == 1
+    assert fx.usd_per_s == pytest.approx(0.0005)
+
+
+def test_fixed_view_rejects_bad_input() -> None:
+    for fleet in ({}, {"x": ("H100", 0)}, {"x": ("H100", True)}):
+        with pytest.raises(ValueError):
+            CostLedger(fleet=fleet)
+    with pytest.raises(ValueError):
+        CostLedger(max_fleet_endpoints=0)
+    with pytest.raises(ValueError):
+        CostLedger().summary(window_s=-1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    plan=st.lists(
+        st.tuples(
+            st.integers(0, 3),  # endpoint
+            st.floats(0, 50),  # gap before this request on its endpoint
+            st.floats(0, 30),  # its duration
+            st.floats(0, 1),  # the busy share of that duration
+            st.sampled_from(["ok", "http_500", "client_disconnect"]),
+        ),
+        max_size=30,
+    ),
+    spare=st.integers(0, 3),
+)
+def test_fixed_spend_covers_busy_spend(
+    plan: list[tuple[int, float, float, float, str]], spare: int
+) -> None:
+    """Where the fleet holds every endpoint used, and no endpoint is busy longer than the
+    window, the fleet costs at least what its busy GPU-seconds cost."""
+    gpus = ["H100", "A100", "H200", "B200"]
+    free_at = [0.0] * len(gpus)  # requests on one endpoint follow each other
+    records = []
+    for i, (e, gap, duration, share, outcome) in enumerate(plan):
+        start = free_at[e] + gap
+        free_at[e] = start + duration
+        attempt = AttemptRecord(f"e{e}", outcome, gpu=gpus[e], gpu_seconds=duration * share)
+        records.append(
+            AccessRecord(
+                ts=start, request_id=f"r{i}", outcome=outcome, e2e_s=duration, attempts=(attempt,)
+            )
+        )
+    fleet = {f"e{e}": gpus[e] for e in range(len(gpus))} | {
+        f"spare{k}": "A100" for k in range(spare)
+    }
+    for ledger in (CostLedger(fleet=fleet), CostLedger()):
+        ledger.record_all(sorted(records, key=lambda r: r.ts))
+        s = ledger.summary()
+        if s.fixed is None:
+            assert not records
+            continue
+        assert s.fixed.busy_usd == s.total.cost_usd
+        # The window is a difference of arrival times: it may lose an ulp of them (1e-12 s).
+        assert s.fixed.spend_usd >= s.total.cost_usd * (1 - 1e-9) - 1e-12
+        assert s.fixed.idle_usd >= 0.0

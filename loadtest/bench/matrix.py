@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from filters.gpu import GPUS, normalise_gpu_name
 from loadtest.bench.client import ClientSettings, RequestOutcome
 from loadtest.bench.fleet import FleetSpec
 from loadtest.workloads import PlannedRequest
@@ -68,6 +69,8 @@ SESSION_THINK_S = 2.0
 SESSION_MAX_STEPS = 8
 TASK_DEADLINE_BASE_MS = 3000
 TASK_DEADLINE_PER_TOKEN_MS = 50
+# $ per successful task against round robin where GPU-seconds are money (issue #27).
+COST_ELASTIC_TARGET = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,9 +260,12 @@ class Figures:
     makespan_p50: float | None
     task_success: float | None  # tasks with every step ok within the task's deadline
     wasted_share: float | None  # work spent on tasks that then failed
-    cost_usd: float
+    cost_usd: float  # the elastic view: GPU-seconds the requests used x price
     cost_per_ok_task: float | None
     max_over_mean: float  # requests per engine
+    # The fixed-fleet view (filters/cost_ledger.py): every GPU paid for from the first send
+    # to the last answer, busy or idle.
+    fixed_cost_per_ok_task: float | None = None
 
 
 def _chains(outcomes: Sequence[RequestOutcome]) -> dict[str, dict[int, RequestOutcome]]:
@@ -275,6 +281,7 @@ def figures(
     requests: Sequence[PlannedRequest],
     outcomes: Sequence[RequestOutcome],
     result: Any,
+    fleet: FleetSpec | None = None,
 ) -> Figures:
     chains = _chains(outcomes)
     kept = follow = 0
@@ -308,6 +315,11 @@ def figures(
     counts = list(per_engine.values()) or [0]
     mean = statistics.fmean(counts)
     tasks = result.tasks
+    fixed = None
+    if fleet is not None and outcomes and tasks.succeeded:
+        span = max(o.end_at_s for o in outcomes) - min(o.sent_at_s for o in outcomes)
+        usd_per_s = sum(GPUS[normalise_gpu_name(g)].price_per_s for g in fleet.gpus)
+        fixed = usd_per_s * span / tasks.succeeded
     return Figures(
         policy=policy,
         ok=result.succeeded,
@@ -327,6 +339,7 @@ def figures(
         cost_usd=result.cost_usd,
         cost_per_ok_task=(result.cost_usd / tasks.succeeded if tasks.succeeded else None),
         max_over_mean=max(counts) / mean if mean > 0 else 0.0,
+        fixed_cost_per_ok_task=fixed,
     )
 
 
@@ -370,7 +383,7 @@ def run_cell(cell: Cell, quick: bool = False) -> dict[str, Any]:
     for p in policies:
         result, run = run_virtual_policy(p, fleet, requests, settings, log=lambda m: None)
         assert run is not None
-        rows.append(asdict(figures(p, requests, run.outcomes, result)))
+        rows.append(asdict(figures(p, requests, run.outcomes, result, fleet)))
     out["figures"] = rows
     out["ttft_floor_p90"] = floor_p90(requests, fleet)
     out["requests"] = len(requests)
@@ -446,14 +459,20 @@ def compare(cell: dict[str, Any], meshd: str = MESHD) -> dict[str, Any]:
             ok = ratio <= target if lower else ratio >= target
         out[name] = {"meshd": mine, "best_peer": best, "ratio": ratio, "pass": ok}
     rr = rows.get("round-robin")
-    if rr and rr.get("cost_per_ok_task") and me.get("cost_per_ok_task"):
-        ratio = me["cost_per_ok_task"] / rr["cost_per_ok_task"]
-        out["cost_vs_rr"] = {
-            "meshd": me["cost_per_ok_task"],
-            "best_peer": rr["cost_per_ok_task"],
-            "ratio": ratio,
-            "pass": ratio <= 1.0,
-        }
+    # $ per successful task against round robin, in both views (the issue's targets: <=
+    # 0.9x where GPU-seconds are money, no worse than 1.0x for a fixed fleet).
+    for name, key, target in (
+        ("cost_vs_rr", "cost_per_ok_task", COST_ELASTIC_TARGET),
+        ("fixed_vs_rr", "fixed_cost_per_ok_task", 1.0),
+    ):
+        if rr and rr.get(key) and me.get(key):
+            ratio = me[key] / rr[key]
+            out[name] = {
+                "meshd": me[key],
+                "best_peer": rr[key],
+                "ratio": ratio,
+                "pass": ratio <= target,
+            }
     bal = me["max_over_mean"]
     out["max_over_mean"] = {"meshd": bal, "best_peer": None, "ratio": bal, "pass": bal <= 2.0}
     # Informational: the share meshd answered (its admission refuses new tasks past the
@@ -476,6 +495,7 @@ def report(cells: Sequence[dict[str, Any]]) -> str:
         "task_success",
         "wasted_share",
         "cost_vs_rr",
+        "fixed_vs_rr",
         "max_over_mean",
         "served",
     ]
@@ -485,9 +505,12 @@ def report(cells: Sequence[dict[str, Any]]) -> str:
         "",
         "Ratios meshd (URLs only) / best peer of the cell (round robin, least request, the",
         "peers' cache_aware rule); `keep` and `max_over_mean` are meshd's own figures;",
-        "`cost_vs_rr` is $ per successful task against round robin. **Bold**: the target",
+        "`cost_vs_rr` is $ per successful task against round robin where GPU-seconds are",
+        "money (elastic: the GPU-seconds used), `fixed_vs_rr` the same for a fixed fleet",
+        "(every GPU paid from the first send to the last answer). **Bold**: the target",
         "(TTFT p90 <= 0.7, p99 <= 1.0, E2E p50 <= 1.0, hit >= 1.1, keep >= 0.9, makespan",
-        "<= 1.0, task success >= 1.0, wasted <= 0.7, cost <= 1.0, max/mean <= 2.0) missed.",
+        "<= 1.0, task success >= 1.0, wasted <= 0.7, cost <= 0.9, fixed cost <= 1.0,",
+        "max/mean <= 2.0) missed. meshd runs with its defaults: a fixed fleet.",
         "ᶠ: the best peer's TTFT p90 is within 1/0.7 of the cell's TTFT floor (no router can",
         "reach 0.7x there), so that cell's TTFT p90 is judged against 1.0 instead.",
         "`served`: the share of meshd's requests answered (no target: past the pool's knee",
