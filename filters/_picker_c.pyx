@@ -100,12 +100,14 @@ cdef inline PyObject *_slot(object o, Py_ssize_t off):
 
 
 def price_candidates(
-    endpoints, kkey, Py_ssize_t base, big_p, big_m, double lam, refresh, hook, req, now
+    endpoints, kkey, Py_ssize_t base, big_p, big_m, double lam, double lam_d, double lam_i,
+    refresh, hook, req, now
 ):
     cdef double dp = big_p
     cdef double dm = big_m
     cdef double pm = big_p + big_m
-    cdef double j, span, free, load_sum = 0.0, weight_sum = 0.0
+    cdef double x = big_p + 0.5 * big_m
+    cdef double j, span, free, so, load_sum = 0.0, weight_sum = 0.0
     cdef Py_ssize_t slot = base
     cdef list cands = []
     cdef tuple kc
@@ -170,6 +172,13 @@ def price_candidates(
         free = <double>kc[7]
         if pm > free:
             j += (pm - free) * (<double>kc[8] * lam)
+        if dm > 0.0:
+            so = <double>kc[16]
+            if dm < so:
+                so = dm
+            j += lam_d * (dm * <double>kc[12] + (dm + <double>kc[15] * so)
+                          * (<double>kc[13] + <double>kc[14] * x))
+        j += lam_i * <double>kc[15] * dp * <double>kc[3]
         cands.append((j, kc[11], v))
         load_sum += <double>kc[9]
         weight_sum += <double>kc[10]

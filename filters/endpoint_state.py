@@ -24,6 +24,11 @@ CALIBRATION_RANGE = (0.25, 8.0)
 # Below this predicted compute time the measured TTFT is mostly network and framing.
 CALIBRATION_MIN_NOMINAL_S = 0.002
 RESIDENCE_ALPHA = 0.1
+# Decode calibration (observed inter-token latency / the predicted decode step at
+# dispatch), learnt from streams of at least DECODE_MIN_TOKENS output tokens: the same
+# EWMA and clamps as the TTFT's. An engine that decodes slower than its table (an A100
+# nobody named, thermals, a noisy neighbour) is seen within a few streams.
+DECODE_MIN_TOKENS = 8
 PROMPT_ALPHA = 0.05
 DEFAULT_PROMPT_TOKENS = 1024.0
 
@@ -140,6 +145,7 @@ class _InFlight:
     started_at: float
     nominal_s: float
     fixed_s: float
+    step_s: float = 0.0  # the predicted decode step at dispatch, uncalibrated (0: none)
     first_token_at: float | None = None
 
 
@@ -177,6 +183,7 @@ class EndpointState:
     tokens_in_flight: int = 0  # prompt + max output tokens of all outstanding
     output_tokens_in_flight: int = 0  # max output tokens of all outstanding
     ttft_ratio: float = 1.0  # EWMA of observed / predicted TTFT compute time
+    decode_ratio: float = 1.0  # EWMA of observed inter-token latency / predicted step
     residence_s: float | None = None  # EWMA of request duration
     prompt_tokens_avg: float = DEFAULT_PROMPT_TOKENS
     consecutive_failures: int = 0
@@ -258,15 +265,17 @@ class EndpointState:
         max_tokens: int = 0,
         nominal_s: float = 0.0,
         fixed_s: float = 0.0,
+        step_s: float = 0.0,
     ) -> None:
         """A request was sent here. `nominal_s` is the predicted TTFT compute part at the
         GPU's nominal speed and `fixed_s` the part that does not scale with it (a cold
-        load); both come from the picker's Choice and feed the calibration."""
+        load); both come from the picker's Choice and feed the calibration. `step_s` is
+        the predicted decode step it joins, before the decode calibration (0: none)."""
         if request_id in self._inflight:
             raise ValueError(f"request {request_id!r} already started on {self.name}")
         uncached = prompt_tokens if uncached_tokens is None else uncached_tokens
         self._inflight[request_id] = _InFlight(
-            prompt_tokens, uncached, max_tokens, now, nominal_s, fixed_s
+            prompt_tokens, uncached, max_tokens, now, nominal_s, fixed_s, step_s
         )
         self.outstanding += 1
         if not self.waiting:
@@ -297,11 +306,33 @@ class EndpointState:
         self._changed()
         return ttft
 
-    def finish(self, request_id: Hashable, now: float, *, ok: bool = True) -> None:
-        """The request ended (completed, failed or cancelled). Unknown ids are ignored."""
+    def finish(
+        self,
+        request_id: Hashable,
+        now: float,
+        *,
+        ok: bool = True,
+        output_tokens: int | None = None,
+    ) -> None:
+        """The request ended (completed, failed or cancelled). Unknown ids are ignored.
+        `output_tokens` (a stream's completion tokens) with the first token's time gives
+        the observed inter-token latency, which feeds the decode calibration."""
         f = self._inflight.pop(request_id, None)
         if f is None:
             return
+        t1 = f.first_token_at
+        if (
+            ok
+            and t1 is not None
+            and f.step_s > 0.0
+            and output_tokens is not None
+            and output_tokens >= DECODE_MIN_TOKENS
+        ):
+            lo, hi = CALIBRATION_SAMPLE_RANGE
+            itl = (now - t1) / (output_tokens - 1)
+            sample = min(hi, max(lo, itl / f.step_s))
+            ratio = self.decode_ratio + CALIBRATION_ALPHA * (sample - self.decode_ratio)
+            self.decode_ratio = min(CALIBRATION_RANGE[1], max(CALIBRATION_RANGE[0], ratio))
         if f.first_token_at is None:
             self.waiting -= 1
             self.pending_prefill_tokens -= f.uncached_tokens

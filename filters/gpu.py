@@ -5,13 +5,17 @@ The numbers are the engine simulator's (loadtest/engine/profiles.py, a roofline 
 datasheets calibrated on published runs), copied rather than imported because filters/
 may not import loadtest/; tests/test_picker.py checks that the two tables agree.
 
-    GPU      prefill   decode step, ctx 1k   KV tokens   max batched  max   $/GPU-h
-             tok/s     b=1 ms    b=64 ms     (8B BF16)   tokens       seqs
-    A100      8,742    11.6      17.4          442,704    2,048        256    1.30
-    H100     27,712     7.45     11.1          440,112    8,192      1,024    3.00
-    H200     27,712     5.50      8.17         888,032    8,192      1,024    4.00
-    B200     63,045     3.70      5.43       1,173,072    8,192      1,024    5.50
-    unknown   8,742    11.6      17.4          442,704    2,048        256    3.00
+    GPU      prefill   decode step, ctx 1k   KV tokens   max batched  max   $/GPU-h  KV read
+             tok/s     b=1 ms    b=64 ms     (8B BF16)   tokens       seqs           ns/token
+    A100      8,742    11.6      17.4          442,704    2,048        256    1.30    85.7
+    H100     27,712     7.45     11.1          440,112    8,192      1,024    3.00    52.2
+    H200     27,712     5.50      8.17         888,032    8,192      1,024    4.00    36.4
+    B200     63,045     3.70      5.43       1,173,072    8,192      1,024    5.50    21.8
+    unknown   8,742    11.6      17.4          442,704    2,048        256    3.00    85.7
+
+The step grows with the context the batch holds (a decode step streams every running
+sequence's KV): step(b, K) = base + per_seq x b + kv_read x K, K the context tokens of the
+batch (GpuProfile.decode_step_parts); the table's b=1 / b=64 points are at 1k a sequence.
 
 Sources (as cited in loadtest/engine/profiles.py): NVIDIA datasheets for A100 80GB SXM,
 H100 SXM, H200 SXM and HGX B200 (HBM size and bandwidth, dense BF16 FLOP/s); calibration
@@ -44,6 +48,10 @@ class GpuProfile:
     max_num_batched_tokens: int  # vLLM's per-step token budget default
     max_num_seqs: int
     price_per_gpu_hour: float
+    # Seconds per context token one decode step streams from HBM (the reference model's
+    # 128 KiB of KV per token at the GPU's effective bandwidth): the part of the step that
+    # grows with the context the batch holds.
+    kv_read_s_per_token: float = 8.57e-8
 
     @property
     def price_per_s(self) -> float:
@@ -55,12 +63,21 @@ class GpuProfile:
         slope = (self.decode_step_s_b64 - self.decode_step_s_b1) / 63.0
         return self.decode_step_s_b1 + slope * (max(1, batch) - 1)
 
+    def decode_step_parts(self) -> tuple[float, float, float]:
+        """The step as base + per_seq x batch + kv x context tokens held by the batch:
+        (base, per_seq, kv), the table's points (context 1k a sequence) split by the KV
+        read, so that a batch of long prompts costs what it streams."""
+        kv = self.kv_read_s_per_token
+        per_seq = max(0.0, (self.decode_step_s_b64 - self.decode_step_s_b1) / 63.0 - 1000.0 * kv)
+        base = self.decode_step_s_b1 - per_seq - 1000.0 * kv
+        return base, per_seq, kv
+
 
 GPUS: dict[str, GpuProfile] = {
-    "A100": GpuProfile("A100", 8_742.0, 0.01159, 0.01744, 442_704, 2048, 256, 1.30),
-    "H100": GpuProfile("H100", 27_712.0, 0.00745, 0.01113, 440_112, 8192, 1024, 3.00),
-    "H200": GpuProfile("H200", 27_712.0, 0.00550, 0.00817, 888_032, 8192, 1024, 4.00),
-    "B200": GpuProfile("B200", 63_045.0, 0.00370, 0.00543, 1_173_072, 8192, 1024, 5.50),
+    "A100": GpuProfile("A100", 8_742.0, 0.01159, 0.01744, 442_704, 2048, 256, 1.30, 8.57e-8),
+    "H100": GpuProfile("H100", 27_712.0, 0.00745, 0.01113, 440_112, 8192, 1024, 3.00, 5.22e-8),
+    "H200": GpuProfile("H200", 27_712.0, 0.00550, 0.00817, 888_032, 8192, 1024, 4.00, 3.64e-8),
+    "B200": GpuProfile("B200", 63_045.0, 0.00370, 0.00543, 1_173_072, 8192, 1024, 5.50, 2.18e-8),
 }
 UNKNOWN = replace(GPUS["A100"], name="unknown", price_per_gpu_hour=3.00)
 

@@ -10,7 +10,11 @@ endpoint e (GPU profile from filters/gpu.py, `n` GPUs, the served model's `speed
     tps_e      = prefill_tps(gpu) * n * speed_scale * (1 - r / B)   B = max_num_batched_tokens
     cal_e      = EWMA of observed / predicted TTFT compute time on e, its thin evidence
                  filled in from its GPU class (below)
-    step_e     = decode_step(gpu, r + 1) / n                       one engine iteration
+    step_e(b, K) = dcal_e * (base + per_seq * b + kv * K) / n     one engine iteration at
+                 batch b holding K context tokens (GpuProfile.decode_step_parts: the KV
+                 the step streams); dcal_e = EWMA of observed inter-token latency / this
+                 prediction (EndpointState.decode_ratio); K_e the context held there
+                 (prompts + half the outputs in flight, or the report's KV used)
     C_e        = expected cached prompt tokens: PrefixIndex match x tokens per block
                  (PickRequest.tokens_per_block for engine token blocks, else the config's),
                  approximate blocks x confidence, x the endpoint's trust (silence, demotion),
@@ -31,10 +35,50 @@ endpoint e (GPU profile from filters/gpu.py, `n` GPUs, the served model's `speed
                  b_e = min(64, running + waiting + 1): the batch this request joins
                  S_e = the output tokens that batch lasts: the mean max_tokens of our
                        requests in flight there (inf when none are ours; 0 when idle)
-    J_e        = cost_e + lambda_r * TTFT_e,    lambda(p) = lambda_usd_per_s * base**(p - 5)
+    D_e        = M * step_e(r + 1, K_e + X) + r * min(M, S_e) * dstep_e
+                 X = P + M / 2, dstep_e = dcal_e * (per_seq + kv * X) / n: the request's
+                 own output at the step of the batch it joins, plus the delay it adds to
+                 each of the r streams there, a slower step for as long as both decode
+    I_e        = r * U_e * inv_e: the delay its prefill adds to those streams (the engine
+                 interleaves its chunks with their steps; inv_e = cal_e / tps_e)
+    J_e        = kappa * cost_e + lambda_r * TTFT_e + lambda(p) * decode_weight * D_e
+                 + lambda(p) * prefill_delay_weight * I_e
+                 lambda(p) = lambda_usd_per_s * base**(p - 5); kappa = 1 for an elastic
+                 pool, FIXED_COST_WEIGHT (0.1) for a fixed fleet (the default)
     lambda_r   = lambda(p) * 2**-k,  k = floor(log2(knee / t0)) when t0 < knee, else 0
                  t0 = decode_step(H100, 1) + P / prefill_tps(H100): the request's best case
                  (an idle reference GPU, nothing cached); knee = lambda_knee_s
+
+The whole request (issue #27: "predict the whole request, not only its first token"):
+D_e is what the request's output costs in seconds, its own and the streams' it joins,
+from a step model that grows with the batch and with the context the batch holds (a
+decode step streams every running sequence's KV: 52 ns per token on an H100, so eight
+30k-token conversations add 12.5 ms to every step) and is calibrated per engine from the
+streams it served (time from first to last token / (tokens - 1) against the step
+predicted at dispatch, Choice.step_s), so a GPU nobody named, thermals or a noisy
+neighbour show within a few streams. The split step model reproduces the simulator's
+within 3% at contexts of 1k-20k (tests/test_picker.py). decode_weight values those
+seconds against TTFT's, a value judgement with a measured price. Matrix cells on the
+virtual clock (2026-12-06), meshd given URLs only / the best peer, at decode_weight 0 /
+0.05 / 0.1 / 0.25: agentic tasks on 4 H100 + 4 A100 nobody named, E2E p50 1.28 / 0.93 /
+0.92 / 0.92 (the A100s' slower decode, learnt, is priced); Azure's conversations on the
+same fleet, TTFT p90 0.76 / 1.07 / 1.26 / 1.34 and E2E p50 0.97 / 1.01 / 1.07 / 1.06 (the
+learnt ratios pull open-loop traffic onto the H100s past their prefill balance: the step
+model has no term yet for the prefill chunks an engine interleaves, which its streams'
+inter-token latency carries and the decode calibration learns only after the fact);
+shared-prefix on that fleet TTFT p90 1.05 / 0.96 / 1.42 / 1.45; Mooncake on 8 H100 at 1.5x
+load TTFT p90 0.68 / 0.74 / 0.74 / 1.02; sessions without headers on 8 H100 at 1.0x,
+makespan p50 11.6 / 12.2 / 9.4 s / (1.24x) (noisy). Default 0.05. I_e (the prefill
+stall, prefill_delay_weight) at 0.05 on top of that: Azure on the mixed fleet TTFT p90
+1.07 -> 0.78, the sessions cell's makespan 12.2 -> 9.3 s, Azure 8 H100 TTFT p90 0.89; but
+Mooncake 8 H100 at 1.0x load hit rate 0.051 -> 0.038 (TTFT p90 3.0 -> 3.6 s), at 1.5x
+TTFT p90 0.74 -> 0.95, and over the whole matrix hit rate 0.70x at 4 engines (it pushes
+a follow-up's partial match away from a holder with many streams). Off by default.
+
+Fixed or elastic: a fixed fleet's GPUs are paid for busy or idle, so the GPU-seconds a
+pick saves are not money; J weighs them at FIXED_COST_WEIGHT, so latency decides and cost
+breaks near-ties. An elastic pool (`elastic`, an autoscaler hands idle GPUs back) weighs
+them in full; the cost ledger reports both views (filters/cost_ledger.py).
 
 Prefill owns the GPU (compute bound), so the request pays for all of it; decode is shared
 by the batch (memory bound), so it pays its share of a step in the batch it joins, capped
@@ -254,6 +298,9 @@ INDEX_CAPACITY_UNKNOWN_START = 4.0
 # A prompt whose blocks some endpoint holds at least this share of continues a task under
 # way (Picker.follow_up: admission lets it past the knee before new tasks).
 FOLLOW_UP_FRACTION = 0.5
+# A fixed fleet's cost weight in J (PickerConfig.elastic false): its GPUs are paid for
+# whether busy or idle, so a dollar of GPU time counts this much against latency.
+FIXED_COST_WEIGHT = 0.1
 
 
 def _mix(x: int) -> int:
@@ -294,6 +341,18 @@ class PickerConfig:
     # (running + waiting + 1, at most DECODE_REF_BATCH), or "reference", the share at a
     # batch of DECODE_REF_BATCH wherever it goes.
     decode_pricing: Literal["batch", "reference"] = "batch"
+    # A second of decode (the request's own output, and the delay it adds to the streams
+    # already running where it goes) valued as this many seconds of TTFT; 0: J prices
+    # the first token only.
+    decode_weight: float = 0.05
+    # The delay a request's prefill adds to the streams decoding where it goes (the engine
+    # interleaves its chunks with their steps), valued as this many seconds of TTFT; off
+    # by default (module docstring: it cost the Mooncake cells hit rate).
+    prefill_delay_weight: float = 0.0
+    # Whether GPU-seconds saved are money: an elastic pool (an autoscaler hands idle GPUs
+    # back) weighs cost fully in J; a fixed fleet, the default, pays for its GPUs anyway,
+    # so J weighs latency first and cost at FIXED_COST_WEIGHT (between near-equals).
+    elastic: bool = False
     model_cold_load_s: float = 20.0  # weights not resident (sleeping engine, swapped model)
     lora_cold_load_s: float = 0.5  # adapter load from local disk
     default_residence_s: float = 10.0  # request duration before any is observed
@@ -324,6 +383,8 @@ class PickerConfig:
             raise ValueError("affinity_min_fraction must be in (0, 1], affinity_imbalance >= 1")
         if self.affinity_margin_s < 0 or self.affinity_redo_weight < 0:
             raise ValueError("affinity_margin_s and affinity_redo_weight must be >= 0")
+        if self.decode_weight < 0 or self.prefill_delay_weight < 0:
+            raise ValueError("decode_weight and prefill_delay_weight must be >= 0")
 
     def new_index(self, *, track_blocks: bool = False) -> PrefixIndex:
         """A prefix index with this config's age limit."""
@@ -408,6 +469,7 @@ class Choice(NamedTuple):
     nominal_s: float
     fixed_s: float
     state: EndpointState
+    step_s: float = 0.0  # predicted decode step it joins, uncalibrated (the decode sample)
 
 
 # (model, adapter): the request class a view's J constants were computed for.
@@ -428,6 +490,7 @@ class _View:
         "cap_blocks",
         "cold",
         "cold_now",
+        "dcal",
         "decode_extra",
         "decode_span",
         "floor_load",
@@ -442,6 +505,7 @@ class _View:
         "kv_wait_per_token",
         "load",
         "name",
+        "others_span",
         "picker",
         "price_s",
         "q",
@@ -452,6 +516,7 @@ class _View:
         "r_running",
         "r_tokens",
         "r_waiting",
+        "running",
         "s0",
         "salt",
         "slots",
@@ -460,6 +525,9 @@ class _View:
         "static_version",
         "step",
         "step1",
+        "step_base",
+        "step_kv",
+        "step_seq",
         "step_slope",
         "tps0",
         "trust",
@@ -510,12 +578,10 @@ class _View:
     s0: float  # cold-load time + queueing
     c1: float  # price x seconds per prefilled token
     # (c0, s0, c1, inv, usd_per_out_tok, decode_span, decode_extra, free_kv,
-    # kv_wait_per_token, load, weight, name), or None when this endpoint cannot serve the
-    # class.
-    kc: (
-        tuple[float, float, float, float, float, float, float, float, float, float, float, str]
-        | None
-    )
+    # kv_wait_per_token, load, weight, name, step, dcal x step_seq, dcal x step_kv,
+    # running, others_span), the dollars scaled by the cost weight, or
+    # None when this endpoint cannot serve the class.
+    kc: tuple[object, ...] | None
     cold_now: float
     kkey_cold: _KKey | None  # the class cold_now was computed for (static, like `cold`)
     # Static part (rebuilt on a report, a flag, a failure or a freshness deadline).
@@ -531,8 +597,16 @@ class _View:
     r_requests: int
     r_tokens: int
     r_kv_used: float
-    step: float  # decode step at the current batch (running sequences)
+    step: float  # decode step at the current batch and context held, calibrated
     kv_used: float  # KV tokens held: the larger of ours in flight and the report's
+    # The decode step model, per engine: base + step_seq x batch + step_kv x context
+    # tokens held (GpuProfile.decode_step_parts), x dcal (EndpointState.decode_ratio).
+    step_base: float
+    step_seq: float
+    step_kv: float
+    dcal: float
+    running: float  # sequences decoding (ours or reported, the larger)
+    others_span: float  # output tokens they have left, on average (inf: unknown)
 
     def decode_usd(self, max_tokens: int) -> float:
         """The decode part of cost_e for `max_tokens` output tokens."""
@@ -563,10 +637,24 @@ def _queue_now(v: _View, now: float) -> float:
     return v.q
 
 
-def _step(v: _View) -> float:
-    """The view's engine's decode step with one more sequence in its batch (the GPU's
-    step model, per engine: filters/gpu.py)."""
-    return v.step + v.step_slope
+def _step(v: _View, context: float) -> float:
+    """The view's engine's decode step with one more sequence of `context` tokens in its
+    batch (the GPU's step model, per engine, filters/gpu.py, x the decode calibration)."""
+    return v.step + v.dcal * (v.step_seq + v.step_kv * context)
+
+
+def _decode_s(v: _View, max_tokens: int, context: float) -> float:
+    """The decode seconds J values for a request of `max_tokens` output tokens and
+    `context` tokens held (prompt + half its output): its own output at the step of the
+    batch it joins, plus the delay it adds to each running stream for as long as both
+    decode (the module docstring's D_e)."""
+    if max_tokens <= 0:
+        return 0.0
+    so = v.others_span
+    if max_tokens < so:
+        so = max_tokens
+    inc = v.dcal * (v.step_seq + v.step_kv * context)
+    return max_tokens * (v.step + inc) + v.running * so * inc
 
 
 def price_candidates(
@@ -576,18 +664,23 @@ def price_candidates(
     big_p: int,
     big_m: int,
     lam: float,
+    lam_d: float,
+    lam_i: float,
     refresh: Callable[[EndpointState, _View | None, _KKey, float], _View],
     hook: Callable[[EndpointState, PickRequest, float], bool] | None,
     req: PickRequest,
     now: float,
 ) -> tuple[list[_Cand], float, float]:
     """The hot loop of Picker.pick: every eligible endpoint priced as if nothing were
-    cached (U = P), at this request's lambda, in endpoint order, each view stamped with
+    cached (U = P), at this request's lambda (lam_d for its decode seconds, _decode_s;
+    lam_i for the delay its prefill adds to the streams running there), in endpoint
+    order, each view stamped with
     base + its slot (a view stamped >= base already is a duplicate), plus the sums of load
     and capacity weight.
     The reference for the compiled twin in filters/_picker_c.pyx, which must agree exactly
     (tests/test_picker_twins.py)."""
     pm = big_p + big_m
+    x = big_p + 0.5 * big_m
     cands: list[_Cand] = []
     append = cands.append
     slot = base
@@ -604,12 +697,17 @@ def price_candidates(
             continue
         v.stamp = slot
         slot += 1
-        c0, s0, c1, s1, u, span, extra, free, kvw, load, weight, name = kc
+        c0, s0, c1, s1, u, span, extra, free, kvw, load, weight, name, a, ds, dk, r, so = kc
         j = c0 + lam * s0 + big_p * (c1 + lam * s1) + big_m * u
         if big_m > span:
             j += (big_m - span) * extra
         if pm > free:
             j += (pm - free) * (kvw * lam)
+        if big_m > 0:
+            if big_m < so:
+                so = big_m
+            j += lam_d * (big_m * a + (big_m + r * so) * (ds + dk * x))
+        j += lam_i * r * big_p * s1
         append((j, name, v))
         load_sum += load
         weight_sum += weight
@@ -717,6 +815,8 @@ class Picker:
         self._eligible = eligible
         self._lambda = [c.lambda_usd_per_s * c.lambda_priority_base ** (p - 5) for p in range(10)]
         self._batch_pricing = c.decode_pricing == "batch"
+        self._kappa = 1.0 if c.elastic else FIXED_COST_WEIGHT
+        self._lam_d = 0.0  # the last pick's lambda for decode seconds (_cold_hash)
         self._load_requests = c.load_metric == "requests"
         self._residence = c.default_residence_s
         floor = c.load_floor
@@ -760,6 +860,9 @@ class Picker:
         if prio is None:
             prio = c.tenant_priority.get(req.tenant or "", c.default_priority)
         lam = self._lambda[min(9, max(0, prio))]
+        # Decode seconds at the request's lambda (the knee below discounts TTFT only).
+        lam_d = self._lam_d = lam * c.decode_weight
+        lam_i = lam * c.prefill_delay_weight
         big_p = max(1, req.prompt_tokens)
         knee = c.lambda_knee_s
         if knee is not None:
@@ -795,7 +898,7 @@ class Picker:
         if now >= self._min_until:
             self._expire_views(now)
         cands, load_sum, weight_sum = _price(
-            endpoints, kkey, base, big_p, big_m, lam, self._refresh, hook, req, now
+            endpoints, kkey, base, big_p, big_m, lam, lam_d, lam_i, self._refresh, hook, req, now
         )
         if not cands:
             return []
@@ -824,14 +927,15 @@ class Picker:
                         cached_of[sticky] = had + bonus
                 else:
                     sticky = None
+        ctx = big_p + 0.5 * big_m
+        kappa = self._kappa
         for name, cached in cached_of.items():
             v = by_name[name]
             unc = big_p - min(cached, big_p - 1.0)
-            j = v.c0 + lam * v.s0 + unc * (v.c1 + lam * v.inv) + big_m * v.usd_per_out_tok
-            if big_m > v.decode_span:
-                j += (big_m - v.decode_span) * v.decode_extra
+            j = v.c0 + lam * v.s0 + unc * (v.c1 + lam * v.inv) + kappa * v.decode_usd(big_m)
             if unc + big_m > v.free_kv:
                 j += (unc + big_m - v.free_kv) * (v.kv_wait_per_token * lam)
+            j += lam_d * _decode_s(v, big_m, ctx) + lam_i * v.running * unc * v.inv
             cands[v.stamp - base] = (j, name, v)
         # The affinity holder: the task's previous endpoint, else the endpoint holding the
         # most of this prompt when that is at least affinity_min_fraction of it.
@@ -935,7 +1039,7 @@ class Picker:
             else:
                 # Nowhere cached, or cached where it saves less than the window (a shared
                 # chat-template header): consistent hashing among the comparable endpoints.
-                top = self._cold_hash(meet, best, group_key, c.cold_tolerance, big_m, within)
+                top = self._cold_hash(meet, best, group_key, c.cold_tolerance, big_m, big_p, within)
                 if top is not best or best[1] not in cached_of:
                     primary = top
                     reason = "cold-hash"
@@ -996,6 +1100,7 @@ class Picker:
             max_tokens=max(0, req.max_tokens),
             nominal_s=nominal,
             fixed_s=choice.fixed_s,
+            step_s=choice.step_s,
         )
 
     def pool_wait(
@@ -1152,7 +1257,9 @@ class Picker:
             b = running + queued + 1
             if b > DECODE_REF_BATCH:
                 b = DECODE_REF_BATCH
-            share = v.usd_per_out_tok = v.price_s * (step1 + step_slope * (b - 1)) / b
+            share = v.usd_per_out_tok = (
+                v.price_s * e.decode_ratio * (step1 + step_slope * (b - 1)) / b
+            )
             # ...for as long as that batch lasts: the requests we sent there have this many
             # output tokens each on average (at most: some are already decoded), and past
             # them this one decodes alone. Partners we know nothing about (reported, none
@@ -1160,7 +1267,7 @@ class Picker:
             known = e.outstanding
             if b > 1 and known > 0:
                 v.decode_span = e.output_tokens_in_flight / known
-                v.decode_extra = v.price_s * step1 - share
+                v.decode_extra = v.price_s * e.decode_ratio * step1 - share
             else:
                 v.decode_span = _INF
                 v.decode_extra = 0.0
@@ -1176,7 +1283,17 @@ class Picker:
             cal = v.cal = self._calibration(v, e)
             k = self._cal_of[name].cls
             v.cal_seen = (n, ratio, k, k.pushed)
-        step = v.step = step1 + step_slope * running
+        # The decode step at this batch and the context it holds (prompts, and half the
+        # outputs on average), x the engine's decode calibration.
+        dcal = v.dcal = e.decode_ratio
+        ctx = e.tokens_in_flight - 0.5 * e.output_tokens_in_flight
+        if v.r_kv_used > ctx:
+            ctx = v.r_kv_used
+        step = v.step_base + v.step_seq * running + v.step_kv * ctx
+        v.step = dcal * step
+        v.running = float(running)
+        n_out = e.outstanding
+        v.others_span = e.output_tokens_in_flight / n_out if n_out else _INF
         residence = e.residence_s
         if residence is None:
             residence = self._residence
@@ -1188,11 +1305,14 @@ class Picker:
         excess = running + queued + 1 - slots
         q_fixed = excess / slots * residence if excess > 0 else 0.0
         # The step's floor (module docstring): a weight read at HBM speed, which a
-        # calibration under 1 (prefill compute beat the datasheet) does not shorten.
+        # calibration under 1 (prefill compute beat the datasheet) does not shorten. The
+        # model's step, not the decode calibration's: what streams see between tokens
+        # includes the prefill chunks the engine interleaves, which the queue counts.
+        floor = step + v.step_seq  # the batch with this request in it
         if cal < 1.0:
-            q_fixed += step
+            q_fixed += floor
         else:
-            q_nominal += step
+            q_nominal += floor
         v.q_nominal = q_nominal
         v.q_fixed = q_fixed
         v.q = cal * q_nominal + q_fixed
@@ -1305,6 +1425,10 @@ class Picker:
         v.budget = float(gpu.max_num_batched_tokens)
         v.step1 = gpu.decode_step_s(1) / n
         v.step_slope = (gpu.decode_step_s(2) - gpu.decode_step_s(1)) / n
+        base, per_seq, kv = gpu.decode_step_parts()
+        v.step_base = base / n
+        v.step_seq = per_seq / n
+        v.step_kv = kv / n
         v.slots = gpu.max_num_seqs
         v.price_s = gpu.price_per_s * n
         # The "reference" pricing (see _view for "batch", the default).
@@ -1345,8 +1469,10 @@ class Picker:
         """The request-class constants of J (see the module docstring): with U uncached
         tokens, M output tokens and the request's lambda, J = c0 + lambda * s0 +
         U * (c1 + lambda * inv) + M * usd_per_out_tok (+ the decode past its span), plus
-        (U + M - free_kv) * kv_wait_per_token * lambda when that is positive. Packed into
-        one tuple (`kc`, None when the endpoint cannot serve the class) for the hot loop."""
+        (U + M - free_kv) * kv_wait_per_token * lambda when that is positive, the dollars
+        at the fleet's cost weight, plus lambda_d * D_e (_decode_s) from the step model's
+        terms. Packed into one tuple (`kc`, None when the endpoint cannot serve the class)
+        for the hot loop."""
         if v.picker is not self:
             v = self._view(e, now)
         model, adapter = kkey
@@ -1377,25 +1503,32 @@ class Picker:
                 cold += ac
             v.cold_now = cold
             v.kkey_cold = kkey
-        price_s = v.price_s
         # J = c0 + lambda * s0 + U * (c1 + lambda * inv) + ...: dollars and seconds apart,
-        # so one set serves every lambda.
+        # so one set serves every lambda; the dollars at the fleet's cost weight.
+        kappa = self._kappa
+        price_s = v.price_s * kappa
         v.c0 = c0 = price_s * cold
         v.s0 = s0 = cold + v.q
         v.c1 = c1 = v.inv * price_s
+        dcal = v.dcal
         v.kc = (
             c0,
             s0,
             c1,
             v.inv,
-            v.usd_per_out_tok,
+            v.usd_per_out_tok * kappa,
             v.decode_span,
-            v.decode_extra,
+            v.decode_extra * kappa,
             v.free_kv,
             v.kv_wait_per_token,
             v.load,
             v.weight,
             v.name,
+            v.step,
+            dcal * v.step_seq,
+            dcal * v.step_kv,
+            v.running,
+            v.others_span,
         )
 
     def _ttft(
@@ -1476,14 +1609,15 @@ class Picker:
             return "overloaded"  # slow start: a ramping endpoint keeps the tighter bound
         over = hv.load > hv.floor_load and hv.load >= c.affinity_imbalance * fair
         ttft_h = self._ttft(holder, prompt, max_tokens, cached_of, now)
-        end_h = ttft_h + max_tokens * _step(hv)
+        ctx = prompt + 0.5 * max_tokens
+        end_h = ttft_h + max_tokens * _step(hv, ctx)
         have = cached_of.get(holder[1], 0.0)
         faster = False
         for t in meet:
             if t is holder:
                 continue
             ttft = self._ttft(t, prompt, max_tokens, cached_of, now)
-            if over and ttft + max_tokens * _step(t[2]) <= end_h:
+            if over and ttft + max_tokens * _step(t[2], ctx) <= end_h:
                 return "overloaded"
             # The prefix it would recompute, paid by this request and, as a delay, by
             # each request waiting there behind it.
@@ -1545,6 +1679,7 @@ class Picker:
         key: int,
         tolerance: float,
         max_tokens: int,
+        prompt: int,
         within: Callable[[_Cand], bool],
     ) -> _Cand:
         """The least loaded per unit of capacity weight, then weighted rendezvous hashing
@@ -1553,7 +1688,10 @@ class Picker:
         its capacity weight) among equals, over the endpoints within the
         bound whose J exceeds the best's by at most `tolerance` x the best's prefill-and-wait
         part (J less its decode: what a cached prefix can change)."""
-        window = best[0] + abs(best[0] - best[2].decode_usd(max_tokens)) * tolerance
+        bv = best[2]
+        decode = self._kappa * bv.decode_usd(max_tokens)
+        decode += self._lam_d * _decode_s(bv, max_tokens, prompt + 0.5 * max_tokens)
+        window = best[0] + abs(best[0] - decode) * tolerance
         top = best
         top_score = (_INF, _INF)
         draws = self._draws
@@ -1599,10 +1737,24 @@ class Picker:
             fixed += kv_wait
         cost = v.price_s * (pre + cold) + v.decode_usd(big_m)
         nominal = v.q_nominal + unc * v.inv_nominal
+        step = _step(v, prompt + 0.5 * big_m) / v.dcal  # uncalibrated: the decode sample
         # tuple.__new__ directly: the NamedTuple's generated __new__ is one more call.
         return _new_choice(
             Choice,
-            (name, v.url, ttft, cost, int(cached), reason, score, rank, nominal, fixed, v.state),
+            (
+                name,
+                v.url,
+                ttft,
+                cost,
+                int(cached),
+                reason,
+                score,
+                rank,
+                nominal,
+                fixed,
+                v.state,
+                step,
+            ),
         )
 
     def _commit(self, req: PickRequest, choice: Choice, now: float) -> None:

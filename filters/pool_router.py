@@ -8,7 +8,8 @@ Sans-I/O. The driver's protocol, per request::
     for r in routes: router.started(r, rid, req, now); ...connect
         on a connect failure: router.connect_failed(r, rid, now, reason); next route
     router.first_token(r, rid, now)                 # streams only
-    router.finished(r, rid, now, ok=..., cached_tokens=usage cached tokens or None)
+    router.finished(r, rid, now, ok=..., cached_tokens=usage cached tokens or None,
+                    completion_tokens=the stream's output tokens or None)
 
 from the reliability filters (filters/guard.py's GuardEvents.flags), on every change and
 while a slow-start ramp is in progress::
@@ -89,6 +90,7 @@ class PoolRouter(Protocol):
         *,
         ok: bool,
         cached_tokens: int | None = None,
+        completion_tokens: int | None = None,
     ) -> None: ...
     def connect_failed(self, route: Route, rid: Hashable, now: float, reason: str) -> None: ...
     def pool_wait(self, now: float, stop_below: float = ...) -> float | None: ...
@@ -278,6 +280,7 @@ class BalancerRouter:
         *,
         ok: bool,
         cached_tokens: int | None = None,
+        completion_tokens: int | None = None,
     ) -> None:
         self._balancer.on_finish(route.url)
         if ok:
@@ -406,8 +409,9 @@ class PickerRouter:
         *,
         ok: bool,
         cached_tokens: int | None = None,
+        completion_tokens: int | None = None,
     ) -> None:
-        self._by_url[route.url].finish(rid, now, ok=ok)
+        self._by_url[route.url].finish(rid, now, ok=ok, output_tokens=completion_tokens)
         if ok and cached_tokens is not None and route.choice is not None:
             self.picker.observe_cached(route.choice, req, cached_tokens, now)
 
@@ -518,6 +522,8 @@ class PickerRouter:
                 "consecutive_failures": s.consecutive_failures,
                 "ramp": s.ramp,
                 "ttft_calibration": round(s.ttft_ratio, 3),
+                "decode_calibration": round(s.decode_ratio, 3),
+                "kv_capacity_tokens": s.kv_capacity(now),
                 "cached_blocks": self.picker.index.used_blocks(s.name),
                 "digest_blocks": len(d.blocks) if (d := self._digests.get(s.name)) else None,
                 "reported": _report_view(s.reported, s.reported_at, s.report_ttl_s, now),

@@ -185,6 +185,15 @@ class PickerSettings(_Strict):
     # first, cost between equals); batch: the request's share of the batch it joins (packs
     # running batches, so an elastic pool can hand GPUs back).
     decode_pricing: Literal["batch", "reference"] = "reference"
+    # A second of decode (the request's own output at the step of the batch it joins, and
+    # the delay it adds to the streams there) valued as this many seconds of TTFT.
+    decode_weight: float = Field(default=0.05, ge=0)
+    # The delay a request's prefill adds to the streams decoding where it goes, valued as
+    # this many seconds of TTFT (0: off; filters/picker.py has what it cost and bought).
+    prefill_delay_weight: float = Field(default=0.0, ge=0)
+    # GPU-seconds saved are money (an autoscaler hands idle GPUs back): cost weighs in full.
+    # false, a fixed fleet: latency and success first, cost between near-equals.
+    elastic: bool = False
     # Age limit of what the prefix index learnt from this sidecar's own routing (None: none;
     # entries leave by the engine's KV capacity, LRU, and when an engine answers with fewer
     # cached tokens than predicted). A hedge for engines shared by many sidecars without KV
@@ -644,6 +653,9 @@ routing:
     epsilon: 0.25              # bounded load: no endpoint above (1+epsilon) x mean
     load_metric: requests      # or tokens
     decode_pricing: reference  # fixed fleet; batch packs running batches (elastic pools)
+    decode_weight: 0.05        # a second of decode (own + added to others) vs one of TTFT
+    prefill_delay_weight: 0    # its prefill's delay to the streams running there (0: off)
+    elastic: false             # true: GPU-seconds saved are money (an autoscaled pool)
     prefix_ttl_s: null         # age limit of learnt prefix entries (null: KV capacity LRU only)
     affinity_min_fraction: 0.3 # a prompt this much cached at one endpoint stays there...
     affinity_imbalance: 3.0    # ...unless its load is over 3x its fair share,

@@ -109,6 +109,7 @@ HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
 # Tail of a response body kept to find `usage` in (the last SSE event, or a JSON body).
 RESPONSE_TAIL_BYTES = 8192
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # matches the bootstrap's buffer limit
 DEFAULT_DRAIN_GRACE_S = 10.0
 _BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
@@ -520,11 +521,21 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         assert d is not None
         found = _CACHED_TOKENS.findall(s.tail)
         cached = int(found[-1]) if found else None
+        found = _COMPLETION_TOKENS.findall(s.tail)
+        completion = int(found[-1]) if found else None
         # Unknown status (response side not sent, or the client left first): neither a success
         # nor a failure for the breakers.
         ok = 0 < s.status < 500
         if route is not None:
-            self.router.finished(route, s.rid, d.pick, self.clock(), ok=ok, cached_tokens=cached)
+            self.router.finished(
+                route,
+                s.rid,
+                d.pick,
+                self.clock(),
+                ok=ok,
+                cached_tokens=cached,
+                completion_tokens=completion,
+            )
         self._end_span(s, ok=ok, cached_tokens=cached)
         self._uncount(s)
 

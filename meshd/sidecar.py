@@ -998,6 +998,7 @@ class Sidecar:
                 now,
                 ok=attempt.ok,
                 cached_tokens=attempt.cached_tokens,
+                completion_tokens=attempt.completion_tokens,
             )
         if (
             attempt.ok
@@ -1668,6 +1669,9 @@ def build_routers(config: Config) -> dict[str, PoolRouter]:
         epsilon=routing.picker.epsilon,
         load_metric=routing.picker.load_metric,
         decode_pricing=routing.picker.decode_pricing,
+        decode_weight=routing.picker.decode_weight,
+        prefill_delay_weight=routing.picker.prefill_delay_weight,
+        elastic=routing.picker.elastic,
         tokens_per_block=routing.block_size_bytes / CHARS_PER_TOKEN,
         prefix_ttl_s=routing.picker.prefix_ttl_s,
         affinity_min_fraction=routing.picker.affinity_min_fraction,

@@ -78,6 +78,7 @@ class RecordingRouter:
         *,
         ok: bool,
         cached_tokens: int | None = None,
+        completion_tokens: int | None = None,
     ) -> None:
         self.calls.append(("finished" if ok else "failed", route.url))
         self.inner.finished(route, rid, req, now, ok=ok, cached_tokens=cached_tokens)

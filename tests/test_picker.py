@@ -53,6 +53,12 @@ def test_gpu_table_agrees_with_the_engine_simulator(gpu):
     assert ours.price_per_gpu_hour == sim.price_per_gpu_hour
     assert ours.max_num_batched_tokens == sim.max_num_batched_tokens
     assert ours.max_num_seqs == sim.max_num_seqs
+    assert ours.kv_read_s_per_token == pytest.approx(sim.kv_read_s_per_token, rel=0.01)
+    # The split step model reproduces the simulator at long context too.
+    base, per_seq, kv = ours.decode_step_parts()
+    for batch, context in ((1, 1024), (8, 20_000), (64, 4_000)):
+        step = base + per_seq * batch + kv * batch * context
+        assert step == pytest.approx(sim.decode_step_time(batch, context), rel=0.03)
 
 
 def test_gpu_names_and_overrides():
@@ -138,12 +144,18 @@ def test_connect_failures_eject_with_backoff():
 def test_gpu_generation_speed_and_price_trade_off():
     eps = fleet("A100", "B200")
     p = Picker()
-    # A batch job (priority 0) that mostly decodes goes where a token is cheapest...
+    # A batch job (priority 0) that mostly decodes: on an elastic pool whose operator
+    # values its seconds little, where a token is cheapest...
     batch = PickRequest("m", (), prompt_tokens=100, max_tokens=2000, priority=0)
-    cheap = p.pick(batch, eps, 0.0, record=False)
+    elastic = Picker(PickerConfig(elastic=True, lambda_usd_per_s=1e-4))
+    cheap = elastic.pick(batch, eps, 0.0, record=False)
     assert cheap[0].endpoint == "e0"
     assert cheap[0].predicted_cost_usd < cheap[1].predicted_cost_usd
-    # ...an urgent long prompt goes where prefill is fastest.
+    # ...on a fixed fleet (its GPUs are paid for anyway) valuing a second of decode like
+    # one of TTFT, where its 2,000 tokens end sooner.
+    fixed = Picker(PickerConfig(decode_weight=1.0))
+    assert fixed.pick(batch, eps, 0.0, record=False)[0].endpoint == "e1"
+    # An urgent long prompt goes where prefill is fastest.
     urgent = PickRequest("m", (), prompt_tokens=8000, max_tokens=100, priority=9)
     fast = p.pick(urgent, eps, 0.0, record=False)
     assert fast[0].endpoint == "e1"
@@ -207,7 +219,8 @@ def test_warm_and_cold_weights():
 
 def test_tenant_priority_sets_the_value_of_time():
     eps = fleet("A100", "B200")
-    p = Picker(PickerConfig(tenant_priority={"batch": 0, "vip": 9}))
+    # An elastic pool, where the dollars a batch job saves count.
+    p = Picker(PickerConfig(tenant_priority={"batch": 0, "vip": 9}, elastic=True))
     r = dict(prompt_tokens=200, max_tokens=150)
     assert p.pick(PickRequest("m", (), tenant="batch", **r), eps, 0.0)[0].endpoint == "e0"
     assert p.pick(PickRequest("m", (), tenant="vip", **r), eps, 0.0)[0].endpoint == "e1"
@@ -389,7 +402,8 @@ def _fields(r: PickRequest) -> dict[str, object]:
 
 def test_bounded_load_keeps_the_primary_under_the_cap():
     eps = fleet("H100", "H100", "H100", "H100")
-    p = Picker()
+    # J without its decode seconds (the delay added to 30 streams would price e0 out too).
+    p = Picker(PickerConfig(decode_weight=0.0))
     hot = req(SYSTEM + "a question")
     p.index.record("e0", hot.block_hashes, 0.0)
     for i in range(30):  # decoding (first token seen), so they do not delay prefill

@@ -11,6 +11,9 @@ from filters.gpu import GPUS
 from filters.picker import Picker, PickerConfig, PickRequest
 
 H100, A100 = GPUS["H100"], GPUS["A100"]
+# These tests are about the dollars (an elastic pool) and the TTFT's value; J's decode
+# seconds are off (tests/test_picker_latency.py has them).
+COST = {"elastic": True, "decode_weight": 0.0}
 
 
 def fleet() -> list[EndpointState]:
@@ -38,7 +41,7 @@ def test_a_batch_about_to_finish_is_no_discount_for_a_long_decode():
     # (0.5 of an H100 step, cheaper than a whole A100 step) it stayed on the H100.
     eps = fleet()
     running(eps[0], "short", max_tokens=2)
-    p = Picker()
+    p = Picker(PickerConfig(**COST))
     r = PickRequest("m", (), prompt_tokens=1, max_tokens=64)
     choices = {c.endpoint: c for c in p.pick(r, eps, 1.0, record=False)}
     assert choices["a100"].rank == 0
@@ -51,7 +54,7 @@ def test_a_batch_that_outlasts_the_request_still_pulls_it():
     # The partner has 1,000 tokens to go: the request shares every step (the packing pull).
     eps = fleet()
     running(eps[0], "long", max_tokens=1000)
-    p = Picker()
+    p = Picker(PickerConfig(**COST))
     r = PickRequest("m", (), prompt_tokens=1, max_tokens=64)
     choices = {c.endpoint: c for c in p.pick(r, eps, 1.0, record=False)}
     assert choices["h100"].rank == 0
@@ -63,7 +66,7 @@ def test_the_span_is_the_mean_output_of_our_requests_there():
     eps = fleet()
     running(eps[0], "a", max_tokens=10)
     running(eps[0], "b", max_tokens=30)
-    p = Picker()
+    p = Picker(PickerConfig(**COST))
     p.pick(PickRequest("m", (), prompt_tokens=1, max_tokens=64), eps, 1.0, record=False)
     v = eps[0]._pick_view
     assert v.decode_span == 20.0
@@ -75,7 +78,7 @@ def test_the_span_is_the_mean_output_of_our_requests_there():
 def test_reference_pricing_has_no_span():
     eps = fleet()
     running(eps[0], "short", max_tokens=2)
-    p = Picker(PickerConfig(decode_pricing="reference"))
+    p = Picker(PickerConfig(decode_pricing="reference", **COST))
     p.pick(PickRequest("m", (), prompt_tokens=1, max_tokens=64), eps, 1.0, record=False)
     assert eps[0]._pick_view.decode_span == float("inf")
 
@@ -97,9 +100,9 @@ def test_a_short_prompt_may_wait_a_few_ms_for_the_cheaper_decode():
     # At lambda 1e-2 the 4 ms outweighed the ~3.2e-5 $ saved; the request's best case is
     # ~7.5 ms, under the 50 ms knee by more than 4x, so a second is worth lambda / 4.
     r = PickRequest("m", (), prompt_tokens=1, max_tokens=16)
-    off = scores(Picker(PickerConfig(lambda_knee_s=None)), r)
+    off = scores(Picker(PickerConfig(lambda_knee_s=None, **COST)), r)
     assert min(off, key=lambda k: off[k][0]) == "h100"
-    on = scores(Picker(), r)
+    on = scores(Picker(PickerConfig(**COST)), r)
     assert min(on, key=lambda k: on[k][0]) == "a100"
     for score, cost, ttft in on.values():
         assert score == pytest.approx(cost + 1e-2 / 4 * ttft)
@@ -110,7 +113,7 @@ def test_the_discount_rounds_up_to_a_power_of_two():
     t0 = H100.decode_step_s(1) + 100 / H100.prefill_tokens_per_s
     r = PickRequest("m", (), prompt_tokens=100, max_tokens=16)
     for knee, factor in ((1.9 * t0, 1.0), (2.0 * t0, 0.5), (4.1 * t0, 0.25)):
-        got = scores(Picker(PickerConfig(lambda_knee_s=knee)), r)
+        got = scores(Picker(PickerConfig(lambda_knee_s=knee, **COST)), r)
         for score, cost, ttft in got.values():
             assert score == pytest.approx(cost + 1e-2 * factor * ttft), knee
 
@@ -118,12 +121,14 @@ def test_the_discount_rounds_up_to_a_power_of_two():
 def test_a_long_prompt_keeps_lambda():
     # 4,000 tokens: ~152 ms at best, over the knee, so nothing changes.
     r = PickRequest("m", (), prompt_tokens=4000, max_tokens=16)
-    assert scores(Picker(), r) == scores(Picker(PickerConfig(lambda_knee_s=None)), r)
+    assert scores(Picker(PickerConfig(**COST)), r) == scores(
+        Picker(PickerConfig(lambda_knee_s=None, **COST)), r
+    )
 
 
 def test_the_knee_must_be_positive():
     with pytest.raises(ValueError, match="lambda_knee_s"):
-        PickerConfig(lambda_knee_s=0.0)
+        PickerConfig(lambda_knee_s=0.0, **COST)
 
 
 def test_requests_of_other_lambdas_share_the_views_constants():
@@ -131,7 +136,7 @@ def test_requests_of_other_lambdas_share_the_views_constants():
     # loop: alternating a short and a long prompt, or priorities, recomputes no view's
     # per-class constants while nothing about the endpoints changed.
     eps = fleet()
-    p = Picker()
+    p = Picker(PickerConfig(**COST))
     calls = []
     constants = p._constants
 
@@ -154,7 +159,7 @@ def test_requests_of_other_lambdas_share_the_views_constants():
 def test_the_loop_prices_each_lambda_as_the_model_says():
     # J = cost + lambda x TTFT for each request's own lambda, whichever came before it.
     eps = fleet()
-    p = Picker(PickerConfig(lambda_knee_s=None))
+    p = Picker(PickerConfig(lambda_knee_s=None, **COST))
     for prio in (9, 0, 5, 9):
         r = PickRequest("m", (), prompt_tokens=2000, max_tokens=16, priority=prio)
         lam = 1e-2 * 2.0 ** (prio - 5)

@@ -172,7 +172,7 @@ def test_unset_slot_raises_as_getattr_does() -> None:
 
     for impl in (price_candidates, compiled.price_candidates):
         with pytest.raises(AttributeError):
-            impl([e], v.kkey, 1, 10, 10, 0.01, refresh, None, None, 0.0)
+            impl([e], v.kkey, 1, 10, 10, 0.01, 0.01, 0.01, refresh, None, None, 0.0)
 
 
 # Few distinct J values (ties, -0.0 == 0.0, NaN) or many; lists longer than the C sort's

@@ -114,7 +114,8 @@ def test_a_faster_calibration_does_not_shorten_the_engine_step():
     p = Picker()
     serve_prefill_faster(p, [e], 30, speedup=3.0)
     assert e.ttft_ratio < 0.5
-    step = GPUS["H100"].decode_step_s(1)
+    base, per_seq, _ = GPUS["H100"].decode_step_parts()
+    step = base + per_seq  # one sequence, no context held
     # A 1-token prompt still waits for one whole step: a weight read, not compute...
     (tiny,) = p.pick(PickRequest("m", (), prompt_tokens=1, max_tokens=0), [e], 100.0, record=False)
     assert tiny.predicted_ttft_s >= step
@@ -144,7 +145,8 @@ def test_decode_heavy_request_without_a_prompt_takes_the_cheaper_decode_step():
     # on the H100, $4.2e-6 on the A100): 40 tokens go to the A100, 4 stay on the H100.
     # (With the step calibrated to ~0.36 the H100 promised 2.7 ms and kept both.)
     eps = fleet("H100", "A100")
-    p = Picker()
+    # The dollars of an elastic pool, J's decode seconds off.
+    p = Picker(PickerConfig(elastic=True, decode_weight=0.0))
     serve_prefill_faster(p, eps[:1], 30, speedup=3.0)
     assert eps[0].ttft_ratio < 0.5
     many = PickRequest("m", (), prompt_tokens=1, max_tokens=40)

@@ -54,10 +54,26 @@ class _FakeEndpoint:
 finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, allow_infinity=False)
 positive = st.floats(min_value=0.0, max_value=1e7, allow_nan=False, allow_infinity=False)
 tiny = st.floats(min_value=0.0, max_value=1e-2, allow_nan=False, allow_infinity=False)
-# (c0, s0, c1, s1, usd_per_out_tok, decode_span, decode_extra, free_kv, kvw, load, weight)
+# (c0, s0, c1, s1, usd_per_out_tok, decode_span, decode_extra, free_kv, kvw, load, weight,
+# then after the name: step, dcal x step_seq, dcal x step_kv, running, others_span)
 span = st.one_of(st.just(float("inf")), positive)
 kc_values = st.tuples(
-    finite, positive, tiny, tiny, tiny, span, tiny, positive, tiny, positive, positive
+    finite,
+    positive,
+    tiny,
+    tiny,
+    tiny,
+    span,
+    tiny,
+    positive,
+    tiny,
+    positive,
+    positive,
+    tiny,
+    tiny,
+    tiny,
+    st.integers(min_value=0, max_value=1024).map(float),
+    span,
 )
 lambdas = st.one_of(st.just(0.0), st.floats(min_value=1e-6, max_value=10.0))
 endpoint_spec = st.tuples(
@@ -73,12 +89,12 @@ def _world(
     eps = []
     for i, (state, values, stamped) in enumerate(specs):
         e = _FakeEndpoint(f"e{i:02d}")
-        kc = None if values is None else (*values, e.name)
+        kc = None if values is None else (*values[:11], e.name, *values[11:])
         stamp = base + 100 if stamped else base - 1
         if state == "fresh":
             e._pick_view = _FakeView(e.name, KKEY, kc, stamp)
         elif state == "other-class":
-            e._pick_view = _FakeView(e.name, OTHER, (0.0,) * 11 + (e.name,), stamp)
+            e._pick_view = _FakeView(e.name, OTHER, (0.0,) * 11 + (e.name,) + (0.0,) * 5, stamp)
             e.next_kc = kc
         else:
             e.next_kc = kc
@@ -93,6 +109,8 @@ def _run(
     big_p: int,
     big_m: int,
     lam: float,
+    lam_d: float,
+    lam_i: float,
     hooked: bool,
 ) -> tuple[Any, ...]:
     base = 1000
@@ -106,7 +124,9 @@ def _run(
         return nv
 
     hook = (lambda e, req, now: hash(e.name) % 3 != 0) if hooked else None
-    cands, load_sum, weight_sum = impl(eps, KKEY, base, big_p, big_m, lam, refresh, hook, None, 5.0)
+    cands, load_sum, weight_sum = impl(
+        eps, KKEY, base, big_p, big_m, lam, lam_d, lam_i, refresh, hook, None, 5.0
+    )
     stamps = [e._pick_view.stamp if e._pick_view is not None else None for e in eps]
     return [(j, name, v.name) for j, name, v in cands], load_sum, weight_sum, stamps, calls
 
@@ -119,6 +139,8 @@ def _run(
     big_p=st.integers(min_value=1, max_value=2_000_000),
     big_m=st.integers(min_value=0, max_value=100_000),
     lam=lambdas,
+    lam_d=lambdas,
+    lam_i=lambdas,
     hooked=st.booleans(),
 )
 def test_compiled_loop_agrees_with_the_reference(
@@ -127,11 +149,13 @@ def test_compiled_loop_agrees_with_the_reference(
     big_p: int,
     big_m: int,
     lam: float,
+    lam_d: float,
+    lam_i: float,
     hooked: bool,
 ) -> None:
     assert compiled is not None
-    want = _run(price_candidates, specs, dup, big_p, big_m, lam, hooked)
-    got = _run(compiled.price_candidates, specs, dup, big_p, big_m, lam, hooked)
+    want = _run(price_candidates, specs, dup, big_p, big_m, lam, lam_d, lam_i, hooked)
+    got = _run(compiled.price_candidates, specs, dup, big_p, big_m, lam, lam_d, lam_i, hooked)
     assert got == want
 
 

@@ -637,7 +637,7 @@ class VirtualPass:
         if learnt is not None and error is None and flight.prompt is not None:
             model, text = flight.prompt
             learnt.observe(model, len(text), utf8_length(text), req.num_prompt_tokens)
-        self._settle(flight, now, ok=error is None, cached=req.cached_tokens)
+        self._settle(flight, now, ok=error is None, cached=req.cached_tokens, out=n)
         outcome = self._outcome(
             flight,
             now,
@@ -658,14 +658,22 @@ class VirtualPass:
     ) -> None:
         if flight.done:
             return
-        self._settle(flight, now, ok=False, cached=None)
+        self._settle(flight, now, ok=False, cached=None, out=None)
         outcome = self._outcome(flight, now, error, status, detail, flight.seen, None, None)
         flight.on_done(flight, outcome, "")
 
-    def _settle(self, flight: _Flight, now: float, *, ok: bool, cached: int | None) -> None:
+    def _settle(
+        self, flight: _Flight, now: float, *, ok: bool, cached: int | None, out: int | None
+    ) -> None:
         if flight.route is not None and flight.pick is not None:
             self.sidecar.router.finished(
-                flight.route, flight.rid, flight.pick, now, ok=ok, cached_tokens=cached
+                flight.route,
+                flight.rid,
+                flight.pick,
+                now,
+                ok=ok,
+                cached_tokens=cached,
+                completion_tokens=out,
             )
         adm = self.sidecar.admission
         item = flight.item
