@@ -223,6 +223,25 @@ class Tokenizer(_Strict):
     max_blocks: int | None = Field(default=None, ge=1)  # hash at most this many blocks
 
 
+class EngineMetricsProbe(_Strict):
+    """The sidecar reads each endpoint's own /metrics (vLLM's or SGLang's) for its KV
+    capacity, KV in use and restarts, when no control plane reports the engines
+    (filters/engine_probe.py). An endpoint without the page is asked again after a
+    backoff; requests never wait on it."""
+
+    enabled: StrictBool = True
+    path: str = "/metrics"
+    interval_s: float = Field(default=2.0, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)
+    max_backoff_s: float = Field(default=60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _backoff(self) -> EngineMetricsProbe:
+        if self.max_backoff_s < self.interval_s:
+            raise ValueError("max_backoff_s must be >= interval_s")
+        return self
+
+
 class Routing(_Strict):
     block_size_bytes: int = Field(default=64, ge=8, le=65536)
     cache_salt: str = ""
@@ -236,6 +255,7 @@ class Routing(_Strict):
     # model -> tokenizer: turns on precise prefix routing for that model (policy meshd),
     # fed by the KV events of the endpoints that set `kv_events`.
     tokenizers: dict[str, Tokenizer] = Field(default_factory=dict)
+    engine_metrics: EngineMetricsProbe = EngineMetricsProbe()
 
 
 class Service(_Strict):
@@ -666,6 +686,12 @@ routing:
   learn_chars_per_token: false # learn chars per prompt token per model from usage (else 4)
   tokenizers: {}               # model -> precise prefix path (needs meshd[precise]), e.g.
   #  llama: {path: /models/llama, hash_algo: sha256, hash_seed: null, block_size: 16}
+  engine_metrics:              # each endpoint's own /metrics: KV capacity, usage, restarts
+    enabled: true              # (only without a control plane, whose agents report them)
+    path: /metrics
+    interval_s: 2
+    timeout_s: 1
+    max_backoff_s: 60          # an endpoint without the page is asked again this rarely
 transparent:
   services: []                 # e.g. [{address: "10.0.0.5:8000", pool: default}]
   passthrough_connect_timeout_s: 5

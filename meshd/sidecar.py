@@ -327,6 +327,8 @@ class Sidecar:
         self._reaper: asyncio.Task[None] | None = None
         self._transparent: Any = None
         self._feed: Any = None  # meshd.control_feed.ControlFeed when control_plane is set
+        # meshd.engine_probe.EngineProbes: each endpoint's /metrics, without a control plane.
+        self.probes: Any = None
         self.addresses: dict[str, str] = {}
 
     @property
@@ -446,6 +448,11 @@ class Sidecar:
         self._reaper = asyncio.create_task(self._reap())
         if self._feed is not None:
             await self._feed.start()
+        elif cfg.routing.engine_metrics.enabled and cfg.routing.policy == "meshd":
+            from meshd.engine_probe import EngineProbes
+
+            self.probes = EngineProbes(cfg, self.routers, on_restart=self._engine_restarted)
+            await self.probes.start()
 
     async def drain_and_stop(self, on_closed: Callable[[], None] | None = None) -> None:
         """Stop accepting, let requests finish up to the grace period, then close.
@@ -468,6 +475,8 @@ class Sidecar:
                 await self._reaper
         if self._feed is not None:
             await self._feed.close()
+        if self.probes is not None:
+            await self.probes.close()
         for precise in self.precise.values():
             await precise.close()
         if self._session is not None:

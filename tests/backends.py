@@ -41,6 +41,8 @@ class TestBackend:
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_get("/v1/models", self._models)
+        # No /metrics page (the sidecar's engine probe asks; not a request the tests count).
+        app.router.add_get("/metrics", self._no_metrics)
         app.router.add_route("*", "/{tail:.*}", self._other)
         return app
 
@@ -71,6 +73,9 @@ class TestBackend:
         )
         data = [{"id": m, "object": "model", "owned_by": self.name} for m in self.models]
         return web.json_response({"object": "list", "data": data})
+
+    async def _no_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(status=404, text="no metrics here")
 
     async def _other(self, request: web.Request) -> web.Response:
         await self._record(request)
