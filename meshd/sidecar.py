@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import itertools
 import json
@@ -1668,9 +1669,12 @@ class Sidecar:
         )
 
 
-def build_routers(config: Config) -> dict[str, PoolRouter]:
+def build_routers(
+    config: Config, picker_overrides: Mapping[str, Any] | None = None
+) -> dict[str, PoolRouter]:
     """Pool name -> its router, as `routing` says (the sidecar's, and the virtual-clock
-    bench's, so both route with the same objects)."""
+    bench's, so both route with the same objects). `picker_overrides`: PickerConfig fields
+    the config does not expose, replaced (the matrix's ablations switch mechanisms off)."""
     routing = config.routing
     picker_config = PickerConfig(
         lambda_usd_per_s=routing.picker.lambda_usd_per_s,
@@ -1688,6 +1692,8 @@ def build_routers(config: Config) -> dict[str, PoolRouter]:
         affinity_margin_s=routing.picker.affinity_margin_s,
         affinity_redo_weight=routing.picker.affinity_redo_weight,
     )
+    if picker_overrides:
+        picker_config = dataclasses.replace(picker_config, **picker_overrides)
     return {
         pool.name: make_router(
             routing.policy,

@@ -71,6 +71,10 @@ TASK_DEADLINE_BASE_MS = 3000
 TASK_DEADLINE_PER_TOKEN_MS = 50
 # $ per successful task against round robin where GPU-seconds are money (issue #27).
 COST_ELASTIC_TARGET = 0.9
+# Workloads whose prompts are all known before the run (the hit-rate bound is exact).
+OPEN_LOOP = ("mooncake", "shared-prefix", "azure-conv")
+# Where caches are large, meshd's hit rate should reach this share of that bound.
+LARGE_CACHE_BOUND_SHARE = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,6 +361,17 @@ def setup(cell: Cell, quick: bool = False) -> tuple[list[PlannedRequest], FleetS
     return requests, fleet
 
 
+def hit_bound(cell: Cell, requests: Sequence[PlannedRequest]) -> float | None:
+    """The one-infinite-cache hit rate of an open-loop cell (every block that repeats an
+    earlier one hits); None for closed-loop cells, whose prompts carry answers generated
+    during the run."""
+    if cell.workload not in OPEN_LOOP:
+        return None
+    from loadtest.workloads.stats import upper_bound_hit_rate
+
+    return upper_bound_hit_rate(requests)
+
+
 def cell_floor(cell: Cell, quick: bool = False) -> float | None:
     return floor_p90(*setup(cell, quick))
 
@@ -386,6 +401,7 @@ def run_cell(cell: Cell, quick: bool = False) -> dict[str, Any]:
         rows.append(asdict(figures(p, requests, run.outcomes, result, fleet)))
     out["figures"] = rows
     out["ttft_floor_p90"] = floor_p90(requests, fleet)
+    out["hit_bound"] = hit_bound(cell, requests)
     out["requests"] = len(requests)
     out["kv_blocks"] = fleet.kv_blocks
     out["wall_s"] = round(time.monotonic() - started, 1)
@@ -439,25 +455,28 @@ def compare(cell: dict[str, Any], meshd: str = MESHD) -> dict[str, Any]:
         # With nothing to compare with, even, unless meshd has some of a lower-is-better.
         ratio = mine / best if best else (math.inf if lower and mine else 1.0)
         floor = cell.get("ttft_floor_p90")
-        if name == "ttft_p90" and floor and floor / best > target:
-            # No router can reach the target: the best peer is within 1/target of the
-            # floor. Judged against the peer itself instead (marked in the report).
-            ok = ratio <= 1.0
-            out[name] = {
-                "meshd": mine,
-                "best_peer": best,
-                "ratio": ratio,
-                "pass": ok,
-                "floor": True,
-            }
-            continue
-        if name == "wasted_share" and best < 0.01:
+        bound = cell.get("hit_bound")
+        # Where no router can reach the target, the cell is judged against the best peer
+        # itself (marked in the report): TTFT p90 when the best peer is within 1/target
+        # of the cell's floor; the hit rate when 1.1x the best peer is over one infinite
+        # cache's, and where caches are large against LARGE_CACHE_BOUND_SHARE of it too.
+        out_of_reach = (name == "ttft_p90" and floor and floor / best > target) or (
+            name == "hit_rate" and bound and best >= 0.005 and target * best > bound
+        )
+        if out_of_reach:
+            ok = ratio <= 1.0 if lower else ratio >= 1.0
+            large = cell.get("cell", {}).get("cache") == "large"
+            if name == "hit_rate" and large and bound is not None:
+                ok = ok and mine >= LARGE_CACHE_BOUND_SHARE * bound
+        elif name == "wasted_share" and best < 0.01:
             ok = mine <= 0.01  # nothing worth comparing
         elif name == "hit_rate" and best < 0.005:
             ok = True  # no reuse in this workload: nothing to win
         else:
             ok = ratio <= target if lower else ratio >= target
         out[name] = {"meshd": mine, "best_peer": best, "ratio": ratio, "pass": ok}
+        if out_of_reach:
+            out[name]["floor"] = True
     rr = rows.get("round-robin")
     # $ per successful task against round robin, in both views (the issue's targets: <=
     # 0.9x where GPU-seconds are money, no worse than 1.0x for a fixed fleet).
@@ -512,7 +531,9 @@ def report(cells: Sequence[dict[str, Any]]) -> str:
         "<= 1.0, task success >= 1.0, wasted <= 0.7, cost <= 0.9, fixed cost <= 1.0,",
         "max/mean <= 2.0) missed. meshd runs with its defaults: a fixed fleet.",
         "ᶠ: the best peer's TTFT p90 is within 1/0.7 of the cell's TTFT floor (no router can",
-        "reach 0.7x there), so that cell's TTFT p90 is judged against 1.0 instead.",
+        "reach 0.7x there), so that cell's TTFT p90 is judged against 1.0 instead; on",
+        "hit_rate, the best peer is within 1/1.1 of one infinite cache's hit rate (open-loop",
+        "cells), so it is judged against 1.0 (and, with large caches, 0.9 of that bound).",
         "`served`: the share of meshd's requests answered (no target: past the pool's knee",
         "its admission refuses new tasks with 429; every peer here answered all).",
         "",
@@ -612,6 +633,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for c in earlier:  # runs made before the floor was recorded
             if "ttft_floor_p90" not in c:
                 c["ttft_floor_p90"] = cell_floor(Cell(**c["cell"]), c.get("quick", False))
+            if "hit_bound" not in c:
+                cell = Cell(**c["cell"])
+                c["hit_bound"] = hit_bound(cell, setup(cell, c.get("quick", False))[0])
         write(earlier, args.report.parent, plots=not args.no_plots)
         return 0
     cells = default_cells(args.quick, args.full)

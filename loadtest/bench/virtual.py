@@ -44,7 +44,7 @@ import itertools
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -139,15 +139,27 @@ class SidecarModel:
     queue_timeout_s: float = 30.0
 
 
+def _merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """`over` merged into `base`, mappings key by key."""
+    out = dict(base)
+    for k, v in over.items():
+        b = out.get(k)
+        out[k] = _merged(b, v) if isinstance(b, Mapping) and isinstance(v, Mapping) else v
+    return out
+
+
 def sidecar_model(
     urls: Sequence[str],
     policy: str,
     gpus: Sequence[str] | None = None,
     kv_capacity_tokens: Sequence[int] | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> SidecarModel:
     """The router of `routing.policy: policy` over `urls` (Sidecar.__init__'s recipe);
     `gpus` (and `kv_capacity_tokens`): each endpoint's GPU (and KV capacity) in the config,
-    as a pass started on the fleet has them."""
+    as a pass started on the fleet has them. `overrides`: config sections merged over the
+    default (e.g. {"reliability": {"admission": {"knee_wait_s": None}}}), and under the
+    key "picker_config" PickerConfig fields the config does not expose (an ablation)."""
     from meshd.config import Config
     from meshd.sidecar import build_routers, guard_config
 
@@ -160,9 +172,12 @@ def sidecar_model(
             for ep, kv in zip(endpoints, kv_capacity_tokens, strict=True):
                 ep["kv_capacity_tokens"] = kv
         doc["pools"] = [{"name": "default", "endpoints": endpoints}]
+    extra = dict(overrides or {})
+    picker_overrides = extra.pop("picker_config", None)
+    doc = _merged(doc, extra)
     config = Config.model_validate(doc)
     routing = config.routing
-    (router,) = build_routers(config).values()
+    (router,) = build_routers(config, picker_overrides).values()
     loopback = ipaddress.ip_address("127.0.0.1")  # the bench client's address
     adm_config = guard_config(config, len(urls)).admission
     admission = None
@@ -752,8 +767,10 @@ def run_virtual_policy(
     sample_period_s: float = 1.0,
     capture_text: bool = False,
     log: Log = _stderr,
+    overrides: Mapping[str, Any] | None = None,
 ) -> tuple[PolicyResult, VirtualRun | None]:
-    """One pass of bench policy `name` on a fresh virtual fleet (cold caches)."""
+    """One pass of bench policy `name` on a fresh virtual fleet (cold caches);
+    `overrides` as sidecar_model takes them (meshd's policies)."""
     policy = VIRTUAL_POLICIES.get(name)
     summary = POLICIES[name].summary if name in POLICIES else name
     if policy is None:
@@ -765,7 +782,7 @@ def run_virtual_policy(
     on_fleet = getattr(POLICIES.get(name), "start_on_fleet", None) is not None
     gpus = [e.replica.profile.gpu for e in fleet] if on_fleet else None
     kv = [kv_capacity_tokens(e) for e in fleet] if on_fleet else None
-    sidecar = sidecar_model([engine_url(e) for e in fleet], policy, gpus, kv)
+    sidecar = sidecar_model([engine_url(e) for e in fleet], policy, gpus, kv, overrides)
     settings = replace(settings, progress_desc=settings.progress_desc or name)
     run = VirtualPass(
         fleet, sidecar, settings, sample_period_s=sample_period_s, capture_text=capture_text

@@ -1,0 +1,79 @@
+"""loadtest/bench/matrix.py's judgement of a cell: meshd against the best peer per figure,
+the floors where no router can reach a target, both cost views."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loadtest.bench.matrix import MESHD, PEERS, Cell, compare, hit_bound, report, setup
+
+
+def figs(policy: str, **kw: Any) -> dict[str, Any]:
+    base = {
+        "policy": policy,
+        "ok": 100,
+        "sent": 100,
+        "ttft_p90": 1.0,
+        "ttft_p99": 2.0,
+        "e2e_p50": 3.0,
+        "hit_rate": 0.5,
+        "keep": None,
+        "makespan_p50": None,
+        "task_success": None,
+        "wasted_share": None,
+        "cost_per_ok_task": 1.0,
+        "fixed_cost_per_ok_task": 1.0,
+        "max_over_mean": 1.2,
+    }
+    return {**base, **kw}
+
+
+def cell(mine: dict[str, Any], peers: dict[str, Any] | None = None, **extra: Any) -> dict:
+    rows = [figs(p, **(peers or {})) for p in PEERS] + [figs(MESHD, **mine)]
+    return {"cell": {"workload": "mooncake", "cache": "small"}, "figures": rows, **extra}
+
+
+def test_ratios_and_targets():
+    c = compare(cell({"ttft_p90": 0.6, "e2e_p50": 3.3, "hit_rate": 0.56}))
+    assert c["ttft_p90"]["ratio"] == 0.6 and c["ttft_p90"]["pass"]
+    assert not c["e2e_p50"]["pass"]  # 1.1x the best peer
+    assert c["hit_rate"]["pass"]  # 1.12x
+
+
+def test_the_hit_rate_is_judged_against_the_bound_where_1_1x_cannot_be_reached():
+    # The peers hit 0.5 and one infinite cache 0.52: 1.1x (0.55) is out of reach, so the
+    # cell is judged against the best peer itself.
+    even = compare(cell({"hit_rate": 0.5}, hit_bound=0.52))
+    assert even["hit_rate"]["pass"] and even["hit_rate"]["floor"]
+    assert not compare(cell({"hit_rate": 0.49}, hit_bound=0.52))["hit_rate"]["pass"]
+    # Without a bound (closed loop), or with room under it, 1.1x stands.
+    assert not compare(cell({"hit_rate": 0.5}))["hit_rate"]["pass"]
+    assert not compare(cell({"hit_rate": 0.5}, hit_bound=0.9))["hit_rate"]["pass"]
+    # Large caches: also 0.9 of the bound.
+    large = cell({"hit_rate": 0.5}, {"hit_rate": 0.45}, hit_bound=0.49)
+    large["cell"]["cache"] = "large"
+    assert compare(large)["hit_rate"]["pass"]
+    large = cell({"hit_rate": 0.43}, {"hit_rate": 0.42}, hit_bound=0.6)
+    large["cell"]["cache"] = "large"
+    assert not compare(large)["hit_rate"]["pass"]  # 0.43 < 0.9 x 0.6 (and 1.02x)
+
+
+def test_both_cost_views_against_round_robin():
+    c = compare(cell({"cost_per_ok_task": 0.95, "fixed_cost_per_ok_task": 0.95}))
+    assert c["cost_vs_rr"]["ratio"] == 0.95 and not c["cost_vs_rr"]["pass"]  # elastic: 0.9
+    assert c["fixed_vs_rr"]["pass"]  # fixed fleet: no worse than 1.0
+    text = report([{**cell({}), "label": "x", "variant": "centre"}])
+    assert (
+        "fixed_vs_rr"
+        in text.splitlines()[
+            next(i for i, ln in enumerate(text.splitlines()) if ln.startswith("| cell"))
+        ]
+    )
+
+
+def test_the_bound_is_known_for_open_loop_cells_only():
+    c = Cell("shared-prefix", engines=4)
+    b = hit_bound(c, setup(c, quick=True)[0])
+    assert b is not None and 0.5 < b < 1.0  # 16 system prompts shared by every request
+    s = Cell("sessions", engines=4)
+    assert hit_bound(s, []) is None
