@@ -48,6 +48,7 @@ from filters.vllm_metrics import (
 )
 from meshd import telemetry
 from meshd.kv_events import KVEventSubscriber, SubscriberStats
+from meshd.tasks import cancel_and_wait
 from xds.client import Backoff, Publisher, tls_channel_credentials
 from xds.resources import ENDPOINT_STATE_TYPE, PREFIX_DIGEST_TYPE, EndpointState, PrefixDigest
 
@@ -361,11 +362,7 @@ class EngineAgent:
             await self.kv_events.start()
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         if self.kv_events is not None:
             await self.kv_events.close()
         for link in self._links:

@@ -38,6 +38,7 @@ from filters.endpoint_state import ReportedState
 from filters.pool_router import PoolRouter
 from meshd.config import Config, ConfigError
 from meshd.metrics import DataPlaneMetrics
+from meshd.tasks import cancel_and_wait
 from xds.client import Backoff, Subscriber, Update, tls_channel_credentials
 from xds.resources import ENDPOINT_STATE_TYPE, PREFIX_DIGEST_TYPE, EndpointState, PrefixDigest
 
@@ -164,11 +165,7 @@ class ControlFeed:
         )
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         await self._sub.close()
         if self._collector is not None:

@@ -11,7 +11,6 @@ ramps the engine back in while the picker's prefix index forgets what it held.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -23,6 +22,7 @@ from filters.engine_probe import ProbeState
 from filters.pool_router import PoolRouter
 from filters.vllm_metrics import MAX_METRICS_BYTES
 from meshd.config import Config
+from meshd.tasks import cancel_and_wait
 
 __all__ = ["EngineProbes"]
 
@@ -63,11 +63,7 @@ class EngineProbes:
             self._tasks.append(asyncio.create_task(self._run(*key)))
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self._session is not None:
             await self._session.close()
