@@ -841,6 +841,9 @@ class Picker:
         self.last_departure: str | None = None  # the last pick's, if any
         # Learnt factor on each endpoint's prefix-index capacity (observe_cached).
         self._cap_scale: dict[str, float] = {}
+        # Each endpoint's last KV capacity from the engine, and those still on a guess.
+        self._cap_known: dict[str, int] = {}
+        self._cap_guessed: set[str] = set()
 
     # -- the decision -------------------------------------------------------------------------
 
@@ -1188,6 +1191,9 @@ class Picker:
         """An endpoint left the pool: drop its index entries, cached view and calibration."""
         self.index.forget(endpoint)
         self._dispatched.pop(endpoint, None)
+        self._cap_scale.pop(endpoint, None)
+        self._cap_known.pop(endpoint, None)
+        self._cap_guessed.discard(endpoint)
         old = self._cal_of.pop(endpoint, None)
         if old is not None:
             k = old.cls
@@ -1436,9 +1442,22 @@ class Picker:
         v.decode_span = _INF
         v.decode_extra = 0.0
         cap = e.kv_capacity(now)
-        if cap is None:
-            cap = gpu.kv_tokens * n
-            self._cap_scale.setdefault(e.name, INDEX_CAPACITY_UNKNOWN_START)
+        name = e.name
+        if cap is not None:
+            self._cap_known[name] = cap
+            if name in self._cap_guessed:
+                # The engine told (config, report, its /metrics): what the index learnt
+                # against the guess goes, the engine's own figure stands.
+                self._cap_guessed.discard(name)
+                self._cap_scale[name] = 1.0
+        else:
+            # The last figure the engine gave (a report gone stale), else a guess.
+            cap = self._cap_known.get(name)
+            if cap is None:
+                cap = gpu.kv_tokens * n
+                if name not in self._cap_scale:
+                    self._cap_scale[name] = INDEX_CAPACITY_UNKNOWN_START
+                    self._cap_guessed.add(name)
         v.kv_cap = float(cap)
         # Slow start: a newly healthy endpoint takes its share of load gradually.
         ramp = getattr(e, "ramp", 1.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from filters.endpoint_state import EndpointState
+from filters.endpoint_state import EndpointState, ReportedState
 from filters.hotpath import block_hashes
 from filters.picker import (
     INDEX_CAPACITY_UNKNOWN_START,
@@ -173,6 +173,22 @@ def test_an_engine_nobody_described_starts_with_a_generous_index_capacity():
     p.pick(req("hello"), told, 0.0)
     assert p.index_capacity_scale("t") == 1.0
     assert p.index.capacity("t") == int(100_000 / p.config.tokens_per_block)
+
+
+def test_a_capacity_the_engine_tells_replaces_the_guess_and_outlives_its_report():
+    (e,) = fleet(1, gpu="unknown")
+    p = Picker()
+    p.pick(req("hello"), [e], 0.0)
+    assert p.index_capacity_scale("e0") == INDEX_CAPACITY_UNKNOWN_START
+    # Its /metrics (meshd/engine_probe.py) reports 2,000 blocks of 16 tokens.
+    e.report(ReportedState(kv_block_size=16, kv_capacity_blocks=2_000), 1.0)
+    p.pick(req("hello"), [e], 1.0)
+    assert p.index_capacity_scale("e0") == 1.0
+    want = int(32_000 / p.config.tokens_per_block)
+    assert p.index.capacity("e0") == want
+    # The report goes stale (the engine stopped answering /metrics): its figure stays.
+    p.pick(req("hello"), [e], 1.0 + e.report_ttl_s + 1.0)
+    assert p.index.capacity("e0") == want
 
 
 def test_index_capacity_grows_on_hits_it_dropped_and_shrinks_on_ghosts():
