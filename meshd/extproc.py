@@ -521,7 +521,9 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         assert d is not None
         found = _CACHED_TOKENS.findall(s.tail)
         cached = int(found[-1]) if found else None
-        found = _COMPLETION_TOKENS.findall(s.tail)
+        # A stream's output tokens time its decode (the router's decode calibration); a
+        # body that came whole has no first token apart from its last, so it gives none.
+        found = _COMPLETION_TOKENS.findall(s.tail) if b"data:" in s.tail else []
         completion = int(found[-1]) if found else None
         # Unknown status (response side not sent, or the client left first): neither a success
         # nor a failure for the breakers.

@@ -55,6 +55,7 @@ class RecordingRouter:
     inner: PoolRouter
     calls: list[tuple[str, str]] = field(default_factory=list)
     finished_event: asyncio.Event = field(default_factory=asyncio.Event)
+    completion_tokens: list[int | None] = field(default_factory=list)  # per finished call
 
     policy: Policy = "meshd"
 
@@ -81,7 +82,16 @@ class RecordingRouter:
         completion_tokens: int | None = None,
     ) -> None:
         self.calls.append(("finished" if ok else "failed", route.url))
-        self.inner.finished(route, rid, req, now, ok=ok, cached_tokens=cached_tokens)
+        self.completion_tokens.append(completion_tokens)
+        self.inner.finished(
+            route,
+            rid,
+            req,
+            now,
+            ok=ok,
+            cached_tokens=cached_tokens,
+            completion_tokens=completion_tokens,
+        )
         self.finished_event.set()
 
     def connect_failed(self, route: Route, rid: Hashable, now: float, reason: str) -> None:
@@ -341,6 +351,13 @@ async def test_the_response_stream_feeds_the_router(rig: RigFactory) -> None:
     url = "http://" + r.decisions[-1].destination
     assert r.router.calls == [("started", url), ("first_token", url), ("finished", url)]
     assert r.picker.picker.in_flight == 0
+    # The stream's usage times its decode; a body that came whole does not.
+    assert r.router.completion_tokens == [4]
+    r.router.finished_event.clear()
+    status, _, _ = await r.complete("whole")
+    assert status == 200
+    await asyncio.wait_for(r.router.finished_event.wait(), 10)
+    assert r.router.completion_tokens == [4, None]
 
 
 @envoy_only
