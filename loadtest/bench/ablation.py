@@ -43,13 +43,16 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 }
 FULL = "all on"
 # One cell per workload family (the matrix's centres; agentic on the mixed fleet nobody
-# described, where learning matters most).
+# described, where learning matters most), and two where the rarer mechanisms act: 4
+# engines (the imbalance bound) and 1.5x load (admission's knee gate).
 CELLS = (
     Cell("mooncake"),
     Cell("sessions-nohdr"),
     Cell("agentic", gpus="mixed"),
     Cell("shared-prefix"),
     Cell("azure-conv"),
+    Cell("agentic", engines=4),
+    Cell("sessions-nohdr", load=1.5),
 )
 LOWER = ("ttft_p90", "ttft_p99", "e2e_p50", "makespan_p50")
 HIGHER = ("hit_rate",)
