@@ -605,7 +605,7 @@ def load_config(
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(["the top level must be a mapping of keys"], source)
-        tree = _deep_merge(tree, loaded)
+        tree = deep_merge(tree, loaded)
     for keys, value, origin in env_overrides(env):
         _set_path(tree, keys, value, origin)
     for item in overrides:
@@ -619,11 +619,12 @@ def load_config(
         raise ConfigError(_problems(exc), source) from None
 
 
-def _deep_merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+def deep_merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """`b` merged into `a`, mappings key by key (neither is changed)."""
     out = dict(a)
     for k, v in b.items():
         if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = _deep_merge(out[k], v)
+            out[k] = deep_merge(out[k], v)
         else:
             out[k] = v
     return out

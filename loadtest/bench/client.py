@@ -9,7 +9,6 @@ streams (`stream_options.include_usage`) and is measured by `StreamMeter`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import sys
 from collections import defaultdict
@@ -21,6 +20,7 @@ import aiohttp
 
 from loadtest.bench.stream import StreamMeter, StreamSummary
 from loadtest.workloads import Message, PlannedRequest, render
+from meshd.tasks import cancel_and_wait
 
 # Bytes of an error body kept for the report: enough for an OpenAI error message.
 _ERROR_BODY_BYTES = 2048
@@ -267,12 +267,7 @@ class LoadClient:
         finally:
             # Past the drain budget, or the run itself was cancelled: what still runs is
             # cancelled and records itself as such.
-            pending = list(tasks)
-            for task in pending:
-                task.cancel()
-            for task in pending:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await cancel_and_wait(tasks)
             await self._session.close()
             if self._progress is not None:
                 self._progress.close()

@@ -139,15 +139,6 @@ class SidecarModel:
     queue_timeout_s: float = 30.0
 
 
-def _merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    """`over` merged into `base`, mappings key by key."""
-    out = dict(base)
-    for k, v in over.items():
-        b = out.get(k)
-        out[k] = _merged(b, v) if isinstance(b, Mapping) and isinstance(v, Mapping) else v
-    return out
-
-
 def sidecar_model(
     urls: Sequence[str],
     policy: str,
@@ -160,7 +151,7 @@ def sidecar_model(
     as a pass started on the fleet has them. `overrides`: config sections merged over the
     default (e.g. {"reliability": {"admission": {"knee_wait_s": None}}}), and under the
     key "picker_config" PickerConfig fields the config does not expose (an ablation)."""
-    from meshd.config import Config
+    from meshd.config import Config, deep_merge
     from meshd.sidecar import build_routers, guard_config
 
     doc = sidecar_config(urls, policy)
@@ -174,7 +165,7 @@ def sidecar_model(
         doc["pools"] = [{"name": "default", "endpoints": endpoints}]
     extra = dict(overrides or {})
     picker_overrides = extra.pop("picker_config", None)
-    doc = _merged(doc, extra)
+    doc = deep_merge(doc, extra)
     config = Config.model_validate(doc)
     routing = config.routing
     (router,) = build_routers(config, picker_overrides).values()
