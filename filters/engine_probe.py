@@ -80,13 +80,10 @@ class ProbeState:
             m = parse_engine_metrics(text)
         except MetricsParseError as exc:
             return self._failed(f"not an engine's /metrics: {exc}")
-        update = self.tracker.update(m)
-        restarted = False
-        if update.counters_reset:
+        update = self.tracker.update(m)  # a reset restarts its averages from this page
+        restarted = update.counters_reset
+        if restarted:
             self.epoch += 1
-            restarted = True
-            self.tracker = MetricsTracker()
-            update = self.tracker.update(m)
         self.failures = 0
         self.good += 1
         self.last = m

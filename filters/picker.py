@@ -816,7 +816,6 @@ class Picker:
         self._lambda = [c.lambda_usd_per_s * c.lambda_priority_base ** (p - 5) for p in range(10)]
         self._batch_pricing = c.decode_pricing == "batch"
         self._kappa = 1.0 if c.elastic else FIXED_COST_WEIGHT
-        self._lam_d = 0.0  # the last pick's lambda for decode seconds (_cold_hash)
         self._load_requests = c.load_metric == "requests"
         self._residence = c.default_residence_s
         floor = c.load_floor
@@ -864,7 +863,7 @@ class Picker:
             prio = c.tenant_priority.get(req.tenant or "", c.default_priority)
         lam = self._lambda[min(9, max(0, prio))]
         # Decode seconds at the request's lambda (the knee below discounts TTFT only).
-        lam_d = self._lam_d = lam * c.decode_weight
+        lam_d = lam * c.decode_weight
         lam_i = lam * c.prefill_delay_weight
         big_p = max(1, req.prompt_tokens)
         knee = c.lambda_knee_s
@@ -1042,7 +1041,9 @@ class Picker:
             else:
                 # Nowhere cached, or cached where it saves less than the window (a shared
                 # chat-template header): consistent hashing among the comparable endpoints.
-                top = self._cold_hash(meet, best, group_key, c.cold_tolerance, big_m, big_p, within)
+                top = self._cold_hash(
+                    meet, best, group_key, c.cold_tolerance, big_m, big_p, lam_d, within
+                )
                 if top is not best or best[1] not in cached_of:
                     primary = top
                     reason = "cold-hash"
@@ -1699,6 +1700,7 @@ class Picker:
         tolerance: float,
         max_tokens: int,
         prompt: int,
+        lam_d: float,
         within: Callable[[_Cand], bool],
     ) -> _Cand:
         """The least loaded per unit of capacity weight, then weighted rendezvous hashing
@@ -1709,7 +1711,7 @@ class Picker:
         part (J less its decode: what a cached prefix can change)."""
         bv = best[2]
         decode = self._kappa * bv.decode_usd(max_tokens)
-        decode += self._lam_d * _decode_s(bv, max_tokens, prompt + 0.5 * max_tokens)
+        decode += lam_d * _decode_s(bv, max_tokens, prompt + 0.5 * max_tokens)
         window = best[0] + abs(best[0] - decode) * tolerance
         top = best
         top_score = (_INF, _INF)
