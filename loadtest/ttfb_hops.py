@@ -74,10 +74,11 @@ if _dir:
     def upstream(m):
         wrap(m._Connection, "send", "up_send")
         wrap(m._Connection, "data_received", "up_recv")
-    def sidecar(m):
-        wrap(m._ChunkOut, "write", "srv_write")
+    def listener(m):
+        wrap(m._Connection, "data_received", "srv_recv")
+        wrap(m._Connection, "write", "srv_write")
     PATCH = {"aiohttp.web_protocol": web_protocol, "aiohttp.http_writer": http_writer,
-             "meshd.upstream": upstream, "meshd.sidecar": sidecar}
+             "meshd.upstream": upstream, "meshd.listener": listener}
     class _Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
             patch = PATCH.pop(name, None)

@@ -148,6 +148,7 @@ class Limits(_Strict):
     max_header_count: int = Field(default=100, ge=8, le=1000)
     max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024)
     max_concurrent_streams: int = Field(default=1024, ge=1)
+    client_header_timeout_s: float = Field(default=30.0, gt=0)
     client_body_timeout_s: float = Field(default=30.0, gt=0)
     keepalive_timeout_s: float = Field(default=75.0, gt=0)
 
@@ -659,8 +660,9 @@ limits:
   max_header_count: 100        # 431 above
   max_header_bytes: 16384      # 431 above (all header names and values)
   max_concurrent_streams: 1024 # 503 above
+  client_header_timeout_s: 30  # 408 when a request head takes longer to arrive
   client_body_timeout_s: 30    # 408 when a client sends its body slower
-  keepalive_timeout_s: 75
+  keepalive_timeout_s: 75      # an idle client connection is closed after this
 trust:
   routing_header_sources: ["127.0.0.0/8", "::1/128"]  # x-meshd-* stripped from others
 routing:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-from aiohttp import web
-
 # HTTP status -> OpenAI error type, for errors meshd raises itself.
 _TYPES = {
     400: "invalid_request_error",
@@ -32,26 +30,6 @@ def error_body(status: int, message: str, code: str, param: str | None = None) -
             "code": code,
         }
     }
-
-
-def error_response(
-    status: int,
-    message: str,
-    code: str,
-    *,
-    param: str | None = None,
-    retry_after_s: float | None = None,
-    close: bool = False,
-) -> web.Response:
-    headers = {"x-meshd-error": code}
-    if retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, round(retry_after_s)))
-    resp = web.json_response(
-        error_body(status, message, code, param), status=status, headers=headers
-    )
-    if close:
-        resp.force_close()
-    return resp
 
 
 def sse_error_event(status: int, message: str, code: str) -> bytes:

@@ -12,7 +12,8 @@ import aiohttp
 from backends import sse_events
 from harness import sidecar_config, url
 
-from meshd.sidecar import Sidecar, _request_id
+from meshd.intake import request_id as _request_id
+from meshd.sidecar import Sidecar
 
 _STREAM = {"model": "tiny", "prompt": "hello", "max_tokens": 40, "stream": True}
 

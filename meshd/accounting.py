@@ -1,0 +1,83 @@
+"""The accounting layer: what a request's end is counted as. Prometheus series, the
+request's trace (which feeds the access log, the spans and the cost ledger, all off the
+request path: meshd/observe.py), and the OpenAI-style refusal the client gets."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from meshd.context import RequestContext
+from meshd.http_message import Reply, error_reply
+from meshd.metrics import DataPlaneMetrics
+
+# Entries kept in each per-label answer cache before it starts over.
+CACHE_LIMIT = 4096
+
+
+class PoolSeries:
+    """The metric children one pool's every request touches: `labels()` looks a child up
+    under a lock (~2.5 us each), four times on a request's happy path. Each is made on its
+    first use, as `labels()` would make it, so /metrics lists the same series as before."""
+
+    __slots__ = ("_m", "_pool", "_stream_tokens", "queue_depth", "tokens_in_flight")
+
+    def __init__(self, m: DataPlaneMetrics, pool: str) -> None:
+        self._m, self._pool = m, pool
+        self.queue_depth = m.admission_queue_depth.labels(pool)
+        self.tokens_in_flight = m.tokens_in_flight.labels(pool)
+        self._stream_tokens: Any = None
+
+    @property
+    def stream_tokens(self) -> Any:
+        if self._stream_tokens is None:
+            self._stream_tokens = self._m.stream_tokens.labels(self._pool)
+        return self._stream_tokens
+
+
+class Accounting:
+    """Counts refusals and attempts, and closes a request's trace."""
+
+    def __init__(self, metrics: DataPlaneMetrics) -> None:
+        self.metrics = metrics
+        self._pool_series: dict[str, PoolSeries] = {}
+        # (pool, endpoint, status) -> its meshd_upstream_attempts child (bounded).
+        self._attempt_series: dict[tuple[str, str, int], Any] = {}
+
+    def series(self, pool: str) -> PoolSeries:
+        series = self._pool_series.get(pool)
+        if series is None:
+            series = self._pool_series[pool] = PoolSeries(self.metrics, pool)
+        return series
+
+    def count_attempt(self, pool: str, url: str, status: int) -> None:
+        """meshd_upstream_attempts_total{pool, endpoint, outcome=status}, its child cached."""
+        key = (pool, url, status)
+        child = self._attempt_series.get(key)
+        if child is None:
+            if len(self._attempt_series) >= CACHE_LIMIT:
+                self._attempt_series.clear()
+            child = self._attempt_series[key] = self.metrics.upstream_attempts.labels(
+                pool, url, str(status)
+            )
+        child.inc()
+
+    def reject(self, status: int, message: str, code: str, **kw: Any) -> Reply:
+        """meshd's own error reply, counted in meshd_rejected_requests_total{code}."""
+        self.metrics.rejected.labels(code).inc()
+        return error_reply(status, message, code, **kw)
+
+    def refuse(self, ctx: RequestContext, status: int, message: str, code: str, **kw: Any) -> Reply:
+        """A begun request refused: its trace ends with the code, and the client is told."""
+        self.finish(ctx, code, status)
+        return self.reject(status, message, code, **kw)
+
+    def finish(
+        self,
+        ctx: RequestContext,
+        outcome: str,
+        status: int = 0,
+        usage: dict[str, Any] | None = None,
+    ) -> None:
+        if ctx.obs is not None:
+            ctx.obs.finish(outcome, usage, asyncio.get_running_loop().time(), status=status)

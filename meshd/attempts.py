@@ -1,0 +1,304 @@
+"""The routing and attempts layer: the router orders the pool's endpoints for a request,
+the guard screens them (breaker, in-flight limits), and the request is tried on them in
+turn: a refusal before the first byte (no connection, 429/502/503/504) moves on to the next,
+within the pool's retry budget and with backoff, until one answers. The answer goes to the
+relay layer. Every attempt is settled once: the router, the guard and the trace are told
+how it ended."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from filters.chars_per_token import CharsPerToken, utf8_length
+from filters.guard import Screened
+from filters.pool_router import Route
+from filters.retry_budget import parse_retry_after
+from meshd.accounting import Accounting
+from meshd.admission_gate import AdmissionGate
+from meshd.context import Attempt, Plane, RequestContext
+from meshd.http_message import HttpRequest, Reply
+from meshd.upstream import UpstreamClosedError, UpstreamConnectError, UpstreamError
+
+if TYPE_CHECKING:
+    from meshd.relay import Relay
+
+# What one try tells the loop of tries to do next.
+_NEXT = object()  # try the next endpoint
+_STOP = object()  # no more tries: say what failed
+
+
+@dataclass(slots=True)
+class _Tries:
+    routes: list[Route]
+    made: int = 0
+    reason: str = ""  # why the next attempt is made (the last one's failure)
+    failures: list[str] = field(default_factory=list)
+
+
+class Attempts:
+    def __init__(
+        self,
+        plane: Plane,
+        accounting: Accounting,
+        gate: AdmissionGate,
+        chars_per_token: CharsPerToken | None,
+    ) -> None:
+        self.plane = plane
+        self.acct = accounting
+        self.gate = gate
+        self.chars_per_token = chars_per_token
+        self.relay: Relay  # set by the Relay that answers for these attempts
+
+    async def run(self, req: HttpRequest, ctx: RequestContext) -> Reply | None:
+        """Try the request until an endpoint answers; the relayed answer (None: streamed)
+        or the refusal."""
+        plane = self.plane
+        assert plane.upstream is not None and ctx.pick is not None
+        now = time.monotonic()
+        routes = plane.routers[ctx.pool].order(ctx.pick, now)
+        if routes and routes[0].departure is not None:
+            plane.metrics.affinity_departures.labels(ctx.pool, routes[0].departure).inc()
+        ctx.trace.picked(routes, asyncio.get_running_loop().time())
+        plane.retry_budgets[ctx.pool].deposit(now)
+        tries = _Tries(routes)
+        while tries.made < plane.config.upstream.max_attempts:
+            route = await self._next_route(ctx, tries)
+            if route is _NEXT:
+                continue  # requeued until a slot freed: ask again
+            if route is _STOP:
+                break
+            if isinstance(route, Reply):
+                return route
+            assert isinstance(route, Route)
+            tries.made += 1
+            result = await self._try(req, ctx, route, tries)
+            if result is _NEXT:
+                continue
+            if result is _STOP:
+                break
+            assert result is None or isinstance(result, Reply)
+            return result
+        detail = "; ".join(tries.failures) or "no endpoint available"
+        made = tries.made
+        return self.acct.refuse(
+            ctx,
+            502 if made else 503,
+            f"no endpoint of pool {ctx.pool!r} accepted the request: {detail}",
+            "upstream_unavailable" if made else "no_healthy_upstream",
+            **({} if made else {"retry_after_s": 1}),
+        )
+
+    async def _next_route(self, ctx: RequestContext, tries: _Tries) -> Route | Reply | object:
+        """The next endpoint to try, a refusal, _NEXT (ask again) or _STOP."""
+        candidates = [r for r in tries.routes if r.url not in ctx.tried]
+        if not candidates:
+            return _STOP
+        if ctx.inference is None:
+            return candidates[0]
+        screened = self.screen(ctx, candidates)
+        if screened.full and self.plane.guards[ctx.pool].admission is None:
+            return self.acct.refuse(
+                ctx,
+                503,
+                f"every endpoint of pool {ctx.pool!r} is at its in-flight limits "
+                "(reliability.breaker); retry shortly",
+                "overloaded",
+                retry_after_s=1,
+            )
+        if screened.full and ctx.item_id is not None:
+            # Every endpoint is at its in-flight limits: back into the queue until a slot
+            # frees, then ask again.
+            refused = await self.gate.requeue(ctx)
+            return _NEXT if refused is None else refused
+        if not screened.routes:
+            tries.failures += [f"{url}: {why}" for url, why in screened.skipped]
+            return _STOP
+        return screened.routes[0]
+
+    async def _try(
+        self, req: HttpRequest, ctx: RequestContext, route: Route, tries: _Tries
+    ) -> Reply | object | None:
+        """One attempt on `route`: the relayed answer, a refusal, _NEXT or _STOP."""
+        plane = self.plane
+        assert plane.upstream is not None
+        up_cfg = plane.config.upstream
+        url = route.url
+        loop = asyncio.get_running_loop()
+        attempt = self.start(ctx, route, tries.reason)
+        try:
+            try:
+                async with asyncio.timeout(
+                    min(up_cfg.first_byte_timeout_s, ctx.deadline - loop.time())
+                ):
+                    upstream = await plane.upstream.request(
+                        url,
+                        ctx.method,
+                        ctx.target,
+                        attempt.trace.inject_headers(ctx.upstream_headers),
+                        ctx.body,
+                    )
+            except (UpstreamConnectError, UpstreamClosedError) as exc:
+                # No connection, or the engine closed it before answering (the pool has
+                # already retried a stale keep-alive one): try the next endpoint.
+                tries.reason = str(exc)
+                attempt.local_failure = True
+                self.settle(attempt, "connect_error", tries.reason)
+                plane.metrics.upstream_attempts.labels(ctx.pool, url, "connect_error").inc()
+                tries.failures.append(f"{url}: {tries.reason}")
+                delay = self.retry_delay(ctx, tries.made, len(tries.routes), None, "connect_error")
+                if delay is None:
+                    return _STOP
+                await asyncio.sleep(delay)
+                return _NEXT
+            except TimeoutError:
+                attempt.local_failure = True
+                self.settle(attempt, "timeout")
+                plane.metrics.upstream_attempts.labels(ctx.pool, url, "timeout").inc()
+                return self.acct.refuse(
+                    ctx,
+                    504,
+                    f"{url} sent no response headers within "
+                    f"upstream.first_byte_timeout_s ({up_cfg.first_byte_timeout_s:g} s)",
+                    "upstream_timeout",
+                )
+            except UpstreamError as exc:  # a protocol error; the message names the url
+                attempt.local_failure = True
+                self.settle(attempt, "upstream_error", str(exc))
+                plane.metrics.upstream_attempts.labels(ctx.pool, url, "error").inc()
+                return self.acct.refuse(ctx, 502, f"upstream failed: {exc}", "upstream_error")
+            status = attempt.status = upstream.status
+            self.acct.count_attempt(ctx.pool, url, status)
+            attempt.ok = status < 500
+            if plane.retry_budgets[ctx.pool].retryable(status, False, False):
+                # Refused before the first byte (429/502/503/504): another endpoint may
+                # serve it, within the retry budget; otherwise the answer goes through.
+                after = parse_retry_after(upstream.header("retry-after") or "")
+                delay = self.retry_delay(ctx, tries.made, len(tries.routes), after, str(status))
+                if delay is not None:
+                    attempt.ok = False
+                    upstream.close()
+                    self.settle(attempt, f"http_{status}")
+                    tries.failures.append(f"{url}: HTTP {status}")
+                    tries.reason = f"http_{status}"
+                    await asyncio.sleep(delay)
+                    return _NEXT
+            return await self.relay.relay(req, ctx, attempt, upstream)
+        except asyncio.CancelledError:
+            attempt.cancelled = True
+            self.settle(attempt, "client_disconnect")
+            raise
+        finally:
+            if not attempt.settled:
+                self.settle(attempt, attempt.outcome or "ok")
+
+    def start(self, ctx: RequestContext, route: Route, reason: str) -> Attempt:
+        """An attempt begins: the router and the guard count it in flight."""
+        plane = self.plane
+        assert ctx.pick is not None
+        router = plane.routers[ctx.pool]
+        guard = plane.guards[ctx.pool] if ctx.inference is not None else None
+        trace = ctx.trace.attempt(route.url, None, asyncio.get_running_loop().time(), reason=reason)
+        attempt = Attempt(router, route, next(plane.ids), ctx.pick, guard, trace)
+        if reason != "resume":  # a continuation's prompt is not the text the pick estimated
+            attempt.inference = ctx.inference
+        now = time.monotonic()
+        router.started(route, attempt.rid, ctx.pick, now)
+        if guard is not None:
+            guard.started(route.url, attempt.rid, ctx.tokens, now, model=ctx.pick.model)
+            if ctx.item_id is not None and (ev := guard.routed(ctx.item_id, now)) is not None:
+                self.gate.apply(ctx.pool, ev)  # the next held new task may be judged
+        ctx.tried.add(route.url)
+        return attempt
+
+    def settle(self, attempt: Attempt, outcome: str, error: str | None = None) -> None:
+        """Tell the router, the guard and the trace how an attempt ended (once)."""
+        if attempt.settled:
+            return
+        attempt.settled = True
+        now = time.monotonic()
+        route = attempt.route
+        if outcome == "connect_error":
+            attempt.router.connect_failed(route, attempt.rid, now, error or outcome)
+        else:
+            attempt.router.finished(
+                route,
+                attempt.rid,
+                attempt.pick,
+                now,
+                ok=attempt.ok,
+                cached_tokens=attempt.cached_tokens,
+                completion_tokens=attempt.completion_tokens,
+            )
+        if (
+            attempt.ok
+            and attempt.prompt_tokens
+            and attempt.inference is not None
+            and self.chars_per_token is not None
+        ):
+            text = attempt.inference.prompt_text
+            self.chars_per_token.observe(
+                attempt.inference.model, len(text), utf8_length(text), attempt.prompt_tokens
+            )
+        if attempt.guard is not None:
+            if attempt.ok and attempt.pick.context_key is not None:
+                attempt.guard.step_succeeded(attempt.pick.context_key)
+            attempt.guard.finished(
+                route.url,
+                attempt.rid,
+                now,
+                status=attempt.status or None,
+                local_failure=attempt.local_failure,
+                cancelled=attempt.cancelled,
+                completion_tokens=attempt.completion_tokens if attempt.ok else None,
+            )
+        attempt.trace.end(
+            outcome,
+            attempt.status,
+            attempt.cached_tokens,
+            attempt.prompt_tokens,
+            attempt.completion_tokens,
+            asyncio.get_running_loop().time(),
+            error=error,
+        )
+
+    def screen(
+        self, ctx: RequestContext, routes: list[Route], *, continuation: bool = False
+    ) -> Screened[Route]:
+        """The routes the guard lets through now (`continuation`: a resumed stream, which
+        in-flight limits do not hold back); the skipped ones are counted."""
+        guard = self.plane.guards[ctx.pool]
+        assert ctx.pick is not None
+        screened = guard.screen(
+            routes, ctx.tokens, ctx.pick.priority, time.monotonic(), continuation=continuation
+        )
+        for _, why in screened.skipped:
+            self.plane.metrics.breaker_rejections.labels(ctx.pool, why).inc()
+        return screened
+
+    def retry_delay(
+        self,
+        ctx: RequestContext,
+        attempts_made: int,
+        routes: int,
+        retry_after_s: float | None,
+        reason: str,
+    ) -> float | None:
+        """Seconds to wait before the next attempt, or None when there is none: no other
+        endpoint, the attempt cap, a Retry-After beyond the deadline, or the retry budget
+        (retries stay under a ratio of recent requests, so failures never become a storm)."""
+        plane = self.plane
+        if attempts_made >= min(routes, plane.config.upstream.max_attempts):
+            return None
+        retry = plane.retry_budgets[ctx.pool]
+        delay = retry.backoff(attempts_made, plane.rng, retry_after_s)
+        if delay == math.inf or asyncio.get_running_loop().time() + delay >= ctx.deadline:
+            return None
+        if not retry.withdraw(time.monotonic(), attempts_made):
+            plane.metrics.retry_budget_exhausted.labels(ctx.pool).inc()
+            return None
+        plane.metrics.retries.labels(ctx.pool, reason).inc()
+        return delay

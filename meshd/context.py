@@ -1,0 +1,106 @@
+"""The records a request carries through the sidecar's layers (docs/architecture.md), and
+the state those layers share. Plain data: the layers own the behaviour."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from filters.hotpath import RoutingHeaders
+from filters.picker import PickRequest
+from filters.pool_router import PoolRouter, Route
+from filters.request import InferenceRequest
+from filters.retry_budget import RetryBudget
+from meshd.config import Config
+from meshd.metrics import DataPlaneMetrics
+from meshd.observe import AttemptTrace, RequestObserver, RequestTrace
+from meshd.upstream import UpstreamResponse
+
+if TYPE_CHECKING:
+    from filters.guard import PoolGuard
+    from meshd.upstream import UpstreamPool
+
+
+@dataclass(eq=False)
+class Plane:
+    """What every layer of one sidecar shares: its config, metrics and the pools' decision
+    objects (routers, guards, retry budgets), and the relays the reaper watches."""
+
+    config: Config
+    metrics: DataPlaneMetrics
+    routers: dict[str, PoolRouter]
+    guards: dict[str, PoolGuard]
+    retry_budgets: dict[str, RetryBudget]
+    observer: RequestObserver
+    rng: random.Random = field(default_factory=random.Random)
+    ids: Iterator[int] = field(default_factory=itertools.count)
+    watches: set[Watch] = field(default_factory=set)
+    upstream: UpstreamPool | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Watch:
+    """A response being relayed, watched by the reaper for silence and deadline."""
+
+    upstream: UpstreamResponse
+    last_activity: float
+    deadline: float
+    expired: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Attempt:
+    """One try of a request on one endpoint, and what the router, the guard and the trace
+    are told about it (once, by Attempts.settle)."""
+
+    router: PoolRouter
+    route: Route
+    rid: int
+    pick: PickRequest
+    guard: PoolGuard | None
+    trace: AttemptTrace
+    ok: bool = False
+    status: int = 0
+    local_failure: bool = False  # no connection, reset, timeout, broken stream
+    cancelled: bool = False  # the client left: no verdict on the endpoint
+    outcome: str = ""
+    cached_tokens: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    first_token_at: float | None = None
+    settled: bool = False
+    inference: InferenceRequest | None = None  # the prompt usage.prompt_tokens counts
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """One client request, as the request layer built it and the later layers filled in."""
+
+    kind: str
+    pool: str
+    started: float
+    trusted: bool
+    method: str = "POST"
+    target: str = "/"  # path and query, as the client sent them
+    inference: InferenceRequest | None = None
+    routing: RoutingHeaders | None = None
+    block_hashes: list[int] = field(default_factory=list)
+    tokens_per_block: int | None = None  # engine token blocks (precise path), else text
+    request_id: str = ""
+    obs: RequestTrace | None = None
+    body: bytes = b""
+    upstream_headers: list[tuple[str, str]] = field(default_factory=list)
+    deadline: float = math.inf  # loop clock: the whole request, all tries
+    pick: PickRequest | None = None
+    tokens: int = 0  # expected prompt + output tokens (the token breaker's unit)
+    item_id: int | None = None  # admission item while admitted
+    tried: set[str] = field(default_factory=set)
+
+    @property
+    def trace(self) -> RequestTrace:
+        assert self.obs is not None, "the request has not begun"
+        return self.obs

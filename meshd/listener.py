@@ -1,0 +1,529 @@
+"""The outbound listener: HTTP/1.1 server connections on raw asyncio protocols (uvloop
+compatible), parsed by httptools (llhttp, the parser of Node.js). It frames requests and
+responses and enforces the limits of the connection; what a request means is the
+handler's business (meshd/sidecar.py and the layers behind it).
+
+Why not aiohttp's server: per request it builds a Request, a CIMultiDict of headers, a
+StreamReader for the body and a StreamResponse that runs three coroutine layers per write;
+`python -m loadtest.listener_bench` times both on the same requests. The client side is
+meshd/upstream.py, on the same footing.
+
+Contract (RFC 9112):
+- Requests are read one after another on a connection; pipelined ones wait, in order,
+  until the response before them is complete (section 9.3.2), with reading paused while
+  one waits, so a pipelining client cannot make the listener buffer without bound.
+- Bodies: Content-Length or chunked (llhttp checks the framing, e.g. two Content-Lengths
+  or chunked after another coding is a 400). `Expect: 100-continue` is answered when the
+  handler first reads the body, so a request refused on its head never sends it; another
+  expectation is a 417 (RFC 9110 10.1.1).
+- Upgrade (e.g. curl's `Upgrade: h2c`) is ignored, as RFC 9110 7.8 allows: the request is
+  served over HTTP/1.1. CONNECT is refused with 405.
+- Limits, each answered with an OpenAI-style error body and `Connection: close`: the head's
+  header count and bytes (431), a head that does not arrive within client_header_timeout_s
+  (408), a body over max_body_bytes (413, as soon as Content-Length says so, else once the
+  body passes it) or slower than client_body_timeout_s (408), malformed framing (400).
+  An idle keep-alive connection is closed after keepalive_timeout_s.
+- A handler returns a `Reply` (sent whole, with Content-Length) or streams through
+  `HttpRequest.stream()`; a client that goes away cancels its handler at once (the relay
+  then drops the upstream connection, so the engine stops generating).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import email.utils
+import http
+import logging
+import time
+from collections.abc import Callable
+
+import httptools
+
+from meshd.http_message import (
+    BodyError,
+    Handler,
+    HttpRequest,
+    ListenerLimits,
+    RejectHook,
+    Reply,
+    error_reply,
+)
+
+log = logging.getLogger("meshd.listener")
+
+__all__ = ["HttpServer"]
+
+# A connection stops reading while a pipelined request waits for the one before it.
+_MAX_QUEUED = 1
+# Bytes of a head past which the connection is cut without waiting for the count to be
+# checked at its end (a single endless header line would otherwise be buffered by the
+# parser): the limit, plus room for the request line.
+_HEAD_SLACK = 8192
+_REASONS = {s.value: s.phrase for s in http.HTTPStatus}
+_NO_BODY_STATUS = frozenset({204, 304})
+
+
+class HttpServer:
+    """A protocol factory for asyncio's `create_server` (and the transparent listener), and
+    the set of connections it made, for a graceful shutdown."""
+
+    def __init__(
+        self, handler: Handler, limits: ListenerLimits, on_reject: RejectHook | None = None
+    ) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.on_reject = on_reject
+        self.connections: set[_Connection] = set()
+        self.closing = False
+        self._idle: asyncio.Event | None = None
+
+    def __call__(self) -> _Connection:
+        return _Connection(self)
+
+    def _forget(self, conn: _Connection) -> None:
+        self.connections.discard(conn)
+        if not self.connections and self._idle is not None:
+            self._idle.set()
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Close idle connections now and the others once their response is complete; after
+        `timeout_s` cancel what still runs."""
+        self.closing = True
+        for conn in list(self.connections):
+            conn.close_when_idle()
+        if self.connections:
+            self._idle = asyncio.Event()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._idle.wait()
+            except TimeoutError:
+                pass
+        for conn in list(self.connections):
+            conn.abort()
+        # Let cancelled handlers run their cleanup before the caller closes what they use.
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parser callbacks, the request queue and flow control."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.limits = server.limits
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.remote: str | None = None
+        self.closed = False
+        self.write_paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self._parser = httptools.HttpRequestParser(self)
+        self._queue: collections.deque[HttpRequest | Reply] = collections.deque()
+        self._task: asyncio.Task[None] | None = None
+        self._current: HttpRequest | None = None  # the request being handled
+        self._parsing: HttpRequest | None = None  # the request whose bytes arrive now
+        self._url: list[bytes] = []
+        self._headers: list[tuple[str, str]] = []
+        self._head_bytes = 0
+        self._header_size = 0
+        self._head_error: str | None = None
+        self._in_head = False
+        self._raw_body = 0  # bytes of an upgrade request's body still to come, unparsed
+        self._reading = True
+        self._timer: asyncio.TimerHandle | None = None
+        self._close_when_idle = False
+
+    # -- asyncio.Protocol ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and peer:
+            self.remote = str(peer[0])
+        self.server.connections.add(self)
+        if self.server.closing:
+            self.close_when_idle()
+        self._arm(self.limits.client_header_timeout_s, self._head_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed or (self._close_when_idle and self._current is None and not self._queue):
+            return
+        if self._raw_body:
+            data = self._take_raw_body(data)
+            if not data:
+                return
+        was_in_head = self._in_head
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            self._upgraded(data, int(exc.args[0]) if exc.args else len(data))
+        except httptools.HttpParserError as exc:
+            self._malformed(exc)
+        if was_in_head and self._in_head:
+            # A head spread over reads: bounded here, since the parser buffers a field
+            # until its end (the read a head begins in is not counted: at most one read).
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_header_bytes + _HEAD_SLACK:
+                self._refuse_head("size")
+                return
+        if len(self._queue) >= _MAX_QUEUED:
+            self.pause_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._disarm()
+        self.server._forget(self)
+        for req in (self._parsing, self._current):
+            if req is not None:
+                req._fail(BodyError(400, "bad_body", "the client closed the connection"))
+        if self._task is not None and not self._task.done():
+            self._task.cancel()  # the client left: its handler stops now
+        self._queue.clear()
+        d = self._drain
+        if d is not None and not d.done():
+            d.set_exception(ConnectionResetError("the client closed the connection"))
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        d = self._drain
+        if d is not None and not d.done():
+            d.set_result(None)
+
+    # -- httptools callbacks ---------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._url = []
+        self._headers = []
+        self._header_size = 0
+        self._head_bytes = 0
+        self._head_error = None
+        if self._current is None and not self._queue:
+            # No longer idle: the head has client_header_timeout_s to arrive whole.
+            self._arm(self.limits.client_header_timeout_s, self._head_timeout)
+
+    def on_url(self, url: bytes) -> None:
+        self._url.append(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._head_error is not None:
+            return
+        headers = self._headers
+        headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
+        self._header_size += len(name) + len(value)
+        if len(headers) > self.limits.max_header_count:
+            self._head_error = "count"
+        elif self._header_size > self.limits.max_header_bytes:
+            self._head_error = "size"
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        parser = self._parser
+        method = parser.get_method().decode("ascii")
+        req = HttpRequest(
+            self,
+            method,
+            b"".join(self._url).decode("utf-8", "surrogateescape"),
+            parser.get_http_version(),
+            self._headers,
+            parser.should_keep_alive(),
+        )
+        self._parsing = req
+        if self._head_error is not None:
+            req._error = BodyError(431, "", "")  # not read: the head is refused
+            self._queue.append(self._head_reply(self._head_error, len(self._headers)))
+        else:
+            self._queue_request(req, method)
+        if self._current is None:
+            self._disarm()
+            self._next()
+
+    def _queue_request(self, req: HttpRequest, method: str) -> None:
+        cl = req.header("content-length")
+        if cl is not None:
+            req.content_length = int(cl)  # llhttp has checked it is one decimal number
+        expect = req.header("expect")
+        if method == "CONNECT":
+            req._error = BodyError(405, "", "")
+            self._queue.append(
+                error_reply(405, "meshd is not a CONNECT proxy", "method_not_allowed", close=True)
+            )
+        elif expect is not None and req.version == "1.1":
+            if expect.lower() != "100-continue":
+                self._queue.append(
+                    error_reply(417, f"Unknown Expect: {expect}", "expectation_failed", close=True)
+                )
+                req._error = BodyError(417, "", "")
+            else:
+                req._continue = True
+                self._queue.append(req)
+        else:
+            self._queue.append(req)
+
+    def on_body(self, body: bytes) -> None:
+        req = self._parsing
+        if req is not None:
+            req._feed(body)
+
+    def on_message_complete(self) -> None:
+        req = self._parsing
+        if req is not None:
+            self._parsing = None
+            if req.content_length and req._size < req.content_length:
+                self._raw_body = req.content_length - req._size  # an upgrade: see _upgraded
+                self._parsing = req
+                return
+            req._continue = False
+            req._done()
+
+    # -- the request queue -------------------------------------------------------------
+
+    def _next(self) -> None:
+        """Start the next queued request, or wait (for keepalive_timeout_s) for one."""
+        while self._queue and not self.closed:
+            item = self._queue.popleft()
+            self.resume_reading()
+            if isinstance(item, Reply):
+                self._send_reply(None, item)
+                if item.close:
+                    self._close()
+                    return
+                continue
+            self._current = item
+            self._task = self.loop.create_task(self._run(item))
+            return
+        if self.closed:
+            return
+        if self._close_when_idle:
+            self._close()
+        elif self._parsing is None:
+            self._arm(self.limits.keepalive_timeout_s, self._close)
+
+    async def _run(self, req: HttpRequest) -> None:
+        try:
+            reply = await self.server.handler(req)
+        except asyncio.CancelledError:
+            self._current = None
+            return
+        except Exception:
+            log.exception("handler failed on %s %s", req.method, req.path)
+            if req._stream is None and not self.closed:
+                self._send_reply(req, error_reply(500, "internal error", "internal", close=True))
+            self._close()
+            return
+        if self.closed:
+            return
+        if reply is not None:
+            self._send_reply(req, reply)
+        else:
+            stream = req._stream
+            if stream is None:
+                self._send_reply(req, error_reply(500, "no response", "internal", close=True))
+            elif not stream.ended:
+                try:
+                    stream.end()
+                except ConnectionResetError:
+                    return
+        self._current = None
+        keep = req.keep_alive and req.complete and (reply is None or not reply.close)
+        if not keep:
+            self._close()
+        else:
+            self._next()
+
+    def head(self, req: HttpRequest | None, status: int, headers: list[tuple[str, str]]) -> bytes:
+        """A response head; says `Connection: close` when the connection ends after it."""
+        closing = (
+            req is None
+            or not req.keep_alive
+            or self._close_when_idle
+            or self.server.closing
+            or not req.complete
+        )
+        if req is not None and closing:
+            req.keep_alive = False
+        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
+        lines += [f"{n}: {v}\r\n" for n, v in headers]
+        if closing:
+            lines.append("Connection: close\r\n")
+        elif req is not None and req.version == "1.0":
+            lines.append("Connection: keep-alive\r\n")
+        lines.append("\r\n")
+        return "".join(lines).encode("utf-8", "surrogateescape")
+
+    def _send_reply(self, req: HttpRequest | None, reply: Reply) -> None:
+        if reply.close and req is not None:
+            req.keep_alive = False
+        headers = list(reply.headers)
+        if not any(n.lower() == "date" for n, _ in headers):
+            headers.append(("Date", _http_date()))
+        body = reply.body
+        if reply.status not in _NO_BODY_STATUS:
+            headers.append(("Content-Length", str(len(body))))
+        if (req is not None and req.method == "HEAD") or reply.status in _NO_BODY_STATUS:
+            body = b""
+        self.write(self.head(req, reply.status, headers) + body)
+
+    # -- limits and errors -------------------------------------------------------------
+
+    def _head_reply(self, why: str, count: int) -> Reply:
+        limits = self.limits
+        if why == "count":
+            message = (
+                f"too many request headers: {count} > limits.max_header_count "
+                f"({limits.max_header_count})"
+            )
+            code = "header_count_exceeded"
+        else:
+            message = (
+                f"request headers too large: over limits.max_header_bytes "
+                f"({limits.max_header_bytes})"
+            )
+            code = "header_size_exceeded"
+        self._count(code)
+        return error_reply(431, message, code, close=True)
+
+    def _refuse_head(self, why: str) -> None:
+        """The head outgrew every limit before its end: answer now if nothing else is owed."""
+        if self._current is None and not self._queue:
+            self._send_reply(None, self._head_reply(why, len(self._headers)))
+        self._close()
+
+    def _malformed(self, exc: Exception) -> None:
+        req = self._parsing
+        message = f"malformed HTTP request: {exc}"
+        if req is not None and not self._in_head:
+            req._fail(BodyError(400, "bad_body", f"malformed request body: {exc}"))
+            self._count("bad_body")
+            if req is not self._current and req in self._queue:
+                self._queue.remove(req)
+        elif self._current is None and not self._queue:
+            self._count("bad_request")
+            self._send_reply(None, error_reply(400, message, "bad_request", close=True))
+            self._close()
+            return
+        self._close_when_idle = True  # nothing after this point can be framed
+        self.pause_reading()
+
+    def _upgraded(self, data: bytes, offset: int) -> None:
+        """llhttp stops at a request that asks to upgrade; meshd serves it over HTTP/1.1 and
+        reads on with a fresh parser (the body, if any, comes first, raw)."""
+        self._parser = httptools.HttpRequestParser(self)
+        rest = data[offset:]
+        if self._raw_body:
+            rest = self._take_raw_body(rest)
+        if rest:
+            try:
+                self._parser.feed_data(rest)
+            except httptools.HttpParserUpgrade as exc:
+                self._upgraded(rest, int(exc.args[0]) if exc.args else len(rest))
+            except httptools.HttpParserError as exc:
+                self._malformed(exc)
+
+    def _take_raw_body(self, data: bytes) -> bytes:
+        req = self._parsing
+        n = min(self._raw_body, len(data))
+        self._raw_body -= n
+        if req is not None:
+            req._feed(data[:n])
+            if not self._raw_body:
+                self._parsing = None
+                req._continue = False
+                req._done()
+        return data[n:]
+
+    def _head_timeout(self) -> None:
+        """No request head within client_header_timeout_s: 408 if one had begun, else close
+        quietly (an idle connection that never spoke)."""
+        self._timer = None
+        if self._current is not None or self._queue:
+            return
+        if self._in_head:
+            self._count("header_timeout")
+            self._send_reply(
+                None,
+                error_reply(
+                    408,
+                    f"the request head did not arrive within limits.client_header_timeout_s "
+                    f"({self.limits.client_header_timeout_s:g} s)",
+                    "header_timeout",
+                    close=True,
+                ),
+            )
+        self._close()
+
+    def _count(self, code: str) -> None:
+        if self.server.on_reject is not None:
+            self.server.on_reject(code)
+
+    # -- transport -------------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        transport = self.transport
+        if self.closed or transport is None or transport.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")
+        transport.write(data)
+
+    async def drain(self) -> None:
+        if self.closed:
+            raise ConnectionResetError("the client closed the connection")
+        if not self.write_paused:
+            return
+        self._drain = self.loop.create_future()
+        try:
+            await self._drain
+        finally:
+            self._drain = None
+
+    def pause_reading(self) -> None:
+        if self._reading and self.transport is not None and not self.closed:
+            self._reading = False
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if not self._reading and self.transport is not None and not self.closed:
+            self._reading = True
+            self.transport.resume_reading()
+
+    def close_when_idle(self) -> None:
+        self._close_when_idle = True
+        if self._current is None and not self._queue:
+            self._close()
+
+    def abort(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _close(self) -> None:
+        self._disarm()
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+
+    def _arm(self, delay: float, callback: Callable[[], None]) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(delay, callback)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+_date_cache: tuple[int, str] = (0, "")
+
+
+def _http_date() -> str:
+    """The Date field (RFC 9110 6.6.1), made once a second."""
+    global _date_cache
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache = (now, email.utils.formatdate(now, usegmt=True))
+    return _date_cache[1]
