@@ -1,6 +1,6 @@
-"""The outbound listener's own dispatch (aiohttp's low-level server, no Application router)
-and the relay's direct chunk writes, seen from raw sockets: what reaches the client is
-byte-for-byte what aiohttp's own writer would have sent."""
+"""The sidecar's dispatch and the relay's chunk writes through the outbound listener
+(meshd/listener.py), seen from raw sockets: what reaches the client is strict HTTP/1.1
+framing (chunked coding on 1.1, an unframed body on 1.0)."""
 
 from __future__ import annotations
 
@@ -71,8 +71,7 @@ async def test_a_relayed_stream_is_framed_exactly_as_chunked_coding(backends, si
 
 
 async def test_an_http_1_0_client_gets_the_stream_unframed(backends, sidecar):
-    # HTTP/1.0 has no chunked coding: aiohttp sends the body as it comes and closes, so the
-    # direct chunk writer must stand aside.
+    # HTTP/1.0 has no chunked coding: the body goes as it comes and the connection closes.
     b = await backends()
     s = await sidecar(sidecar_config([b.url]))
     raw = await _exchange(s, _request("/v1/completions", json.dumps(_STREAM).encode(), "1.0"))

@@ -1,0 +1,395 @@
+"""The outbound listener (meshd/listener.py) on its own: HTTP/1.1 framing driven through a
+fake transport (properties: any split of the bytes across reads gives the same responses;
+malformed input gets 400/405/413/417/431 and never a crash or a hang), and through real
+sockets with the sidecar behind it (keep-alive, pipelining, slow clients, Upgrade)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+from backends import sse_events
+from harness import sidecar_config, url
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshd.http_message import BodyError, HttpRequest, ListenerLimits, Reply
+from meshd.listener import HttpServer
+
+SMALL = ListenerLimits(
+    max_header_count=12,
+    max_header_bytes=1024,
+    max_body_bytes=2048,
+    client_header_timeout_s=5,
+    client_body_timeout_s=5,
+    keepalive_timeout_s=5,
+)
+
+
+class FakeTransport(asyncio.Transport):
+    """Collects what the listener writes; closing it tells the protocol on the next turn."""
+
+    def __init__(self, protocol: asyncio.Protocol) -> None:
+        super().__init__()
+        self.protocol = protocol
+        self.out = bytearray()
+        self.closing = False
+        self.reading = True
+
+    def write(self, data: Any) -> None:
+        assert not self.closing, "a write after close"
+        self.out += data
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        if not self.closing:
+            self.closing = True
+            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+
+    def abort(self) -> None:
+        self.close()
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 40000) if name == "peername" else default
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+async def echo(req: HttpRequest) -> Reply | None:
+    """What the listener framed: method, target, headers and body, as JSON."""
+    try:
+        body = await req.read_body()
+    except BodyError as exc:
+        return exc.reply
+    if req.path == "/stream":
+        stream = req.stream(200, [("Content-Type", "text/plain")])
+        for part in (body[: len(body) // 2], body[len(body) // 2 :]):
+            stream.write(part)
+        return None
+    doc = {
+        "method": req.method,
+        "target": req.target,
+        "headers": [[n.lower(), v] for n, v in req.headers if n.lower().startswith("x-")],
+        "body": body.decode("latin-1"),
+    }
+    # ASCII escapes: a target or value that is not UTF-8 reaches us surrogate-escaped.
+    return Reply(200, [("Content-Type", "application/json")], json.dumps(doc).encode())
+
+
+async def drive(chunks: list[bytes], limits: ListenerLimits = SMALL) -> tuple[bytes, bool]:
+    """Feed `chunks` as successive reads (waiting while reading is paused), then let every
+    handler finish; the bytes written back and whether the listener closed."""
+    server = HttpServer(echo, limits)
+    conn = server()
+    transport = FakeTransport(conn)
+    conn.connection_made(transport)
+    for chunk in chunks:
+        for _ in range(200):
+            if transport.reading or transport.closing:
+                break
+            await asyncio.sleep(0)
+        if transport.closing:
+            break
+        assert transport.reading, "reading stayed paused with no request in progress"
+        conn.data_received(chunk)
+        await asyncio.sleep(0)
+    for _ in range(200):
+        await asyncio.sleep(0)
+        task = conn._task
+        if (task is None or task.done()) and not conn._queue:
+            break
+    closed = transport.closing
+    if not transport.closing:
+        transport.close()  # the client hangs up: nothing may be left running
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert conn._task is None or conn._task.done(), "a handler outlived its connection"
+    assert conn not in server.connections
+    return bytes(transport.out), closed
+
+
+def responses(raw: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """Strictly parsed responses (Content-Length or chunked), Date left out."""
+    out = []
+    while raw:
+        head, sep, rest = raw.partition(b"\r\n\r\n")
+        assert sep, f"an unfinished head: {raw[:80]!r}"
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ")[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(": ")
+            headers[name.lower()] = value
+        headers.pop("date", None)
+        if "content-length" in headers:
+            n = int(headers["content-length"])
+            body, raw = rest[:n], rest[n:]
+        elif headers.get("transfer-encoding") == "chunked":
+            body = b""
+            while True:
+                size_line, _, rest = rest.partition(b"\r\n")
+                size = int(size_line, 16)
+                body += rest[:size]
+                assert rest[size : size + 2] == b"\r\n"
+                rest = rest[size + 2 :]
+                if size == 0:
+                    break
+            raw = rest
+        else:
+            body, raw = rest, b""
+        out.append((status, headers, body))
+    return out
+
+
+def request_bytes(
+    method: str,
+    target: str,
+    headers: list[tuple[str, str]],
+    body: bytes,
+    chunks: list[int] | None,
+) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1", "Host: x"]
+    lines += [f"{n}: {v}" for n, v in headers]
+    if chunks is None:
+        if body or method == "POST":
+            lines.append(f"Content-Length: {len(body)}")
+        framed = body
+    else:
+        lines.append("Transfer-Encoding: chunked")
+        framed, i = b"", 0
+        for size in [*chunks, len(body)]:
+            piece = body[i : i + size]
+            i += len(piece)
+            if piece:
+                framed += b"%x\r\n%b\r\n" % (len(piece), piece)
+        framed += b"0\r\n\r\n"
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + framed
+
+
+_token = st.text("abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=12)
+_value = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=30)
+_requests = st.lists(
+    st.tuples(
+        st.sampled_from(["GET", "POST", "PUT", "DELETE"]),
+        st.builds(lambda a, b: f"/{a}?q={b}", _token, _token),
+        st.lists(st.tuples(_token.map(lambda t: "x-" + t), _value), max_size=5),
+        st.binary(max_size=300),
+        st.none() | st.lists(st.integers(1, 64), max_size=6),
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    pieces, last = [], 0
+    for p in points:
+        pieces.append(data[last:p])
+        last = p
+    pieces.append(data[last:])
+    return [p for p in pieces if p]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=_requests, cuts=st.lists(st.integers(0, 10_000), max_size=12))
+def test_any_split_of_pipelined_requests_gives_the_same_answers(reqs, cuts):
+    data = b"".join(request_bytes(*r) for r in reqs)
+    whole, _ = asyncio.run(drive([data]))
+    split, _ = asyncio.run(drive(_split(data, cuts)))
+    got = responses(whole)
+    assert got == responses(split)
+    assert len(got) == len(reqs)
+    for (method, target, headers, body, _), (status, _, answer) in zip(reqs, got, strict=True):
+        assert status == 200
+        doc = json.loads(answer)
+        assert doc["method"] == method and doc["target"] == target
+        assert doc["headers"] == [[n.lower(), v] for n, v in headers]
+        assert doc["body"].encode("latin-1") == body
+
+
+_ANSWERS = {200, 400, 405, 408, 413, 417, 431}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.one_of(
+        st.binary(max_size=400),
+        st.builds(
+            lambda r, pos, junk: r[:pos] + junk + r[pos:],
+            st.builds(lambda rq: request_bytes(*rq), _requests.map(lambda rs: rs[0])),
+            st.integers(0, 400),
+            st.binary(min_size=1, max_size=8),
+        ),
+    ),
+    cuts=st.lists(st.integers(0, 1000), max_size=6),
+)
+def test_malformed_input_gets_a_clear_status_never_a_crash_or_a_hang(data, cuts):
+    raw, _ = asyncio.run(drive(_split(data, cuts)))
+    for status, headers, body in responses(raw):
+        assert status in _ANSWERS
+        if status != 200:
+            assert json.loads(body)["error"]["code"] == headers["x-meshd-error"]
+
+
+@settings(max_examples=50, deadline=None)
+@given(count=st.integers(13, 60), size=st.integers(1, 40))
+def test_too_many_headers_are_431_and_the_connection_closes(count, size):
+    extra = [(f"x-h{i}", "v" * size) for i in range(count)]
+    raw, closed = asyncio.run(drive([request_bytes("GET", "/", extra, b"", None)]))
+    [(status, headers, body)] = responses(raw)
+    assert status == 431 and closed and headers["connection"] == "close"
+    assert json.loads(body)["error"]["code"] in ("header_count_exceeded", "header_size_exceeded")
+
+
+def test_one_endless_header_line_is_cut_off_before_it_is_buffered():
+    head = b"GET / HTTP/1.1\r\nX-Big: "
+    chunks = [head] + [b"v" * 1000] * 50
+    raw, closed = asyncio.run(drive(chunks))
+    [(status, _, body)] = responses(raw)
+    assert status == 431 and closed
+    assert json.loads(body)["error"]["code"] == "header_size_exceeded"
+
+
+def test_a_body_over_the_limit_is_413_whether_declared_or_chunked():
+    declared = request_bytes("POST", "/", [], b"x" * 3000, None)
+    raw, closed = asyncio.run(drive([declared]))
+    assert [r[0] for r in responses(raw)] == [413] and closed
+    chunked = request_bytes("POST", "/", [], b"x" * 3000, [500] * 6)
+    raw, closed = asyncio.run(drive([chunked[:1000], chunked[1000:]]))
+    assert [r[0] for r in responses(raw)] == [413] and closed
+
+
+def test_a_streamed_answer_is_chunked_and_the_next_request_follows_it():
+    first = request_bytes("POST", "/stream", [], b"abcdef", None)
+    second = request_bytes("GET", "/after", [], b"", None)
+    raw, closed = asyncio.run(drive([first + second]))
+    (s1, h1, b1), (s2, _, b2) = responses(raw)
+    assert (s1, h1["transfer-encoding"], b1) == (200, "chunked", b"abcdef")
+    assert s2 == 200 and json.loads(b2)["target"] == "/after" and not closed
+
+
+def test_upgrade_is_ignored_and_the_body_still_read():
+    req = request_bytes(
+        "POST", "/up", [("Connection", "Upgrade, HTTP2-Settings"), ("Upgrade", "h2c")], b"{}", None
+    )
+    raw, _ = asyncio.run(drive([req + request_bytes("GET", "/next", [], b"", None)]))
+    got = responses(raw)
+    assert got[0][0] == 200 and json.loads(got[0][2])["body"] == "{}"
+    assert len(got) == 1 or json.loads(got[1][2])["target"] == "/next"
+
+
+def test_connect_is_refused_and_an_unknown_expectation_is_417():
+    raw, closed = asyncio.run(drive([b"CONNECT example.com:443 HTTP/1.1\r\nHost: x\r\n\r\n"]))
+    assert [r[0] for r in responses(raw)] == [405] and closed
+    req = request_bytes("POST", "/", [("Expect", "magic")], b"{}", None)
+    raw, closed = asyncio.run(drive([req]))
+    assert [r[0] for r in responses(raw)] == [417] and closed
+
+
+def test_http_1_0_keep_alive_is_honoured_and_plain_1_0_closes():
+    keep = b"GET /a HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"
+    raw, closed = asyncio.run(drive([keep + b"GET /b HTTP/1.0\r\n\r\n"]))
+    got = responses(raw)
+    assert [json.loads(b)["target"] for _, _, b in got] == ["/a", "/b"]
+    assert got[0][1]["connection"] == "keep-alive" and got[1][1]["connection"] == "close"
+    assert closed
+
+
+# -- real sockets, the sidecar behind the listener -------------------------------------
+
+
+async def _open(s: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = s.addresses["outbound"].rsplit(":", 1)
+    return await asyncio.open_connection(host, int(port))
+
+
+def _completion(body: dict[str, Any], close: bool = False) -> bytes:
+    data = json.dumps(body).encode()
+    conn = "Connection: close\r\n" if close else ""
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n{conn}\r\n"
+    ).encode() + data
+
+
+async def test_pipelined_requests_on_one_connection_are_answered_in_order(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url]))
+    reader, writer = await _open(s)
+    try:
+        writer.write(
+            _completion({"model": "tiny", "prompt": "one", "max_tokens": 2})
+            + _completion({"model": "tiny", "prompt": "two", "max_tokens": 2, "stream": True})
+            + _completion({"model": "tiny", "prompt": "three", "max_tokens": 2}, close=True)
+        )
+        raw = await asyncio.wait_for(reader.read(-1), 10)
+    finally:
+        writer.close()
+    got = responses(raw)
+    assert [status for status, _, _ in got] == [200, 200, 200]
+    assert got[1][1]["transfer-encoding"] == "chunked"
+    assert sse_events(got[1][2])[-1] == "[DONE]"
+    assert [r.body["prompt"] for r in b.requests if r.body] == ["one", "two", "three"]
+
+
+async def test_a_slow_head_gets_408_while_others_are_served(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url], limits={"client_header_timeout_s": 0.5}))
+    reader, writer = await _open(s)
+    try:
+        for byte in b"POST /v1/completions HTTP/1.1\r\nHo":  # 1 byte every 50 ms
+            writer.write(bytes([byte]))
+            await writer.drain()
+            if reader.at_eof() or len(reader._buffer):  # type: ignore[attr-defined]
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(url(s, "/v1/completions"), json={"model": "tiny", "prompt": "a"})
+            assert resp.status == 200
+        raw = await asyncio.wait_for(reader.read(-1), 5)
+    finally:
+        writer.close()
+    [(status, headers, body)] = responses(raw)
+    assert status == 408 and headers["connection"] == "close"
+    assert "client_header_timeout_s" in json.loads(body)["error"]["message"]
+
+
+async def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url], limits={"keepalive_timeout_s": 0.3}))
+    reader, writer = await _open(s)
+    try:
+        writer.write(_completion({"model": "tiny", "prompt": "a", "max_tokens": 1}))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200") and b"close" not in head.lower()
+        rest = await asyncio.wait_for(reader.read(-1), 5)  # ends when the sidecar closes
+    finally:
+        writer.close()
+    assert rest and reader.at_eof()
+
+
+async def test_two_hundred_headers_get_431_and_the_sidecar_serves_on(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url]))
+    async with aiohttp.ClientSession() as http:
+        many = {f"x-extra-{i}": "v" for i in range(200)}
+        resp = await http.post(
+            url(s, "/v1/completions"), json={"model": "tiny", "prompt": "a"}, headers=many
+        )
+        assert resp.status == 431
+        assert (await resp.json())["error"]["code"] == "header_count_exceeded"
+        ok = await http.post(url(s, "/v1/completions"), json={"model": "tiny", "prompt": "a"})
+        assert ok.status == 200
+    assert len(b.requests) == 1
