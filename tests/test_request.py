@@ -128,3 +128,14 @@ def test_any_json_object_parses_or_raises_request_error(doc):
         except RequestError:
             continue
         assert isinstance(r.prompt_text, str) and r.model
+
+
+def test_bodies_that_break_the_decoder_itself_are_a_400_not_a_crash():
+    # Nesting past the recursion limit, and an integer past sys.get_int_max_str_digits():
+    # both raised out of the parser (a 500) before; now a RequestError (400) says why.
+    deep = b"[" * 5000 + b"]" * 5000
+    huge = b'{"model":"m","prompt":"a","max_tokens":' + b"9" * 5000 + b"}"
+    with pytest.raises(RequestError, match="nests too deeply"):
+        parse_inference_request("completion", deep)
+    with pytest.raises(RequestError, match="4300 digits"):
+        parse_inference_request("completion", huge)
