@@ -5,11 +5,15 @@ request path: meshd/observe.py), and the OpenAI-style refusal the client gets.""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from meshd.context import RequestContext
 from meshd.http_message import Reply, error_reply
 from meshd.metrics import DataPlaneMetrics
+from meshd.observe import RequestTrace
+
+log = logging.getLogger("meshd.sidecar")
 
 # Entries kept in each per-label answer cache before it starts over.
 CACHE_LIMIT = 4096
@@ -43,6 +47,7 @@ class Accounting:
         self._pool_series: dict[str, PoolSeries] = {}
         # (pool, endpoint, status) -> its meshd_upstream_attempts child (bounded).
         self._attempt_series: dict[tuple[str, str, int], Any] = {}
+        self._pending: list[tuple[RequestTrace, str, dict[str, Any] | None, float, int]] = []
 
     def series(self, pool: str) -> PoolSeries:
         series = self._pool_series.get(pool)
@@ -79,5 +84,22 @@ class Accounting:
         status: int = 0,
         usage: dict[str, Any] | None = None,
     ) -> None:
-        if ctx.obs is not None:
-            ctx.obs.finish(outcome, usage, asyncio.get_running_loop().time(), status=status)
+        """The request is over (its last bytes are out): its trace is finished off the
+        request's path, with the others that ended in this turn of the loop (metrics, cost
+        ledger, access log, spans: ~70 us a request), at the time given now."""
+        obs = ctx.obs
+        if obs is None or obs.finished:
+            return
+        loop = asyncio.get_running_loop()
+        if not self._pending:
+            loop.call_soon(self.flush)
+        self._pending.append((obs, outcome, usage, loop.time(), status))
+
+    def flush(self) -> None:
+        """Finish the traces of the requests that ended since the last flush."""
+        pending, self._pending = self._pending, []
+        for obs, outcome, usage, now, status in pending:
+            try:
+                obs.finish(outcome, usage, now, status=status)
+            except Exception:  # one bad record must not lose the others
+                log.exception("finishing the trace of request %s failed", obs.request_id)

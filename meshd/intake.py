@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
+import random
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -322,11 +323,13 @@ class Intake:
 
 def request_id() -> str:
     """A random UUID version 4 as 32 hex digits, the same as `uuid.uuid4().hex` without
-    building a UUID object (~1.5 us less a request)."""
-    n = int.from_bytes(os.urandom(16), "big")
-    return "%032x" % ((n & _UUID4_CLEAR) | _UUID4_SET)
+    building a UUID object or reading os.urandom per request (a syscall, ~5 us): the bits
+    come from a Mersenne Twister seeded from os.urandom once per process. Request ids
+    name requests in logs and traces; they are not secrets."""
+    return "%032x" % ((_ids.getrandbits(128) & _UUID4_CLEAR) | _UUID4_SET)
 
 
+_ids = random.Random(os.urandom(32))
 # RFC 9562 5.4: the version nibble (4) and the variant bits (0b10), as uuid.UUID sets them.
 _UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))
 _UUID4_SET = (0x4000 << 64) | (0x8000 << 48)

@@ -85,7 +85,7 @@ class Sidecar:
         self.guards = self.plane.guards
         self.retry_budgets = self.plane.retry_budgets
         self.observer = self.plane.observer
-        acct = Accounting(self.metrics)
+        acct = self.accounting = Accounting(self.metrics)
         self.gate = AdmissionGate(self.plane, acct)
         attempts = Attempts(self.plane, acct, self.gate, self.chars_per_token)
         self.relay = Relay(self.plane, acct, attempts)
@@ -254,6 +254,7 @@ class Sidecar:
             await self.plane.upstream.close()
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
+        self.accounting.flush()
         await self.observer.aclose()
 
     async def _reap(self) -> None:
