@@ -139,7 +139,8 @@ def decision_cost(rate: float, duration_s: float, endpoints: int = 8) -> dict[st
     body: decode, parse, hash, pick, encode) is the decision cost per request."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-    from meshd.extproc import EndpointPicker, PickerSettings, _Stream, endpoint_spec
+    from meshd.extproc import endpoint_spec
+    from meshd.extproc_picker import EndpointPicker, PickerSettings, _Stream
 
     settings = PickerSettings(
         endpoints=tuple(endpoint_spec(f"10.0.0.{i + 1}:8000=H100") for i in range(endpoints))
@@ -181,7 +182,8 @@ def span_cost(n: int = 3000, endpoints: int = 8) -> dict[str, float]:
     endpoint: spans are made and ended, then dropped), interleaved in blocks."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-    from meshd.extproc import EndpointPicker, PickerSettings, _Stream, endpoint_spec
+    from meshd.extproc import endpoint_spec
+    from meshd.extproc_picker import EndpointPicker, PickerSettings, _Stream
     from meshd.telemetry import setup_tracing
 
     settings = PickerSettings(
@@ -363,11 +365,11 @@ def serve_null(destination: str) -> int:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-    from meshd.extproc import DESTINATION_HEADER, _set_header
+    from meshd.extproc_messages import DESTINATION_HEADER, set_header
 
     route = pb.CommonResponse(
         header_mutation=pb.HeaderMutation(
-            set_headers=[_set_header(DESTINATION_HEADER, destination)]
+            set_headers=[set_header(DESTINATION_HEADER, destination)]
         ),
         clear_route_cache=True,
     )

@@ -24,7 +24,7 @@ from test_extproc import (
 
 from loadtest.envoy_bin import REPO_ROOT, validate_config
 from loadtest.extproc_bench import FALLBACK_CONFIG, PICKER_CLUSTER
-from meshd.extproc import DESTINATION_HEADER, METADATA_NAMESPACE, SERVED_KEY
+from meshd.extproc_messages import DESTINATION_HEADER, METADATA_NAMESPACE, SERVED_KEY
 
 RECIPES = REPO_ROOT / "envoy" / "recipes"
 

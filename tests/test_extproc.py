@@ -30,13 +30,9 @@ from loadtest.envoy_bin import (
     validate_config,
 )
 from loadtest.extproc_bench import EXTPROC_CONFIG, render_extproc_config
-from meshd.extproc import (
-    DESTINATION_HEADER,
-    Decision,
-    PickerServer,
-    PickerSettings,
-    endpoint_spec,
-)
+from meshd.extproc import PickerServer, endpoint_spec
+from meshd.extproc_messages import DESTINATION_HEADER
+from meshd.extproc_picker import Decision, PickerSettings
 
 
 def addr(url: str) -> str:

@@ -24,15 +24,9 @@ from test_extproc import (
 from filters.pool_router import make_router
 from loadtest.envoy_bin import validate_config
 from loadtest.extproc_bench import FALLBACK_CONFIG, render_extproc_config
-from meshd.extproc import (
-    DESTINATION_HEADER,
-    METADATA_NAMESPACE,
-    SERVED_KEY,
-    EndpointPicker,
-    PickerSettings,
-    _Stream,
-    endpoint_spec,
-)
+from meshd.extproc import endpoint_spec
+from meshd.extproc_messages import DESTINATION_HEADER, METADATA_NAMESPACE, SERVED_KEY
+from meshd.extproc_picker import EndpointPicker, PickerSettings, _Stream
 
 
 def retry_stat(r: object, name: str) -> int:

@@ -15,14 +15,9 @@ from test_extproc import (
     rig,  # noqa: F401  (the fixture; tests take it as a parameter)
 )
 
-from meshd.extproc import (
-    DESTINATION_HEADER,
-    EndpointPicker,
-    PickerSettings,
-    _Stream,
-    endpoint_spec,
-    register,
-)
+from meshd.extproc import endpoint_spec, register
+from meshd.extproc_messages import DESTINATION_HEADER
+from meshd.extproc_picker import EndpointPicker, PickerSettings, _Stream
 from meshd.telemetry import setup_tracing
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
