@@ -1,0 +1,146 @@
+"""The commented example that `meshd config example` prints: every key with its default
+(tests/test_config.py loads it). Keep it in step with meshd/config_schema.py.
+"""
+
+EXAMPLE = """\
+# meshd sidecar configuration. Every key is optional except pools.
+listeners:
+  outbound: {host: 127.0.0.1, port: 15001}     # explicit proxy port for apps
+  transparent: {enabled: false, host: 0.0.0.0, port: 15006}  # iptables REDIRECT target
+  admin: {host: 127.0.0.1, port: 15000}        # /healthz /readyz /metrics /config /endpoints
+  yield_after_first_byte: true  # let a client on meshd's CPU read its first token at once
+pools:
+  - name: default
+    models: ["*"]                              # glob patterns of model names served
+    endpoints:
+      - http://127.0.0.1:8000
+      - {url: "http://127.0.0.1:8001", gpu: H100, weight: 1.0, kv_capacity_tokens: 500000}
+      # The engine's KV events (vLLM --kv-events-config), for routing.tokenizers' models:
+      # - {url: "http://10.0.0.7:8000", kv_events: {endpoint: "tcp://10.0.0.7:5557",
+      #    replay: "tcp://10.0.0.7:5558", topic: "", bind: false}}
+upstream:
+  connect_timeout_s: 5
+  first_byte_timeout_s: 120    # per try: time to the response headers (504 after)
+  idle_timeout_s: 60           # longest silence between bytes of a response
+  request_timeout_s: 900       # whole request, all tries
+  max_connections_per_endpoint: 512
+  keepalive_timeout_s: 30
+  max_attempts: 3              # tries per request, each on another endpoint
+limits:
+  max_body_bytes: 8388608      # 413 above
+  max_header_count: 100        # 431 above
+  max_header_bytes: 16384      # 431 above (all header names and values)
+  max_concurrent_streams: 1024 # 503 above
+  client_header_timeout_s: 30  # 408 when a request head takes longer to arrive
+  client_body_timeout_s: 30    # 408 when a client sends its body slower
+  keepalive_timeout_s: 75      # an idle client connection is closed after this
+trust:
+  routing_header_sources: ["127.0.0.0/8", "::1/128"]  # x-meshd-* stripped from others
+routing:
+  block_size_bytes: 64         # prefix block for hashing (about 16 tokens)
+  cache_salt: ""
+  policy: meshd                # prefix-aware picker; or least-request, round-robin,
+                               # cache-aware (sglang-router's rule, filters/cache_aware.py)
+  picker:
+    lambda_usd_per_s: 0.01     # $ one second of TTFT is worth at priority 5 (lower: cheaper)
+    lambda_knee_s: 0.05        # best-case TTFT under which a second is worth less (null: off)
+    epsilon: 0.25              # bounded load: no endpoint above (1+epsilon) x mean
+    load_metric: requests      # or tokens
+    decode_pricing: reference  # fixed fleet; batch packs running batches (elastic pools)
+    decode_weight: 0.05        # a second of decode (own + added to others) vs one of TTFT
+    prefill_delay_weight: 0    # its prefill's delay to the streams running there (0: off)
+    elastic: false             # true: GPU-seconds saved are money (an autoscaled pool)
+    prefix_ttl_s: null         # age limit of learnt prefix entries (null: KV capacity LRU only)
+    affinity_min_fraction: 0.3 # a prompt this much cached at one endpoint stays there...
+    affinity_imbalance: 3.0    # ...unless its load is over 3x its fair share,
+    affinity_margin_s: 0.05    # ...or another is faster by more than this or than the
+    affinity_redo_weight: 2.0  # recompute x (this + requests waiting there)
+  unhealthy_after_failures: 3  # consecutive connect failures before an endpoint rests
+  unhealthy_cooldown_s: 10
+  learn_chars_per_token: false # learn chars per prompt token per model from usage (else 4)
+  tokenizers: {}               # model -> precise prefix path (needs meshd[precise]), e.g.
+  #  llama: {path: /models/llama, hash_algo: sha256, hash_seed: null, block_size: 16}
+  engine_metrics:              # each endpoint's own /metrics: KV capacity, usage, restarts
+    enabled: true              # (only without a control plane, whose agents report them)
+    path: /metrics
+    interval_s: 2
+    timeout_s: 1
+    max_backoff_s: 60          # an endpoint without the page is asked again this rarely
+transparent:
+  services: []                 # e.g. [{address: "10.0.0.5:8000", pool: default}]
+  passthrough_connect_timeout_s: 5
+reliability:
+  retry:                       # retries on connect failure or 429/502/503/504 before the first byte
+    ratio: 0.2                 # at most this share of the last window's requests...
+    min_retries_per_s: 10      # ...plus this floor
+    window_s: 10
+    backoff_base_s: 0.025      # full-jitter exponential backoff; Retry-After honoured
+    backoff_max_s: 1.0
+  breaker:                     # token-aware circuit breaker, per endpoint
+    enabled: true
+    max_tokens_per_endpoint: 262144   # prompt + expected output tokens in flight
+    max_requests_per_endpoint: 256
+    max_pending_per_endpoint: 128     # sent, no first token yet
+    consecutive_failures: 5    # open after this many failures in a row...
+    error_rate: 0.5            # ...or this error rate over error_window_s
+    error_window_s: 10
+    error_min_requests: 20
+    open_base_s: 5             # open for base x 2^k, up to open_max_s
+    open_max_s: 120
+    half_open_successes: 2
+    ttft_outlier_factor: 5     # a first token this many x slower than the median is a failure
+    ttft_outlier_min_s: 1
+  outlier:                     # Envoy's outlier ejection
+    enabled: true
+    consecutive_5xx: 5
+    interval_s: 10
+    base_ejection_time_s: 30
+    max_ejection_time_s: 300
+    max_ejection_percent: 10
+    always_eject_one_host: true
+  admission:                   # per pool: in-flight slots, then a priority/deadline queue
+    enabled: true
+    max_in_flight: null        # per pool; null: 256 per endpoint (vLLM's default max_num_seqs)
+    max_queued: 1024           # 429 with Retry-After beyond
+    max_queued_per_tenant: 256
+    queue_timeout_s: 30        # longest wait of a request with no deadline
+    knee_wait_s: 2.0           # past it (every engine this far behind) new tasks wait here
+    knee_max_wait_s: 10        # ...for at most this long, then 429 with Retry-After
+    tenants: {}                # e.g. {batch: {weight: 0.5, max_priority: 3}}
+  failover:                    # resume a broken stream on another endpoint
+    enabled: true
+    max_resumes: 2
+  throttle:                    # client-side adaptive throttling (SRE book)
+    enabled: true
+    k: 2.0
+    window_s: 120
+  slow_start:                  # recovered / new endpoints ramp up (Envoy's slow start)
+    enabled: true
+    window_s: 60
+    aggression: 1.0
+    min_weight_percent: 10
+  slow_abandon_factor: 3.0     # abandoned at > 3x the pool's s/token: counts as a failure
+telemetry:
+  tracing:
+    otlp_endpoint: null        # e.g. otel-collector:4317
+    insecure: true
+    sample_ratio: 1.0
+    service_name: meshd-sidecar
+    headers: {}
+  access_log:
+    path: null                 # JSON lines for `meshd cost`
+    max_bytes: 104857600
+    backups: 5
+  metrics:                     # label caps: later tenants/models read "other"
+    max_tenant_labels: 16      # configured admission tenants are kept over the cap
+    max_model_labels: 32       # the pools' models are kept over the cap
+  prices_usd_per_gpu_hour: {}  # e.g. {H100: 2.5}
+control_plane:
+  addresses: []                # host:port of each `meshd control-plane` replica
+  node_id: ""                  # default: the host name
+  tls: null                    # {ca_file, cert_file, key_file} for mTLS
+  stale_after_s: 10
+drain:
+  grace_period_s: 30           # SIGTERM: streams get this long to finish
+log_level: info
+"""

@@ -1,0 +1,499 @@
+"""The typed settings tree that meshd's config loader (meshd/config.py) validates: one
+pydantic model per section, frozen, unknown keys refused, every limit a named field with a
+default and its bounds. Cross-field rules live on the model that holds both fields.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listener(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class TransparentListener(Listener):
+    enabled: bool = False
+    host: str = "0.0.0.0"
+    port: int = Field(default=15006, ge=0, le=65535)
+
+
+class Listeners(_Strict):
+    """Where meshd listens. Admin (health, metrics, config) stays on loopback
+    unless configured otherwise: it exposes the effective configuration."""
+
+    outbound: Listener = Listener(host="127.0.0.1", port=15001)
+    transparent: TransparentListener = TransparentListener()
+    admin: Listener = Listener(host="127.0.0.1", port=15000)
+    # Once per streamed response, right after its first bytes go to the client, give the
+    # CPU up (sched_yield): a client that shares meshd's CPU (an app in the same pod) then
+    # reads its first token before meshd relays the rest of what the engine sent. Costs a
+    # syscall where nothing else is waiting.
+    yield_after_first_byte: bool = True
+
+
+class KVEvents(_Strict):
+    """Where to follow one engine's KV events (vLLM's ZMQ publisher). vLLM's rule: with
+    `*` or ipc:// in its endpoint the engine binds and meshd connects; with a concrete
+    tcp://host:port the engine connects, so meshd must bind (`bind: true`)."""
+
+    endpoint: str = Field(pattern=r"^(tcp|ipc|inproc)://.+")
+    replay: str | None = Field(default=None, pattern=r"^(tcp|ipc|inproc)://.+")
+    topic: str = ""
+    bind: bool = False
+
+
+class Endpoint(_Strict):
+    url: str
+    gpu: str | None = None
+    weight: float = Field(default=1.0, gt=0)
+    kv_capacity_tokens: int | None = Field(default=None, ge=1)
+    # The engine's KV events (vLLM --kv-events-config): its ZMQ PUB endpoint, and the
+    # replay ROUTER for gaps. Read only when routing.tokenizers has the pool's model.
+    kv_events: KVEvents | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"expected an http:// or https:// URL, got {v!r}")
+        if not parts.hostname or parts.port is None:
+            raise ValueError(f"expected scheme://host:port, got {v!r}")
+        if parts.path not in ("", "/"):
+            raise ValueError(f"endpoint URL must not carry a path, got {v!r}")
+        return v.rstrip("/")
+
+
+class Pool(_Strict):
+    """A set of interchangeable engines serving the same models."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    models: tuple[str, ...] = ("*",)
+    endpoints: tuple[Endpoint, ...] = Field(min_length=1)
+
+    @field_validator("endpoints", mode="before")
+    @classmethod
+    def _endpoints_from_strings(cls, v: Any) -> Any:
+        if isinstance(v, list | tuple):
+            return [{"url": e} if isinstance(e, str) else e for e in v]
+        return v
+
+    def serves(self, model: str) -> bool:
+        from fnmatch import fnmatchcase
+
+        return any(fnmatchcase(model, pattern) for pattern in self.models)
+
+
+class Upstream(_Strict):
+    """The client side: one aiohttp pool shared by every endpoint."""
+
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    first_byte_timeout_s: float = Field(default=120.0, gt=0)
+    idle_timeout_s: float = Field(default=60.0, gt=0)
+    request_timeout_s: float = Field(default=900.0, gt=0)
+    max_connections_per_endpoint: int = Field(default=512, ge=1)
+    keepalive_timeout_s: float = Field(default=30.0, gt=0)
+    max_attempts: int = Field(default=3, ge=1, le=10)
+
+
+class Limits(_Strict):
+    """Hard bounds on what a client may send; each has an error status and a test."""
+
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_header_count: int = Field(default=100, ge=8, le=1000)
+    max_header_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024)
+    max_concurrent_streams: int = Field(default=1024, ge=1)
+    client_header_timeout_s: float = Field(default=30.0, gt=0)
+    client_body_timeout_s: float = Field(default=30.0, gt=0)
+    keepalive_timeout_s: float = Field(default=75.0, gt=0)
+
+
+class Trust(_Strict):
+    """The trust boundary: x-meshd-* routing headers are honoured only from these
+    source networks and stripped from everyone else."""
+
+    routing_header_sources: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
+
+    @field_validator("routing_header_sources")
+    @classmethod
+    def _check_networks(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for net in v:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"{net!r} is not an IP network ({exc})") from None
+        return v
+
+    def networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        return tuple(ipaddress.ip_network(n, strict=False) for n in self.routing_header_sources)
+
+
+class PickerSettings(_Strict):
+    """meshd's picker (routing.policy: meshd); the model is in filters/picker.py."""
+
+    lambda_usd_per_s: float = Field(default=1e-2, ge=0)
+    # A first token within this many seconds anyway values a second of TTFT in proportion
+    # (lambda x best-case TTFT / knee, rounded up to a power of two); null: lambda always.
+    lambda_knee_s: float | None = Field(default=0.05, gt=0)
+    epsilon: float = Field(default=0.25, ge=0)
+    load_metric: Literal["requests", "tokens"] = "requests"
+    # reference: every endpoint's decode priced at a batch of 64 (a fixed fleet: latency
+    # first, cost between equals); batch: the request's share of the batch it joins (packs
+    # running batches, so an elastic pool can hand GPUs back).
+    decode_pricing: Literal["batch", "reference"] = "reference"
+    # A second of decode (the request's own output at the step of the batch it joins, and
+    # the delay it adds to the streams there) valued as this many seconds of TTFT.
+    decode_weight: float = Field(default=0.05, ge=0)
+    # The delay a request's prefill adds to the streams decoding where it goes, valued as
+    # this many seconds of TTFT (0: off; filters/picker.py has what it cost and bought).
+    prefill_delay_weight: float = Field(default=0.0, ge=0)
+    # GPU-seconds saved are money (an autoscaler hands idle GPUs back): cost weighs in full.
+    # false, a fixed fleet: latency and success first, cost between near-equals.
+    elastic: bool = False
+    # Age limit of what the prefix index learnt from this sidecar's own routing (None: none;
+    # entries leave by the engine's KV capacity, LRU, and when an engine answers with fewer
+    # cached tokens than predicted). A hedge for engines shared by many sidecars without KV
+    # events, whose indexes each see part of the traffic that evicts the engine's cache.
+    prefix_ttl_s: float | None = Field(default=None, gt=0)
+    # Affinity (filters/picker.py): a prompt at least this share cached at one endpoint (a
+    # follow-up step) stays there, unless its load is over affinity_imbalance x its fair
+    # share, it would miss the deadline, or another endpoint is predicted faster by more
+    # than max(affinity_margin_s, the seconds it would spend recomputing the prefix x
+    # (affinity_redo_weight + requests waiting there)).
+    affinity_min_fraction: float = Field(default=0.3, gt=0, le=1)
+    affinity_imbalance: float = Field(default=3.0, ge=1)
+    affinity_margin_s: float = Field(default=0.05, ge=0)
+    affinity_redo_weight: float = Field(default=2.0, ge=0)
+
+
+class Tokenizer(_Strict):
+    """The precise prefix path for one model: its tokenizer.json (and chat template) so a
+    request's tokens, and so the engine's own KV block hashes, are known before routing.
+    Must match the engines: --prefix-caching-hash-algo, --block-size, PYTHONHASHSEED."""
+
+    path: str = Field(min_length=1)  # a directory holding tokenizer.json, or the file
+    hash_algo: Literal["sha256", "sha256_cbor"] = "sha256"
+    hash_seed: str | None = None  # the engines' PYTHONHASHSEED, when set
+    block_size: int = Field(default=16, ge=1, le=4096)
+    content_format: Literal["auto", "string", "openai"] = "auto"
+    max_blocks: int | None = Field(default=None, ge=1)  # hash at most this many blocks
+
+
+class EngineMetricsProbe(_Strict):
+    """The sidecar reads each endpoint's own /metrics (vLLM's or SGLang's) for its KV
+    capacity, KV in use and restarts, when no control plane reports the engines
+    (filters/engine_probe.py). An endpoint without the page is asked again after a
+    backoff; requests never wait on it."""
+
+    enabled: StrictBool = True
+    path: str = "/metrics"
+    interval_s: float = Field(default=2.0, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)
+    max_backoff_s: float = Field(default=60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _backoff(self) -> EngineMetricsProbe:
+        if self.max_backoff_s < self.interval_s:
+            raise ValueError("max_backoff_s must be >= interval_s")
+        return self
+
+
+class Routing(_Strict):
+    block_size_bytes: int = Field(default=64, ge=8, le=65536)
+    cache_salt: str = ""
+    policy: Literal["meshd", "least-request", "round-robin", "cache-aware"] = "meshd"
+    picker: PickerSettings = PickerSettings()
+    unhealthy_after_failures: int = Field(default=3, ge=1)
+    unhealthy_cooldown_s: float = Field(default=10.0, gt=0)
+    # Learn each model's characters per prompt token from responses' usage.prompt_tokens
+    # (filters/chars_per_token.py) for the picker's prompt and block token estimates.
+    learn_chars_per_token: StrictBool = False
+    # model -> tokenizer: turns on precise prefix routing for that model (policy meshd),
+    # fed by the KV events of the endpoints that set `kv_events`.
+    tokenizers: dict[str, Tokenizer] = Field(default_factory=dict)
+    engine_metrics: EngineMetricsProbe = EngineMetricsProbe()
+
+
+class Service(_Strict):
+    """An inference service address that transparent mode intercepts."""
+
+    address: str
+    pool: str
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, v: str) -> str:
+        host, sep, port = v.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"expected IP:PORT, got {v!r}")
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            raise ValueError(f"expected an IP address before the port, got {host!r}") from None
+        return v
+
+    def key(self) -> tuple[str, int]:
+        host, _, port = self.address.rpartition(":")
+        return (str(ipaddress.ip_address(host.strip("[]"))), int(port))
+
+
+class Transparent(_Strict):
+    services: tuple[Service, ...] = ()
+    passthrough_connect_timeout_s: float = Field(default=5.0, gt=0)
+
+
+class RetrySettings(_Strict):
+    """The retry budget (filters/retry_budget.py): retries allowed while they stay under
+    `ratio` of the requests of the last `window_s`, plus `min_retries_per_s`."""
+
+    ratio: float = Field(default=0.2, ge=0, le=1000)
+    min_retries_per_s: float = Field(default=10.0, ge=0)
+    window_s: float = Field(default=10.0, gt=0)
+    backoff_base_s: float = Field(default=0.025, ge=0)
+    backoff_max_s: float = Field(default=1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> RetrySettings:
+        if self.backoff_base_s > self.backoff_max_s:
+            raise ValueError("backoff_base_s must not exceed backoff_max_s")
+        return self
+
+
+class BreakerSettings(_Strict):
+    """The token-aware circuit breaker (filters/token_breaker.py): in-flight limits per
+    endpoint counted in tokens (prompt + expected output) and requests, and a failure
+    breaker per endpoint (closed / open / half-open)."""
+
+    enabled: bool = True
+    max_tokens_per_endpoint: int = Field(default=262_144, ge=1)
+    max_requests_per_endpoint: int = Field(default=256, ge=1)
+    max_pending_per_endpoint: int = Field(default=128, ge=1)
+    consecutive_failures: int = Field(default=5, ge=1)
+    error_rate: float = Field(default=0.5, gt=0, le=1)
+    error_window_s: float = Field(default=10.0, gt=0)
+    error_min_requests: int = Field(default=20, ge=1)
+    open_base_s: float = Field(default=5.0, gt=0)
+    open_max_s: float = Field(default=120.0, gt=0)
+    half_open_successes: int = Field(default=2, ge=1)
+    ttft_outlier_factor: float = Field(default=5.0, gt=1)
+    ttft_outlier_min_s: float = Field(default=1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _open_order(self) -> BreakerSettings:
+        if self.open_base_s > self.open_max_s:
+            raise ValueError("open_base_s must not exceed open_max_s")
+        return self
+
+
+class OutlierSettings(_Strict):
+    """Outlier ejection (filters/outlier.py), Envoy's semantics: consecutive 5xx or a
+    success rate far below the pool's takes an endpoint out for a growing while."""
+
+    enabled: bool = True
+    consecutive_5xx: int = Field(default=5, ge=1)
+    interval_s: float = Field(default=10.0, gt=0)
+    base_ejection_time_s: float = Field(default=30.0, gt=0)
+    max_ejection_time_s: float = Field(default=300.0, gt=0)
+    max_ejection_percent: float = Field(default=10.0, ge=0, le=100)
+    always_eject_one_host: bool = True
+
+    @model_validator(mode="after")
+    def _ejection_order(self) -> OutlierSettings:
+        if self.base_ejection_time_s > self.max_ejection_time_s:
+            raise ValueError("base_ejection_time_s must not exceed max_ejection_time_s")
+        return self
+
+
+class TenantSettings(_Strict):
+    weight: float = Field(default=1.0, gt=0)
+    max_priority: int = Field(default=9, ge=0, le=9)
+    max_queued: int | None = Field(default=None, ge=0)
+    max_in_flight: int | None = Field(default=None, ge=1)
+
+
+# Admission slots per endpoint when reliability.admission.max_in_flight is null: vLLM's
+# default max_num_seqs, past which an engine only queues.
+ADMISSION_SLOTS_PER_ENDPOINT = 256
+
+
+class AdmissionSettings(_Strict):
+    """Admission control with deadline-aware queueing (filters/admission.py), per pool:
+    up to `max_in_flight` requests go upstream at once, the rest wait in priority /
+    fair-share / deadline order, or get 429 with Retry-After."""
+
+    enabled: bool = True
+    # Per pool; null: ADMISSION_SLOTS_PER_ENDPOINT per endpoint of the pool (a fixed 512
+    # held a 64-engine pool to 8 requests per engine: TTFT p90 16-19x the peers' on the
+    # robustness matrix's 64-engine cells).
+    max_in_flight: int | None = Field(default=None, ge=1)
+    max_queued: int = Field(default=1024, ge=0)
+    max_queued_per_tenant: int = Field(default=256, ge=0)
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+    # The pool's knee (filters/admission.py): once every engine has more than this many
+    # seconds of work queued (the router's prediction), a new task's request waits here
+    # while a started task's goes on; null: off (so with routing policies that predict
+    # nothing: round-robin, least-request, cache-aware).
+    knee_wait_s: float | None = Field(default=2.0, ge=0)
+    knee_max_wait_s: float = Field(default=10.0, gt=0)
+    tenants: dict[str, TenantSettings] = Field(default_factory=dict)
+
+
+class FailoverSettings(_Strict):
+    """Mid-stream failover (filters/failover.py): when an engine dies after tokens have
+    streamed, resume on another endpoint with the text already sent as the continuation."""
+
+    enabled: bool = True
+    max_resumes: int = Field(default=2, ge=0, le=10)
+
+
+class ThrottleSettings(_Strict):
+    """Client-side adaptive throttling (the SRE book's): refuse locally a share of requests
+    while the pool keeps refusing with 429/503."""
+
+    enabled: bool = True
+    k: float = Field(default=2.0, ge=1)
+    window_s: float = Field(default=120.0, gt=0)
+
+
+class SlowStartSettings(_Strict):
+    """A recovered or newly added endpoint's weight ramps from min_weight_percent to full
+    over window_s (Envoy's slow start: (elapsed / window) ** (1 / aggression)), so traffic
+    shed onto it does not flatten a cache that must rewarm."""
+
+    enabled: bool = True
+    window_s: float = Field(default=60.0, gt=0)
+    aggression: float = Field(default=1.0, gt=0)
+    min_weight_percent: float = Field(default=10.0, ge=0, le=100)
+
+
+class Reliability(_Strict):
+    retry: RetrySettings = RetrySettings()
+    breaker: BreakerSettings = BreakerSettings()
+    outlier: OutlierSettings = OutlierSettings()
+    admission: AdmissionSettings = AdmissionSettings()
+    failover: FailoverSettings = FailoverSettings()
+    throttle: ThrottleSettings = ThrottleSettings()
+    slow_start: SlowStartSettings = SlowStartSettings()
+    # An attempt the client abandons while it runs this many times slower than the pool's
+    # typical seconds per expected token counts against the endpoint (outlier ejection);
+    # null: abandonment is never held against an endpoint.
+    slow_abandon_factor: float | None = Field(default=3.0, gt=1)
+
+
+class TracingSettings(_Strict):
+    """OpenTelemetry traces over OTLP/gRPC; no endpoint: trace ids still propagate."""
+
+    otlp_endpoint: str | None = None  # host:port or http(s)://host:port
+    insecure: bool = True
+    sample_ratio: float = Field(default=1.0, ge=0, le=1)
+    service_name: str = Field(default="meshd-sidecar", min_length=1)
+    headers: dict[str, str] = Field(default_factory=dict)
+
+
+class AccessLogSettings(_Strict):
+    """The JSON-lines access log that `meshd cost` reads (docs/access-log.md)."""
+
+    path: str | None = None
+    max_bytes: int | None = Field(default=100 * 1024 * 1024, ge=1)
+    backups: int = Field(default=5, ge=0)
+
+
+class MetricsSettings(_Strict):
+    """Caps on client-given label values (meshd/observe.py BoundedLabels): the first N
+    distinct tenants/models keep their name, later ones read "other". Tenants named in
+    reliability.admission.tenants and the pools' models always keep theirs, over the cap."""
+
+    # Same defaults as meshd/observe.py DEFAULT_MAX_TENANT_LABELS / DEFAULT_MAX_MODEL_LABELS.
+    max_tenant_labels: int = Field(default=16, ge=0, le=10_000)
+    max_model_labels: int = Field(default=32, ge=0, le=10_000)
+
+
+class Telemetry(_Strict):
+    tracing: TracingSettings = TracingSettings()
+    access_log: AccessLogSettings = AccessLogSettings()
+    metrics: MetricsSettings = MetricsSettings()
+    # Dollars per GPU-hour by GPU name, over the built-in table (filters/cost_ledger.py).
+    prices_usd_per_gpu_hour: dict[str, float] = Field(default_factory=dict)
+
+
+class ControlPlaneTLS(_Strict):
+    ca_file: str | None = None  # verify the control plane against this CA
+    cert_file: str | None = None  # client certificate for mTLS
+    key_file: str | None = None
+
+    @model_validator(mode="after")
+    def _pair(self) -> ControlPlaneTLS:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (mTLS needs both)")
+        return self
+
+
+class ControlPlane(_Strict):
+    """The xDS control channel (`meshd control-plane`): engine state and prefix digests
+    for this sidecar's pools. Unset: routing uses only what this sidecar observes."""
+
+    # host:port of each control-plane replica; the sidecar uses one, fails over to the next.
+    addresses: tuple[str, ...] = ()
+    node_id: str = ""  # default: the host name
+    tls: ControlPlaneTLS | None = None  # None: plaintext (loopback or a trusted network)
+    stale_after_s: float = Field(default=10.0, gt=0)
+
+
+class Drain(_Strict):
+    grace_period_s: float = Field(default=30.0, ge=0)
+
+
+class Config(_Strict):
+    listeners: Listeners = Listeners()
+    pools: tuple[Pool, ...] = Field(min_length=1)
+    upstream: Upstream = Upstream()
+    limits: Limits = Limits()
+    trust: Trust = Trust()
+    routing: Routing = Routing()
+    transparent: Transparent = Transparent()
+    reliability: Reliability = Reliability()
+    telemetry: Telemetry = Telemetry()
+    control_plane: ControlPlane = ControlPlane()
+    drain: Drain = Drain()
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        names = [p.name for p in self.pools]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"pools: duplicate pool name(s) {', '.join(dupes)}")
+        for i, svc in enumerate(self.transparent.services):
+            if svc.pool not in names:
+                raise ValueError(
+                    f"transparent.services[{i}].pool: unknown pool {svc.pool!r} "
+                    f"(pools are: {', '.join(names)})"
+                )
+        return self
+
+    def pool(self, name: str) -> Pool:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
