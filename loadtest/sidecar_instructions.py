@@ -62,7 +62,9 @@ async def _drive(child: Child, endpoint: Endpoint, tokens: int, warmup: int, n: 
         await gen.close()
 
 
-def measure(requests: int, tokens: int, warmup: int) -> float:
+def measure(
+    requests: int, tokens: int, warmup: int, overrides: Sequence[str] = ()
+) -> float:
     """Sidecar instructions per request over `requests` serial streamed completions."""
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
@@ -76,6 +78,13 @@ def measure(requests: int, tokens: int, warmup: int) -> float:
         eps = [Endpoint("127.0.0.1", int(b.ready["port"])) for b in backends]
         config = meshd_config(eps)
         config["upstream"] = {"first_byte_timeout_s": _REQUEST_TIMEOUT_S}
+        for item in overrides:
+            key, _, value = item.partition("=")
+            *parents, leaf = key.split(".")
+            node = config
+            for name in parents:
+                node = node.setdefault(name, {})
+            node[leaf] = yaml.safe_load(value)
         path = workdir / "meshd.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         out = workdir / "callgrind.out"
@@ -103,15 +112,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=100, help="measured requests")
     parser.add_argument("--tokens", type=int, default=200, help="streamed tokens per answer")
     parser.add_argument("--warmup", type=int, default=50, help="requests before measuring")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="a sidecar config key for the run (YAML value), e.g. routing.policy=round-robin",
+    )
     args = parser.parse_args(argv)
     try:
-        per_request = measure(args.requests, args.tokens, args.warmup)
+        per_request = measure(args.requests, args.tokens, args.warmup, args.set)
     except (RuntimeError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(
         f"sidecar instructions per request: {per_request / 1e6:.3f} M "
-        f"({args.requests} serial {args.tokens}-token streamed completions, callgrind)"
+        f"({args.requests} serial {args.tokens}-token streamed completions, callgrind"
+        + "".join(f", {item}" for item in args.set)
+        + ")"
     )
     return 0
 

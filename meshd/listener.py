@@ -60,6 +60,8 @@ _MAX_QUEUED = 1
 # checked at its end (a single endless header line would otherwise be buffered by the
 # parser): the limit, plus room for the request line.
 _HEAD_SLACK = 8192
+# The longest a head or keep-alive deadline may pass unnoticed.
+_SWEEP_MAX_S = 1.0
 _REASONS = {s.value: s.phrase for s in http.HTTPStatus}
 _NO_BODY_STATUS = frozenset({204, 304})
 
@@ -77,9 +79,31 @@ class HttpServer:
         self.connections: set[_Connection] = set()
         self.closing = False
         self._idle: asyncio.Event | None = None
+        # One sweep for every connection's head and keep-alive deadlines, instead of a
+        # timer armed and cancelled twice a request; it runs while connections exist.
+        self._sweep_s = min(
+            _SWEEP_MAX_S, limits.client_header_timeout_s / 4, limits.keepalive_timeout_s / 4
+        )
+        self._sweeper: asyncio.TimerHandle | None = None
 
     def __call__(self) -> _Connection:
         return _Connection(self)
+
+    def _watch(self, conn: _Connection) -> None:
+        self.connections.add(conn)
+        if self._sweeper is None:
+            self._sweeper = conn.loop.call_later(self._sweep_s, self._sweep, conn.loop)
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = loop.time()
+        for conn in list(self.connections):
+            callback = conn._on_deadline
+            if callback is not None and now >= conn._deadline:
+                conn._on_deadline = None
+                callback()
+        self._sweeper = (
+            loop.call_later(self._sweep_s, self._sweep, loop) if self.connections else None
+        )
 
     def _forget(self, conn: _Connection) -> None:
         self.connections.discard(conn)
@@ -128,10 +152,13 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._header_size = 0
         self._head_error: str | None = None
+        self._content_length: int | None = None
+        self._expect: str | None = None
         self._in_head = False
         self._raw_body = 0  # bytes of an upgrade request's body still to come, unparsed
         self._reading = True
-        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0  # loop time at which _on_deadline runs
+        self._on_deadline: Callable[[], None] | None = None
         self._close_when_idle = False
 
     # -- asyncio.Protocol ----------------------------------------------------------------
@@ -141,7 +168,7 @@ class _Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and peer:
             self.remote = str(peer[0])
-        self.server.connections.add(self)
+        self.server._watch(self)
         if self.server.closing:
             self.close_when_idle()
         self._arm(self.limits.client_header_timeout_s, self._head_timeout)
@@ -202,6 +229,8 @@ class _Connection(asyncio.Protocol):
         self._header_size = 0
         self._head_bytes = 0
         self._head_error = None
+        self._content_length = None
+        self._expect = None
         if self._current is None and not self._queue:
             # No longer idle: the head has client_header_timeout_s to arrive whole.
             self._arm(self.limits.client_header_timeout_s, self._head_timeout)
@@ -213,8 +242,14 @@ class _Connection(asyncio.Protocol):
         if self._head_error is not None:
             return
         headers = self._headers
-        headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
+        text = value.decode("utf-8", "surrogateescape")
+        headers.append((name.decode("latin-1"), text))
         self._header_size += len(name) + len(value)
+        n = len(name)
+        if n == 14 and name.lower() == b"content-length":
+            self._content_length = int(text)  # llhttp has checked it: one decimal number
+        elif n == 6 and name.lower() == b"expect":
+            self._expect = text
         if len(headers) > self.limits.max_header_count:
             self._head_error = "count"
         elif self._header_size > self.limits.max_header_bytes:
@@ -244,10 +279,8 @@ class _Connection(asyncio.Protocol):
             self._next()
 
     def _queue_request(self, req: HttpRequest, method: str) -> None:
-        cl = req.header("content-length")
-        if cl is not None:
-            req.content_length = int(cl)  # llhttp has checked it is one decimal number
-        expect = req.header("expect")
+        req.content_length = self._content_length
+        expect = self._expect
         if method == "CONNECT":
             req._error = BodyError(405, "", "")
             self._queue.append(
@@ -440,7 +473,6 @@ class _Connection(asyncio.Protocol):
     def _head_timeout(self) -> None:
         """No request head within client_header_timeout_s: 408 if one had begun, else close
         quietly (an idle connection that never spoke)."""
-        self._timer = None
         if self._current is not None or self._queue:
             return
         if self._in_head:
@@ -508,13 +540,12 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def _arm(self, delay: float, callback: Callable[[], None]) -> None:
-        self._disarm()
-        self._timer = self.loop.call_later(delay, callback)
+        """`callback` once `delay` seconds pass (HttpServer's sweep; no timer per request)."""
+        self._deadline = self.loop.time() + delay
+        self._on_deadline = callback
 
     def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._on_deadline = None
 
 
 _date_cache: tuple[int, str] = (0, "")
