@@ -10,7 +10,9 @@ digest (cumulative since its base). Each control plane's link sends what is offe
 message per type, and what is offered while a send is in flight replaces what was waiting
 (latest wins), so a slow control plane gets fewer, newer updates.
 
-The decisions are in filters/vllm_metrics.py and filters/kv_digest.py; this file is I/O.
+The decisions are in filters/vllm_metrics.py and filters/kv_digest.py; this file is I/O,
+with one control plane's link in meshd/agent_link.py, the GPUs read in meshd/nvml.py and the
+command line in meshd/agent_cmd.py.
 Nothing here may crash the agent: an engine that stops answering is published unhealthy,
 a control plane that is down is retried with backoff, each on its own.
 
@@ -21,15 +23,10 @@ ticks make none, so an idle engine costs a span per heartbeat.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import logging
-import random
-import signal
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,7 +34,6 @@ import aiohttp
 import grpc
 import zmq.asyncio
 
-from filters.gpu import normalise_gpu_name
 from filters.kv_digest import Digest, KVDigestTracker
 from filters.vllm_metrics import (
     EngineMetrics,
@@ -47,19 +43,18 @@ from filters.vllm_metrics import (
     parse_engine_metrics,
 )
 from meshd import telemetry
+from meshd.agent_link import ControlPlaneLink
 from meshd.kv_events import KVEventSubscriber, SubscriberStats
+from meshd.nvml import read_nvml
 from meshd.tasks import cancel_and_wait
-from xds.client import Backoff, Publisher, tls_channel_credentials
+from xds.client import Backoff, tls_channel_credentials
 from xds.resources import ENDPOINT_STATE_TYPE, PREFIX_DIGEST_TYPE, EndpointState, PrefixDigest
 
 __all__ = [
     "AgentConfig",
     "AgentStats",
     "EngineAgent",
-    "GpuReading",
     "channel_credentials",
-    "read_nvml",
-    "register",
 ]
 
 log = logging.getLogger("meshd.agent")
@@ -137,169 +132,6 @@ class AgentStats:
         return self.kv.replays
 
 
-@dataclass(frozen=True, slots=True)
-class GpuReading:
-    name: str
-    count: int
-    memory_total_bytes: int
-    memory_used_bytes: int
-
-
-_nvml_state: dict[str, bool] = {}
-
-
-def read_nvml(indices: Sequence[int] = ()) -> GpuReading | None:
-    """The engine's GPUs through NVML (`nvidia-ml-py`, an optional extra), or None when it
-    is not installed or there is no GPU. NVML is initialised once, at the first call."""
-    if _nvml_state.get("failed"):
-        return None
-    try:
-        import pynvml  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        _nvml_state["failed"] = True
-        return None
-    try:
-        if not _nvml_state.get("ready"):
-            pynvml.nvmlInit()
-            _nvml_state["ready"] = True
-        n = pynvml.nvmlDeviceGetCount()
-        wanted = [i for i in indices if 0 <= i < n] if indices else list(range(n))
-        if not wanted:
-            return None
-        name, total, used = "", 0, 0
-        for i in wanted:
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            raw = pynvml.nvmlDeviceGetName(h)
-            name = raw.decode() if isinstance(raw, bytes) else str(raw)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            total += int(mem.total)
-            used += int(mem.used)
-        return GpuReading(normalise_gpu_name(name), len(wanted), total, used)
-    except Exception as exc:  # NVMLError (no driver, no GPU): fall back to config for good
-        log.info("NVML unavailable (%s); GPU facts come from flags", exc)
-        _nvml_state["failed"] = True
-        return None
-
-
-class _Link:
-    """One control plane: the latest body of each resource, sent by its own task, so a
-    control plane that is down or slow never holds up the others.
-
-    Bodies offered while a send is in flight or the control plane is away coalesce to the
-    latest, except that a body later ones build on (a full PrefixDigest: the deltas after
-    it are relative to it) is never displaced by them unsent: it goes first, then the
-    newest delta, so the control plane never holds a delta whose base it was not given."""
-
-    def __init__(self, agent: EngineAgent, target: str) -> None:
-        self.agent = agent
-        self.target = target
-        self.connected = False
-        self._pending: dict[tuple[str, str], bytes] = {}
-        self._bases: set[tuple[str, str]] = set()  # pending bodies that later ones build on
-        self._first: dict[tuple[str, str], bytes] = {}  # displaced bases, sent before pending
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
-        self._rng = random.Random()
-
-    def offer(self, type_url: str, name: str, body: bytes, *, base: bool = False) -> None:
-        """`base`: bodies offered later for this resource build on this one."""
-        self._put((type_url, name), body, base)
-        self._wake.set()
-
-    def _put(self, key: tuple[str, str], body: bytes, base: bool) -> None:
-        if base:
-            self._first.pop(key, None)  # a newer base supersedes everything before it
-            self._bases.add(key)
-        elif key in self._bases:
-            self._first[key] = self._pending[key]
-            self._bases.discard(key)
-        self._pending[key] = body
-
-    def _requeue(
-        self,
-        first: dict[tuple[str, str], bytes],
-        batch: dict[tuple[str, str], bytes],
-        bases: set[tuple[str, str]],
-    ) -> None:
-        """Put back what did not go, in front of what was offered meanwhile (replayed on
-        top, so newer bodies win and a newer base supersedes the old ones)."""
-        newer = self._first, self._pending, self._bases
-        self._first, self._pending, self._bases = dict(first), dict(batch), set(bases)
-        newer_first, newer_pending, newer_bases = newer
-        for key, body in newer_pending.items():
-            if key in newer_first:
-                self._put(key, newer_first[key], True)
-            self._put(key, body, key in newer_bases)
-
-    def start(self) -> None:
-        self._task = asyncio.ensure_future(self._run())
-
-    async def close(self) -> None:
-        # The flag as well as the cancel: a cancel that lands as an await completes can
-        # be lost (3.11's wait_for returned the result instead), and the loop must still end.
-        self._closed = True
-        self._wake.set()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _publish(self, publisher: Publisher, batch: dict[tuple[str, str], bytes]) -> None:
-        by_type: dict[str, dict[str, bytes]] = {}
-        for (type_url, name), body in batch.items():
-            by_type.setdefault(type_url, {})[name] = body
-        for type_url, resources in by_type.items():
-            # asyncio.timeout, not wait_for: see close().
-            async with asyncio.timeout(5.0):
-                await publisher.publish(type_url, resources)
-            self.agent.stats.publish_messages += 1
-        self.agent.stats.publishes += len(batch)
-
-    async def _run(self) -> None:
-        attempt = 0
-        publisher: Publisher | None = None
-        try:
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                if self._closed:
-                    return
-                first, self._first = self._first, {}
-                batch, self._pending = self._pending, {}
-                bases, self._bases = self._bases, set()
-                if publisher is None:
-                    publisher = Publisher(self.target, credentials=self.agent.credentials)
-                try:
-                    if first:
-                        await self._publish(publisher, first)
-                        first = {}
-                    await self._publish(publisher, batch)
-                    if not self.connected:
-                        self.connected = True
-                        log.info("publishing to the control plane %s", self.target)
-                    attempt = 0
-                except Exception as exc:
-                    self.agent.stats.publish_failures += 1
-                    if self.connected:
-                        log.warning("control plane %s: %s; retrying", self.target, exc)
-                    self.connected = False
-                    with contextlib.suppress(Exception):
-                        await publisher.close()
-                    publisher = None
-                    # Keep what did not go, and make the next digest full: this control
-                    # plane may have lost the base.
-                    self._requeue(first, batch, bases)
-                    self.agent.on_link_lost()
-                    await asyncio.sleep(self.agent.config.backoff.delay(attempt, self._rng))
-                    attempt += 1
-                    self._wake.set()
-        finally:  # closed, or cancelled: either way the channel goes
-            if publisher is not None:
-                with contextlib.suppress(Exception):
-                    await publisher.close()
-
-
 class EngineAgent:
     """The agent of one engine. `start()`, then `close()`; `state` and `tracker` are its
     current view (tests and /metrics read them)."""
@@ -326,7 +158,7 @@ class EngineAgent:
         self._was_healthy: bool | None = None
         self._published_state: EndpointState | None = None
         self._published_at = float("-inf")
-        self._links = [_Link(self, t) for t in config.control_planes]
+        self._links = [ControlPlaneLink(self, t) for t in config.control_planes]
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._zmq = zmq.asyncio.Context()
@@ -578,109 +410,3 @@ def _to_resource(d: Digest) -> PrefixDigest:
         added=d.added,
         removed=d.removed,
     )
-
-
-# -- CLI ----------------------------------------------------------------------------------
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "agent",
-        help="publish one engine's state and KV-cache digest to the control plane",
-        description="Run next to a vLLM or SGLang engine: scrape its /metrics and /health, "
-        "follow its KV events (ZMQ), read its GPUs via NVML when present, and publish "
-        "EndpointState and PrefixDigest to every --control-plane.",
-    )
-    p.add_argument("--engine", default="http://127.0.0.1:8000", help="engine base URL")
-    p.add_argument("--name", required=True, help="the engine's resource name")
-    p.add_argument("--address", help="host:port clients reach the engine at (default: --engine)")
-    p.add_argument("--pool", default="")
-    p.add_argument("--model", default="", help="default: the engine's model_name label")
-    p.add_argument("--flavor", choices=("vllm", "sglang"), help="default: detect")
-    p.add_argument(
-        "--control-plane", action="append", default=[], metavar="HOST:PORT", required=True
-    )
-    p.add_argument("--interval", type=float, default=0.1, help="seconds between scrapes")
-    p.add_argument("--heartbeat", type=float, default=2.0, help="republish at least this often")
-    p.add_argument("--scrape-timeout", type=float, default=0.5)
-    p.add_argument("--kv-events", metavar="ENDPOINT", help="the engine's KV event PUB endpoint")
-    p.add_argument("--kv-events-replay", metavar="ENDPOINT", help="its replay ROUTER endpoint")
-    p.add_argument("--kv-events-topic", default="")
-    p.add_argument(
-        "--kv-events-bind",
-        action="store_true",
-        help="bind the SUB socket (when vLLM's endpoint is a concrete tcp:// address, it "
-        "connects to it)",
-    )
-    p.add_argument("--resync", type=float, default=30.0, help="seconds between full digests")
-    p.add_argument("--gpu", help="GPU generation when NVML cannot tell (H100, A100, ...)")
-    p.add_argument("--gpu-count", type=int, default=0)
-    p.add_argument("--gpu-memory-gib", type=float, help="total GPU memory when NVML cannot tell")
-    p.add_argument("--gpu-index", type=int, action="append", default=[], help="NVML indices")
-    p.add_argument("--no-nvml", action="store_true")
-    p.add_argument(
-        "--tls-ca", metavar="PEM", help="CA of the control planes' certificates (TLS on)"
-    )
-    p.add_argument(
-        "--tls-cert", metavar="PEM", help="client certificate, for control planes that verify"
-    )
-    p.add_argument("--tls-key", metavar="PEM", help="the client certificate's private key")
-    p.add_argument("--otlp-endpoint", metavar="HOST:PORT", help="export traces over OTLP/gRPC")
-    p.add_argument(
-        "--trace-sample-ratio", type=float, default=1.0, help="share of traces kept (0..1)"
-    )
-    p.add_argument("--log-level", default="INFO")
-    p.set_defaults(func=run)
-
-
-def config_from_args(args: argparse.Namespace) -> AgentConfig:
-    address = args.address or args.engine.split("://", 1)[-1].rstrip("/")
-    mem = args.gpu_memory_gib
-    return AgentConfig(
-        name=args.name,
-        engine_url=args.engine,
-        address=address,
-        control_planes=tuple(args.control_plane),
-        pool=args.pool,
-        model=args.model,
-        flavor=args.flavor,
-        interval_s=args.interval,
-        heartbeat_s=args.heartbeat,
-        scrape_timeout_s=args.scrape_timeout,
-        kv_events=args.kv_events,
-        kv_events_replay=args.kv_events_replay,
-        kv_events_topic=args.kv_events_topic,
-        kv_events_bind=args.kv_events_bind,
-        resync_s=args.resync,
-        gpu=args.gpu,
-        gpu_count=args.gpu_count,
-        memory_total_bytes=int(mem * 2**30) if mem is not None else None,
-        nvml=not args.no_nvml,
-        gpu_indices=tuple(args.gpu_index),
-        otlp_endpoint=args.otlp_endpoint,
-        trace_sample_ratio=args.trace_sample_ratio,
-        tls_ca_file=args.tls_ca,
-        tls_cert_file=args.tls_cert,
-        tls_key_file=args.tls_key,
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    config = config_from_args(args)
-
-    async def serve() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            agent = EngineAgent(config)
-        except ValueError as exc:  # a TLS file named by a flag
-            raise SystemExit(f"meshd agent: {exc}") from None
-        async with agent:
-            print(f"meshd agent for {config.name} ({config.engine_url})", flush=True)
-            await stop.wait()
-
-    asyncio.run(serve())
-    return 0

@@ -22,7 +22,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("config", "meshd.config_cmd"),
     ("iptables", "meshd.iptables"),
     ("control-plane", "xds.cli"),
-    ("agent", "meshd.agent"),
+    ("agent", "meshd.agent_cmd"),
     ("picker", "meshd.extproc"),
     ("inject", "meshd.inject"),
     ("webhook", "meshd.webhook"),

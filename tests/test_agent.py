@@ -15,7 +15,8 @@ import pytest
 from loadtest.engine import EngineSpec, SimEngine
 from loadtest.engine.blocks import external_hash
 from loadtest.engine.faults import FaultSpec
-from meshd.agent import AgentConfig, EngineAgent, channel_credentials, config_from_args, register
+from meshd.agent import AgentConfig, EngineAgent, channel_credentials
+from meshd.agent_cmd import config_from_args, register
 from xds.client import Backoff, Subscriber, Update
 from xds.resources import ENDPOINT_STATE_TYPE, PREFIX_DIGEST_TYPE, EndpointState, PrefixDigest
 from xds.server import ControlPlane, TlsConfig

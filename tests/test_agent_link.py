@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from meshd import agent as agent_mod
-from meshd.agent import AgentStats, _Link
+from meshd import agent_link as link_mod
+from meshd.agent import AgentStats
+from meshd.agent_link import ControlPlaneLink
 from xds.client import Backoff
 
 DIGEST = "type.googleapis.com/meshd.v1.PrefixDigest"
@@ -63,13 +64,13 @@ def fake_publisher(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     FakePublisher.sent = []
     FakePublisher.fail_next = 0
     FakePublisher.gate = None
-    monkeypatch.setattr(agent_mod, "Publisher", FakePublisher)
+    monkeypatch.setattr(link_mod, "Publisher", FakePublisher)
     yield
 
 
-def make_link() -> tuple[_Link, FakeAgent]:
+def make_link() -> tuple[ControlPlaneLink, FakeAgent]:
     fake = FakeAgent()
-    return _Link(fake, "127.0.0.1:1"), fake  # type: ignore[arg-type]
+    return ControlPlaneLink(fake, "127.0.0.1:1"), fake  # type: ignore[arg-type]
 
 
 async def until_sent(n: int) -> None:
@@ -78,7 +79,7 @@ async def until_sent(n: int) -> None:
             await asyncio.sleep(0.001)
 
 
-async def until_taken(link: _Link) -> None:
+async def until_taken(link: ControlPlaneLink) -> None:
     """The link's task has taken everything pending into a send (held at the gate)."""
     async with asyncio.timeout(5.0):
         while link._pending:

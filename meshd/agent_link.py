@@ -1,0 +1,138 @@
+"""The agent's link to one control plane: the latest body of each resource, sent by its own
+task with backoff, so a control plane that is down or slow never holds up the others; a full
+PrefixDigest is never displaced unsent by the deltas built on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from typing import TYPE_CHECKING
+
+from xds.client import Publisher
+
+if TYPE_CHECKING:
+    from meshd.agent import EngineAgent
+
+log = logging.getLogger("meshd.agent")
+
+
+class ControlPlaneLink:
+    """One control plane: the latest body of each resource, sent by its own task, so a
+    control plane that is down or slow never holds up the others.
+
+    Bodies offered while a send is in flight or the control plane is away coalesce to the
+    latest, except that a body later ones build on (a full PrefixDigest: the deltas after
+    it are relative to it) is never displaced by them unsent: it goes first, then the
+    newest delta, so the control plane never holds a delta whose base it was not given."""
+
+    def __init__(self, agent: EngineAgent, target: str) -> None:
+        self.agent = agent
+        self.target = target
+        self.connected = False
+        self._pending: dict[tuple[str, str], bytes] = {}
+        self._bases: set[tuple[str, str]] = set()  # pending bodies that later ones build on
+        self._first: dict[tuple[str, str], bytes] = {}  # displaced bases, sent before pending
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._rng = random.Random()
+
+    def offer(self, type_url: str, name: str, body: bytes, *, base: bool = False) -> None:
+        """`base`: bodies offered later for this resource build on this one."""
+        self._put((type_url, name), body, base)
+        self._wake.set()
+
+    def _put(self, key: tuple[str, str], body: bytes, base: bool) -> None:
+        if base:
+            self._first.pop(key, None)  # a newer base supersedes everything before it
+            self._bases.add(key)
+        elif key in self._bases:
+            self._first[key] = self._pending[key]
+            self._bases.discard(key)
+        self._pending[key] = body
+
+    def _requeue(
+        self,
+        first: dict[tuple[str, str], bytes],
+        batch: dict[tuple[str, str], bytes],
+        bases: set[tuple[str, str]],
+    ) -> None:
+        """Put back what did not go, in front of what was offered meanwhile (replayed on
+        top, so newer bodies win and a newer base supersedes the old ones)."""
+        newer = self._first, self._pending, self._bases
+        self._first, self._pending, self._bases = dict(first), dict(batch), set(bases)
+        newer_first, newer_pending, newer_bases = newer
+        for key, body in newer_pending.items():
+            if key in newer_first:
+                self._put(key, newer_first[key], True)
+            self._put(key, body, key in newer_bases)
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def close(self) -> None:
+        # The flag as well as the cancel: a cancel that lands as an await completes can
+        # be lost (3.11's wait_for returned the result instead), and the loop must still end.
+        self._closed = True
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _publish(self, publisher: Publisher, batch: dict[tuple[str, str], bytes]) -> None:
+        by_type: dict[str, dict[str, bytes]] = {}
+        for (type_url, name), body in batch.items():
+            by_type.setdefault(type_url, {})[name] = body
+        for type_url, resources in by_type.items():
+            # asyncio.timeout, not wait_for: see close().
+            async with asyncio.timeout(5.0):
+                await publisher.publish(type_url, resources)
+            self.agent.stats.publish_messages += 1
+        self.agent.stats.publishes += len(batch)
+
+    async def _run(self) -> None:
+        attempt = 0
+        publisher: Publisher | None = None
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if self._closed:
+                    return
+                first, self._first = self._first, {}
+                batch, self._pending = self._pending, {}
+                bases, self._bases = self._bases, set()
+                if publisher is None:
+                    publisher = Publisher(self.target, credentials=self.agent.credentials)
+                try:
+                    if first:
+                        await self._publish(publisher, first)
+                        first = {}
+                    await self._publish(publisher, batch)
+                    if not self.connected:
+                        self.connected = True
+                        log.info("publishing to the control plane %s", self.target)
+                    attempt = 0
+                except Exception as exc:
+                    self.agent.stats.publish_failures += 1
+                    if self.connected:
+                        log.warning("control plane %s: %s; retrying", self.target, exc)
+                    self.connected = False
+                    with contextlib.suppress(Exception):
+                        await publisher.close()
+                    publisher = None
+                    # Keep what did not go, and make the next digest full: this control
+                    # plane may have lost the base.
+                    self._requeue(first, batch, bases)
+                    self.agent.on_link_lost()
+                    await asyncio.sleep(self.agent.config.backoff.delay(attempt, self._rng))
+                    attempt += 1
+                    self._wake.set()
+        finally:  # closed, or cancelled: either way the channel goes
+            if publisher is not None:
+                with contextlib.suppress(Exception):
+                    await publisher.close()
