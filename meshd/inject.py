@@ -19,6 +19,9 @@ Opt in: namespace label or pod annotation/label `meshd.io/inject: "true"`; opt o
 annotation/label `"false"` always wins. Already injected (the `meshd.io/status` annotation or
 one of our container names present) -> unchanged. hostNetwork pods are skipped: their iptables
 would be the node's.
+
+This file decides and builds the patch; the containers are meshd/inject_containers.py's, the
+settings meshd/inject_config.py's.
 """
 
 from __future__ import annotations
@@ -28,30 +31,37 @@ import copy
 import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import yaml
 
 from meshd import __version__
-from meshd.iptables import Wildcard, parse_cidrs, parse_ports
+from meshd.inject_config import (
+    InjectionConfig,
+    InjectionError,
+    config_from_mapping,
+    config_to_mapping,
+    load_config_file,
+)
+from meshd.inject_containers import (
+    AGENT_NAME,
+    ANNOTATION_CONFIG,
+    CONFIG_VOLUME,
+    INIT_NAME,
+    OUR_CONTAINERS,
+    PROXY_NAME,
+    agent_container,
+    config_volume,
+    init_container,
+    proxy_container,
+)
 
 ANNOTATION_INJECT = "meshd.io/inject"
 ANNOTATION_STATUS = "meshd.io/status"
 ANNOTATION_ROLE = "meshd.io/role"
-ANNOTATION_INCLUDE_PORTS = "meshd.io/include-ports"
-ANNOTATION_EXCLUDE_PORTS = "meshd.io/exclude-ports"
-ANNOTATION_EXCLUDE_CIDRS = "meshd.io/exclude-cidrs"
-# Holds the sidecar config when it is delivered inline (downward API), see InjectionConfig.
-ANNOTATION_CONFIG = "meshd.io/config"
 # Set on injected pods so monitors can select them (the value is the role).
 LABEL_PROXY = "meshd.io/proxy"
-
-INIT_NAME = "meshd-init"
-PROXY_NAME = "meshd-proxy"
-AGENT_NAME = "meshd-agent"
-CONFIG_VOLUME = "meshd-config"
-OUR_CONTAINERS = frozenset({INIT_NAME, PROXY_NAME, AGENT_NAME})
 
 Role = Literal["client", "engine"]
 
@@ -66,131 +76,6 @@ TEMPLATE_PATHS: dict[str, tuple[str, ...]] = {
     "Job": ("spec", "template"),
     "CronJob": ("spec", "jobTemplate", "spec", "template"),
 }
-
-
-class InjectionError(ValueError):
-    """The object cannot be injected as asked (bad annotation value, not a workload)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Resources:
-    """Kubernetes resource requests/limits of one injected container."""
-
-    cpu_request: str = "100m"
-    memory_request: str = "128Mi"
-    cpu_limit: str | None = None
-    memory_limit: str | None = "512Mi"
-
-    def to_k8s(self) -> dict[str, dict[str, str]]:
-        out: dict[str, dict[str, str]] = {
-            "requests": {"cpu": self.cpu_request, "memory": self.memory_request}
-        }
-        limits = {k: v for k, v in (("cpu", self.cpu_limit), ("memory", self.memory_limit)) if v}
-        if limits:
-            out["limits"] = limits
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class InjectionConfig:
-    """How pods are injected. Loaded from inject.yaml (same snake_case keys) or defaults.
-
-    include_ports: the inference ports whose outbound traffic is redirected ("*" for all
-    TCP); the defaults are vLLM's (8000) and SGLang's (30000). Pods override them with the
-    include/exclude-ports annotations. The sidecar config reaches the pod one of two ways:
-    `sidecar_config` (YAML text) inline, projected from an annotation by the downward API, so
-    no per-namespace ConfigMap is needed (what the webhook does); or else the ConfigMap named
-    `config_map`, which must exist in the pod's namespace.
-    """
-
-    image: str = f"ghcr.io/meshd/meshd:{__version__}"
-    image_pull_policy: str = "IfNotPresent"
-    proxy_uid: int = 1337
-    proxy_gid: int = 1337
-    admin_port: int = 15000
-    outbound_port: int = 15001
-    transparent_port: int = 15006
-    include_ports: tuple[int, ...] | Wildcard = (8000, 30000)
-    exclude_ports: tuple[int, ...] = ()
-    exclude_cidrs: tuple[str, ...] = ("169.254.169.254/32",)
-    proxy_resources: Resources = field(default_factory=Resources)
-    init_resources: Resources = field(
-        default_factory=lambda: Resources("10m", "32Mi", None, "64Mi")
-    )
-    agent_resources: Resources = field(default_factory=Resources)
-    config_map: str = "meshd-sidecar"
-    config_key: str = "config.yaml"
-    config_mount_path: str = "/etc/meshd"
-    sidecar_config: str | None = None
-    # Where engine agents publish (meshd agent --control-plane) and the engine's own port
-    # in its pod (the agent scrapes it on loopback and advertises it on the pod IP).
-    control_plane: str = "meshd-control-plane.meshd-system.svc:18000"
-    engine_port: int = 8000
-    # Extra environment of the injected containers (e.g. OTEL_EXPORTER_OTLP_ENDPOINT).
-    env: tuple[tuple[str, str], ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in ("proxy_uid", "proxy_gid"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                # UID 0 would make the owner exclusion exclude root, i.e. most apps.
-                raise InjectionError(f"{name} must be a positive integer, got {value!r}")
-        ports = [self.admin_port, self.outbound_port, self.transparent_port]
-        for port in ports:
-            if not isinstance(port, int) or not 0 < port < 65536:
-                raise InjectionError(f"ports must be integers in 1..65535, got {port!r}")
-        if len(set(ports)) != 3:
-            raise InjectionError(
-                f"admin_port, outbound_port and transparent_port must differ, got {ports}"
-            )
-        if not self.image:
-            raise InjectionError("image must not be empty")
-        listed = [] if self.include_ports == "*" else list(self.include_ports)
-        for port in [*listed, *self.exclude_ports]:
-            if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-                raise InjectionError(f"include/exclude ports must be 1..65535, got {port!r}")
-        if self.include_ports != "*" and not self.include_ports:
-            raise InjectionError("include_ports is empty: nothing would be redirected (use '*')")
-
-
-def config_from_mapping(data: Mapping[str, Any]) -> InjectionConfig:
-    """Build an InjectionConfig from a parsed inject.yaml; unknown keys are an error."""
-    known = {f.name for f in fields(InjectionConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise InjectionError(f"unknown injection config key(s): {', '.join(unknown)}")
-    kwargs: dict[str, Any] = dict(data)
-    if "include_ports" in kwargs:
-        inc = kwargs["include_ports"]
-        kwargs["include_ports"] = "*" if inc == "*" else tuple(inc)
-    for key in ("exclude_ports", "exclude_cidrs"):
-        if key in kwargs:
-            kwargs[key] = tuple(kwargs[key] or ())
-    if "env" in kwargs:
-        env = kwargs["env"] or {}
-        if not isinstance(env, Mapping):
-            raise InjectionError("env must be a mapping of variable name to value")
-        kwargs["env"] = tuple((str(k), str(v)) for k, v in sorted(env.items()))
-    for key in ("proxy_resources", "init_resources", "agent_resources"):
-        if key in kwargs:
-            try:
-                kwargs[key] = Resources(**kwargs[key])
-            except TypeError as exc:
-                raise InjectionError(f"{key}: {exc}") from None
-    try:
-        return InjectionConfig(**kwargs)
-    except TypeError as exc:
-        raise InjectionError(str(exc)) from None
-
-
-def config_to_mapping(cfg: InjectionConfig) -> dict[str, Any]:
-    """The inverse of config_from_mapping (tuples as lists), for inject.yaml files."""
-    out = asdict(cfg)
-    for key, value in out.items():
-        if isinstance(value, tuple):
-            out[key] = list(value)
-    out["env"] = dict(cfg.env)
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,199 +149,6 @@ def decide(
     if force:
         return Decision(True, role, "injection requested")
     return Decision(False, role, f"not opted in (no {ANNOTATION_INJECT} label or annotation)")
-
-
-# ---------------------------------------------------------------- container templates
-
-
-def _annotation_ports(
-    annotations: Mapping[str, Any], key: str, default: tuple[int, ...] | Wildcard, wildcard: bool
-) -> tuple[int, ...] | Wildcard:
-    if key not in annotations:
-        return default
-    try:
-        ports = parse_ports(str(annotations[key]), key, allow_wildcard=wildcard)
-    except ValueError as exc:
-        raise InjectionError(str(exc)) from None
-    if wildcard and ports == ():
-        raise InjectionError(f"{key} is empty: nothing would be redirected (use '*')")
-    return ports
-
-
-def iptables_args(cfg: InjectionConfig, annotations: Mapping[str, Any]) -> list[str]:
-    """Arguments of `meshd iptables` for this pod (flags as in meshd/iptables.py)."""
-    include = _annotation_ports(annotations, ANNOTATION_INCLUDE_PORTS, cfg.include_ports, True)
-    exclude = _annotation_ports(annotations, ANNOTATION_EXCLUDE_PORTS, cfg.exclude_ports, False)
-    cidrs: tuple[str, ...] = cfg.exclude_cidrs
-    if ANNOTATION_EXCLUDE_CIDRS in annotations:
-        try:
-            parsed = parse_cidrs(
-                str(annotations[ANNOTATION_EXCLUDE_CIDRS]),
-                ANNOTATION_EXCLUDE_CIDRS,
-                allow_wildcard=False,
-            )
-        except ValueError as exc:
-            raise InjectionError(str(exc)) from None
-        assert parsed != "*"
-        cidrs = parsed
-    args = [
-        "iptables",
-        "--apply",
-        "--proxy-port",
-        str(cfg.transparent_port),
-        "--proxy-uid",
-        str(cfg.proxy_uid),
-        "--proxy-gid",
-        str(cfg.proxy_gid),
-        "--include-ports",
-        include if include == "*" else ",".join(map(str, include)),
-    ]
-    if exclude:
-        assert exclude != "*"
-        args += ["--exclude-ports", ",".join(map(str, exclude))]
-    if cidrs:
-        args += ["--exclude-cidrs", ",".join(cidrs)]
-    return args
-
-
-def _probes(cfg: InjectionConfig) -> dict[str, Any]:
-    def get(path: str, **timing: int) -> dict[str, Any]:
-        return {"httpGet": {"path": path, "port": cfg.admin_port}, **timing}
-
-    # The startup probe gates the next init container, so it polls fast.
-    return {
-        "startupProbe": get("/readyz", periodSeconds=1, failureThreshold=60),
-        "readinessProbe": get("/readyz", periodSeconds=5, failureThreshold=3),
-        "livenessProbe": get("/healthz", periodSeconds=10, failureThreshold=3),
-    }
-
-
-def _env(cfg: InjectionConfig) -> dict[str, Any]:
-    return {"env": [{"name": k, "value": v} for k, v in cfg.env]} if cfg.env else {}
-
-
-def _config_path(cfg: InjectionConfig) -> str:
-    return f"{cfg.config_mount_path.rstrip('/')}/{cfg.config_key}"
-
-
-def _mount(cfg: InjectionConfig) -> list[dict[str, Any]]:
-    return [{"name": CONFIG_VOLUME, "mountPath": cfg.config_mount_path, "readOnly": True}]
-
-
-def _nonroot(cfg: InjectionConfig) -> dict[str, Any]:
-    return {
-        "runAsUser": cfg.proxy_uid,
-        "runAsGroup": cfg.proxy_gid,
-        "runAsNonRoot": True,
-        "allowPrivilegeEscalation": False,
-        "readOnlyRootFilesystem": True,
-        "capabilities": {"drop": ["ALL"]},
-    }
-
-
-def init_container(cfg: InjectionConfig, annotations: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "name": INIT_NAME,
-        "image": cfg.image,
-        "imagePullPolicy": cfg.image_pull_policy,
-        "command": ["meshd"],
-        "args": iptables_args(cfg, annotations),
-        "resources": cfg.init_resources.to_k8s(),
-        "securityContext": {
-            # iptables needs root with NET_ADMIN (rules) and NET_RAW (raw sockets); explicit
-            # runAsNonRoot: false overrides a pod-level runAsNonRoot for this container only.
-            "runAsUser": 0,
-            "runAsGroup": 0,
-            "runAsNonRoot": False,
-            "allowPrivilegeEscalation": False,
-            # iptables takes its lock under /run.
-            "readOnlyRootFilesystem": False,
-            "capabilities": {"add": ["NET_ADMIN", "NET_RAW"], "drop": ["ALL"]},
-        },
-    }
-
-
-def proxy_container(cfg: InjectionConfig) -> dict[str, Any]:
-    return {
-        "name": PROXY_NAME,
-        "image": cfg.image,
-        "imagePullPolicy": cfg.image_pull_policy,
-        "restartPolicy": "Always",
-        "command": ["meshd"],
-        "args": [
-            "sidecar",
-            "--config",
-            _config_path(cfg),
-            # The kubelet probes the pod IP, so the admin listener cannot stay on loopback.
-            "--admin",
-            f"0.0.0.0:{cfg.admin_port}",
-            "--listen",
-            f"127.0.0.1:{cfg.outbound_port}",
-            "--set",
-            "listeners.transparent.enabled=true",
-            "--set",
-            f"listeners.transparent.port={cfg.transparent_port}",
-        ],
-        "ports": [{"name": "meshd-admin", "containerPort": cfg.admin_port, "protocol": "TCP"}],
-        **_env(cfg),
-        "resources": cfg.proxy_resources.to_k8s(),
-        "securityContext": _nonroot(cfg),
-        "volumeMounts": _mount(cfg),
-        **_probes(cfg),
-    }
-
-
-def agent_container(cfg: InjectionConfig) -> dict[str, Any]:
-    """The engine agent: scrapes the engine on loopback, publishes its state to the control
-    plane under the pod's name and IP (downward API). It serves no port, so it has no probes:
-    a native sidecar that exits is restarted by the kubelet."""
-    downward = [
-        {"name": "MESHD_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "MESHD_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-    ]
-    return {
-        "name": AGENT_NAME,
-        "image": cfg.image,
-        "imagePullPolicy": cfg.image_pull_policy,
-        "restartPolicy": "Always",
-        "command": ["meshd"],
-        "args": [
-            "agent",
-            "--name",
-            "$(MESHD_POD_NAME)",
-            "--engine",
-            f"http://127.0.0.1:{cfg.engine_port}",
-            "--address",
-            f"$(MESHD_POD_IP):{cfg.engine_port}",
-            "--control-plane",
-            cfg.control_plane,
-        ],
-        "env": downward + _env(cfg).get("env", []),
-        "resources": cfg.agent_resources.to_k8s(),
-        "securityContext": _nonroot(cfg),
-    }
-
-
-def config_volume(cfg: InjectionConfig) -> dict[str, Any]:
-    if cfg.sidecar_config is not None:
-        return {
-            "name": CONFIG_VOLUME,
-            "downwardAPI": {
-                "items": [
-                    {
-                        "path": cfg.config_key,
-                        "fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_CONFIG}']"},
-                    }
-                ]
-            },
-        }
-    return {
-        "name": CONFIG_VOLUME,
-        "configMap": {
-            "name": cfg.config_map,
-            "items": [{"key": cfg.config_key, "path": cfg.config_key}],
-        },
-    }
 
 
 # ---------------------------------------------------------------- patch building
@@ -611,16 +303,6 @@ def inject_documents(
 
 
 # ---------------------------------------------------------------- command line
-
-
-def load_config_file(path: str | None) -> InjectionConfig:
-    if path is None:
-        return InjectionConfig()
-    with open(path, encoding="utf-8") as fh:
-        data = yaml.safe_load(fh) or {}
-    if not isinstance(data, dict):
-        raise InjectionError(f"{path}: expected a mapping of injection settings")
-    return config_from_mapping(data)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

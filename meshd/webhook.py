@@ -35,12 +35,12 @@ from typing import Any
 from aiohttp import web
 
 from meshd import __version__
-from meshd.inject import (
+from meshd.inject import inject
+from meshd.inject_config import (
     InjectionConfig,
     InjectionError,
     config_from_mapping,
     config_to_mapping,
-    inject,
     load_config_file,
 )
 

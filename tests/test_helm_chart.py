@@ -31,7 +31,7 @@ x509 = pytest.importorskip("cryptography.x509", reason="cryptography is not inst
 from kubernetes_validate.utils import all_versions, major_minor  # noqa: E402
 
 from meshd.config import load_config  # noqa: E402
-from meshd.inject import load_config_file  # noqa: E402
+from meshd.inject_config import load_config_file  # noqa: E402
 from meshd.webhook import WebhookServer  # noqa: E402
 
 CHART = Path(__file__).parent.parent / "helm" / "meshd"
@@ -549,7 +549,7 @@ async def test_the_installed_webhook_wires_pods_to_the_releases_control_plane(
     jsonpatch = pytest.importorskip("jsonpatch", reason="jsonpatch is not installed")
     from meshd import webhook
     from meshd.cli import build_parser
-    from meshd.inject import ANNOTATION_CONFIG
+    from meshd.inject_containers import ANNOTATION_CONFIG
 
     docs = rendered["defaults"]
     (secret,) = find(docs, "Secret", "meshd-webhook-tls")

@@ -1,6 +1,6 @@
-"""meshd/inject.py: decisions, the injected containers, and the JSON Patch, applied with the
-`jsonpatch` library and the result validated against the Kubernetes schemas
-(kubernetes-validate, strict: unknown fields are errors)."""
+"""meshd/inject.py (+ inject_containers.py, inject_config.py): decisions, the injected
+containers, and the JSON Patch, applied with the `jsonpatch` library and the result validated
+against the Kubernetes schemas (kubernetes-validate, strict: unknown fields are errors)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 
 from meshd import inject as inj
 from meshd import iptables
-from meshd.inject import InjectionConfig, InjectionError, inject
+from meshd.inject import inject
+from meshd.inject_config import (
+    InjectionConfig,
+    InjectionError,
+    config_from_mapping,
+    config_to_mapping,
+)
 
 jsonpatch = pytest.importorskip("jsonpatch", reason="jsonpatch is not installed")
 kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed")
@@ -281,9 +287,9 @@ def test_config_mapping_round_trip_and_unknown_keys() -> None:
     cfg = InjectionConfig(
         image="meshd:dev", include_ports="*", exclude_ports=(22,), env=(("OTEL_SERVICE_NAME", "x"),)
     )
-    assert inj.config_from_mapping(inj.config_to_mapping(cfg)) == cfg
+    assert config_from_mapping(config_to_mapping(cfg)) == cfg
     with pytest.raises(InjectionError, match="proxy_uidd"):
-        inj.config_from_mapping({"proxy_uidd": 1})
+        config_from_mapping({"proxy_uidd": 1})
     with pytest.raises(InjectionError, match="proxy_uid"):
         InjectionConfig(proxy_uid=0)
     with pytest.raises(InjectionError, match="must differ"):

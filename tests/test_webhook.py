@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from meshd import webhook
-from meshd.inject import InjectionConfig
+from meshd.inject_config import InjectionConfig
 from meshd.webhook import MalformedReview, WebhookServer, review
 
 jsonpatch = pytest.importorskip("jsonpatch", reason="jsonpatch is not installed")

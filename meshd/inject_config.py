@@ -1,0 +1,149 @@
+"""How pods are injected: `InjectionConfig`, loaded from inject.yaml (the Helm chart's
+`injection` values, `meshd inject --config`) with every key checked, and its inverse mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import yaml
+
+from meshd import __version__
+from meshd.iptables import Wildcard
+
+
+class InjectionError(ValueError):
+    """The object cannot be injected as asked (bad annotation value, not a workload)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resources:
+    """Kubernetes resource requests/limits of one injected container."""
+
+    cpu_request: str = "100m"
+    memory_request: str = "128Mi"
+    cpu_limit: str | None = None
+    memory_limit: str | None = "512Mi"
+
+    def to_k8s(self) -> dict[str, dict[str, str]]:
+        out: dict[str, dict[str, str]] = {
+            "requests": {"cpu": self.cpu_request, "memory": self.memory_request}
+        }
+        limits = {k: v for k, v in (("cpu", self.cpu_limit), ("memory", self.memory_limit)) if v}
+        if limits:
+            out["limits"] = limits
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class InjectionConfig:
+    """How pods are injected. Loaded from inject.yaml (same snake_case keys) or defaults.
+
+    include_ports: the inference ports whose outbound traffic is redirected ("*" for all
+    TCP); the defaults are vLLM's (8000) and SGLang's (30000). Pods override them with the
+    include/exclude-ports annotations. The sidecar config reaches the pod one of two ways:
+    `sidecar_config` (YAML text) inline, projected from an annotation by the downward API, so
+    no per-namespace ConfigMap is needed (what the webhook does); or else the ConfigMap named
+    `config_map`, which must exist in the pod's namespace.
+    """
+
+    image: str = f"ghcr.io/meshd/meshd:{__version__}"
+    image_pull_policy: str = "IfNotPresent"
+    proxy_uid: int = 1337
+    proxy_gid: int = 1337
+    admin_port: int = 15000
+    outbound_port: int = 15001
+    transparent_port: int = 15006
+    include_ports: tuple[int, ...] | Wildcard = (8000, 30000)
+    exclude_ports: tuple[int, ...] = ()
+    exclude_cidrs: tuple[str, ...] = ("169.254.169.254/32",)
+    proxy_resources: Resources = field(default_factory=Resources)
+    init_resources: Resources = field(
+        default_factory=lambda: Resources("10m", "32Mi", None, "64Mi")
+    )
+    agent_resources: Resources = field(default_factory=Resources)
+    config_map: str = "meshd-sidecar"
+    config_key: str = "config.yaml"
+    config_mount_path: str = "/etc/meshd"
+    sidecar_config: str | None = None
+    # Where engine agents publish (meshd agent --control-plane) and the engine's own port
+    # in its pod (the agent scrapes it on loopback and advertises it on the pod IP).
+    control_plane: str = "meshd-control-plane.meshd-system.svc:18000"
+    engine_port: int = 8000
+    # Extra environment of the injected containers (e.g. OTEL_EXPORTER_OTLP_ENDPOINT).
+    env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("proxy_uid", "proxy_gid"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                # UID 0 would make the owner exclusion exclude root, i.e. most apps.
+                raise InjectionError(f"{name} must be a positive integer, got {value!r}")
+        ports = [self.admin_port, self.outbound_port, self.transparent_port]
+        for port in ports:
+            if not isinstance(port, int) or not 0 < port < 65536:
+                raise InjectionError(f"ports must be integers in 1..65535, got {port!r}")
+        if len(set(ports)) != 3:
+            raise InjectionError(
+                f"admin_port, outbound_port and transparent_port must differ, got {ports}"
+            )
+        if not self.image:
+            raise InjectionError("image must not be empty")
+        listed = [] if self.include_ports == "*" else list(self.include_ports)
+        for port in [*listed, *self.exclude_ports]:
+            if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+                raise InjectionError(f"include/exclude ports must be 1..65535, got {port!r}")
+        if self.include_ports != "*" and not self.include_ports:
+            raise InjectionError("include_ports is empty: nothing would be redirected (use '*')")
+
+
+def config_from_mapping(data: Mapping[str, Any]) -> InjectionConfig:
+    """Build an InjectionConfig from a parsed inject.yaml; unknown keys are an error."""
+    known = {f.name for f in fields(InjectionConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise InjectionError(f"unknown injection config key(s): {', '.join(unknown)}")
+    kwargs: dict[str, Any] = dict(data)
+    if "include_ports" in kwargs:
+        inc = kwargs["include_ports"]
+        kwargs["include_ports"] = "*" if inc == "*" else tuple(inc)
+    for key in ("exclude_ports", "exclude_cidrs"):
+        if key in kwargs:
+            kwargs[key] = tuple(kwargs[key] or ())
+    if "env" in kwargs:
+        env = kwargs["env"] or {}
+        if not isinstance(env, Mapping):
+            raise InjectionError("env must be a mapping of variable name to value")
+        kwargs["env"] = tuple((str(k), str(v)) for k, v in sorted(env.items()))
+    for key in ("proxy_resources", "init_resources", "agent_resources"):
+        if key in kwargs:
+            try:
+                kwargs[key] = Resources(**kwargs[key])
+            except TypeError as exc:
+                raise InjectionError(f"{key}: {exc}") from None
+    try:
+        return InjectionConfig(**kwargs)
+    except TypeError as exc:
+        raise InjectionError(str(exc)) from None
+
+
+def config_to_mapping(cfg: InjectionConfig) -> dict[str, Any]:
+    """The inverse of config_from_mapping (tuples as lists), for inject.yaml files."""
+    out = asdict(cfg)
+    for key, value in out.items():
+        if isinstance(value, tuple):
+            out[key] = list(value)
+    out["env"] = dict(cfg.env)
+    return out
+
+
+def load_config_file(path: str | None) -> InjectionConfig:
+    if path is None:
+        return InjectionConfig()
+    with open(path, encoding="utf-8") as fh:
+        data = yaml.safe_load(fh) or {}
+    if not isinstance(data, dict):
+        raise InjectionError(f"{path}: expected a mapping of injection settings")
+    return config_from_mapping(data)
