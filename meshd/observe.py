@@ -25,12 +25,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from filters.cost_ledger import (
@@ -47,6 +46,9 @@ from filters.request import InferenceRequest
 from filters.routing_headers import RoutingHeaders
 from meshd import __version__
 from meshd import telemetry as t
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 from meshd.access_log import AccessLogWriter, AccessRecord, AttemptRecord
 from meshd.metrics import DataPlaneMetrics
 

@@ -14,14 +14,10 @@ Wire format of traceparent: w3c/trace-context spec/20-http_request_header_format
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import (
     NonRecordingSpan,
     Span,
@@ -49,6 +45,10 @@ from xds.spans import (
     SPAN_XDS_PUBLISH,
     SPAN_XDS_PUSH,
 )
+
+if TYPE_CHECKING:  # the SDK loads only when a tracer is built (~3 MB of a sidecar's RSS)
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 __all__ = [
     "ATTR_XDS_CHANGED",
@@ -222,6 +222,11 @@ def setup_tracing(
     """
     if not 0.0 <= sampler_ratio <= 1.0:
         raise ValueError(f"sampler_ratio must be in [0, 1], got {sampler_ratio}")
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
     resource = Resource.create({"service.name": service_name, **(resource_attributes or {})})
     provider = TracerProvider(
         resource=resource, sampler=ParentBased(TraceIdRatioBased(sampler_ratio))
