@@ -4,12 +4,8 @@ It reads each connection's original destination with SO_ORIGINAL_DST; a configur
 service is handed to the HTTP server, anything else is spliced through to where it was going
 as raw TCP, never parsed. Works on the default asyncio loop and on uvloop.
 
-SO_ORIGINAL_DST (80) is netfilter's getsockopt on SOL_IP returning a sockaddr_in, and
-IP6T_SO_ORIGINAL_DST (80) the same on SOL_IPV6 returning a sockaddr_in6 (linux
-include/uapi/linux/netfilter_ipv4.h and netfilter_ipv6/ip6_tables.h). Envoy's
-original_dst listener filter reads it the same way and, like us, treats "original
-destination == local address" as not redirected (envoyproxy/envoy
-source/extensions/filters/listener/original_dst/original_dst.cc).
+Its parts: meshd/original_dst.py (SO_ORIGINAL_DST, canonical addresses) and
+meshd/passthrough.py (the TCP splice).
 """
 
 from __future__ import annotations
@@ -22,99 +18,26 @@ import logging
 import os
 import socket
 import struct
-import sys
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
+
+from meshd.original_dst import (
+    Address,
+    NotRedirectedError,
+    normalize_address,
+    original_destination,
+)
+from meshd.passthrough import Pipe
 
 log = logging.getLogger(__name__)
 
-SO_ORIGINAL_DST = 80
-IP6T_SO_ORIGINAL_DST = 80
-SOL_IPV6 = getattr(socket, "SOL_IPV6", 41)
-_SOCKADDR_IN_LEN = 16
-_SOCKADDR_IN6_LEN = 28
-
-# Per-direction send buffer above which the reading side is paused: bounded memory per
-# passthrough connection (two of these) with enough in flight to keep a LAN link busy.
-PASSTHROUGH_HIGH_WATER = 256 * 1024
 # Pause before accepting again when out of file descriptors, so the accept loop does not
 # spin while connections that are in flight finish and free theirs.
 ACCEPT_BACKOFF_S = 0.1
 
-Address = tuple[str, int]
 OriginalDestinationFn = Callable[[socket.socket], Address]
-
-
-class NotRedirectedError(OSError):
-    """The kernel has no NAT record for this socket: it was not redirected by iptables."""
-
-
-def parse_sockaddr(raw: bytes) -> Address:
-    """A kernel sockaddr_in / sockaddr_in6 (as getsockopt returns it) -> (ip, port).
-
-    sa_family is in host byte order, the port in network order.
-    """
-    if len(raw) < 2:
-        raise ValueError(f"sockaddr too short: {len(raw)} bytes")
-    family = int.from_bytes(raw[:2], sys.byteorder)
-    if family == socket.AF_INET:
-        if len(raw) < 8:
-            raise ValueError(f"sockaddr_in too short: {len(raw)} bytes")
-        (port,) = struct.unpack_from("!H", raw, 2)
-        return socket.inet_ntop(socket.AF_INET, raw[4:8]), port
-    if family == socket.AF_INET6:
-        if len(raw) < 24:
-            raise ValueError(f"sockaddr_in6 too short: {len(raw)} bytes")
-        (port,) = struct.unpack_from("!H", raw, 2)
-        return socket.inet_ntop(socket.AF_INET6, raw[8:24]), port
-    raise ValueError(f"unsupported address family {family} in sockaddr")
-
-
-def original_destination(sock: socket.socket) -> Address:
-    """Where a connection accepted on `sock` was going before iptables redirected it.
-
-    Raises NotRedirectedError when the kernel keeps no record (connection tracking not
-    loaded, or a connection it does not track). A tracked connection that was not NATed
-    returns the socket's own local address; TransparentListener treats that as "made
-    straight to the listener".
-    """
-    level, size = socket.SOL_IP, _SOCKADDR_IN_LEN
-    # An IPv4 client on a dual-stack socket is tracked by the IPv4 conntrack table.
-    if sock.family == socket.AF_INET6 and _mapped_v4(sock.getpeername()[0]) is None:
-        level, size = SOL_IPV6, _SOCKADDR_IN6_LEN
-    try:
-        raw = sock.getsockopt(level, SO_ORIGINAL_DST, size)
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ENOPROTOOPT):
-            raise NotRedirectedError(
-                exc.errno, f"no original destination ({exc.strerror}): not redirected by iptables"
-            ) from exc
-        raise
-    return parse_sockaddr(raw)
-
-
-def _mapped_v4(ip: str) -> str | None:
-    try:
-        addr = ipaddress.ip_address(ip)
-    except ValueError:
-        return None
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return str(addr.ipv4_mapped)
-    return None
-
-
-def _normalize(addr: Any) -> Address:
-    """A socket address in one canonical form: IPv4-mapped IPv6 becomes IPv4."""
-    ip, port = str(addr[0]), int(addr[1])
-    mapped = _mapped_v4(ip)
-    if mapped is not None:
-        return mapped, port
-    try:
-        return ipaddress.ip_address(ip).compressed, port
-    except ValueError:
-        return ip, port
 
 
 def _nodelay(sock: socket.socket) -> None:
@@ -128,14 +51,6 @@ def _reset(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     sock.close()
-
-
-def _abort_with_reset(transport: asyncio.BaseTransport) -> None:
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    cast(asyncio.Transport, transport).abort()
 
 
 @dataclass(slots=True)
@@ -183,121 +98,6 @@ class _RouteTag(asyncio.Protocol):
         self._inner.connection_made(transport)
 
 
-class _PipeEnd(asyncio.Protocol):
-    """One side of a passthrough splice: what it reads is written to the other side."""
-
-    __slots__ = ("eof", "lost", "peer", "pending", "pipe", "transport")
-
-    def __init__(self, pipe: _Pipe) -> None:
-        self.pipe = pipe
-        self.peer: _PipeEnd | None = None
-        self.transport: asyncio.Transport | None = None
-        # Bytes read before the other side's transport exists (a server that speaks
-        # first); reading pauses until _Pipe.start() flushes them.
-        self.pending: list[bytes] = []
-        self.eof = False
-        self.lost = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's TCPTransport does not subclass asyncio.Transport but has its methods.
-        self.transport = cast(asyncio.Transport, transport)
-        self.transport.set_write_buffer_limits(high=PASSTHROUGH_HIGH_WATER)
-        if not self.pipe.started:
-            self.transport.pause_reading()
-
-    def data_received(self, data: bytes) -> None:
-        self.pipe.counters.passthrough_bytes += len(data)
-        out = self.peer.transport if self.peer is not None else None
-        if not self.pipe.started or out is None:
-            self.pending.append(data)
-            if self.transport is not None:
-                self.transport.pause_reading()
-        elif not out.is_closing():
-            out.write(data)
-
-    def eof_received(self) -> bool:
-        self.eof = True
-        if self.pipe.started:
-            self.pipe.half_closed(self)
-        return True  # keep our write side open: the other direction may still flow
-
-    def pause_writing(self) -> None:
-        # Our send buffer is full: stop reading from the side that fills it.
-        if self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None and not self.peer.eof:
-            self.peer.transport.resume_reading()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.pipe.lost(self, exc)
-
-
-class _Pipe:
-    """A bidirectional splice between a client and its original destination.
-
-    Half-close is forwarded (EOF on one side becomes write_eof on the other); once both
-    directions have ended both sockets close. An error on either side aborts both.
-    """
-
-    __slots__ = ("client", "counters", "done", "started", "upstream")
-
-    def __init__(self, counters: TransparentCounters, loop: asyncio.AbstractEventLoop) -> None:
-        self.counters = counters
-        self.client = _PipeEnd(self)
-        self.upstream = _PipeEnd(self)
-        self.client.peer, self.upstream.peer = self.upstream, self.client
-        self.started = False
-        self.done: asyncio.Future[None] = loop.create_future()
-
-    def start(self) -> None:
-        """Both transports exist: forward what arrived early, then let bytes flow."""
-        self.started = True
-        for end in (self.client, self.upstream):
-            out = end.peer.transport if end.peer is not None else None
-            if end.pending and out is not None and not out.is_closing():
-                out.write(b"".join(end.pending))
-            end.pending.clear()
-        for end in (self.client, self.upstream):
-            if end.eof:
-                self.half_closed(end)
-        for end in (self.client, self.upstream):
-            if end.transport is not None and not end.transport.is_closing() and not end.eof:
-                end.transport.resume_reading()
-
-    def half_closed(self, end: _PipeEnd) -> None:
-        other = end.peer
-        assert other is not None and other.transport is not None
-        if not other.transport.is_closing() and other.transport.can_write_eof():
-            other.transport.write_eof()
-        if end.eof and other.eof:
-            self.close()
-
-    def lost(self, end: _PipeEnd, exc: Exception | None) -> None:
-        end.lost = True
-        other = end.peer
-        assert other is not None
-        if not other.lost and other.transport is not None:
-            if exc is not None:
-                # Pass the failure on as a reset, not as a clean end of stream.
-                _abort_with_reset(other.transport)
-            else:
-                other.transport.close()
-        if (other.lost or other.transport is None) and not self.done.done():
-            self.done.set_result(None)
-
-    def close(self) -> None:
-        for end in (self.client, self.upstream):
-            if end.transport is not None:
-                end.transport.close()
-
-    def abort(self) -> None:
-        for end in (self.client, self.upstream):
-            if end.transport is not None:
-                end.transport.abort()
-
-
 class TransparentListener:
     """Accepts redirected connections and routes each by its original destination.
 
@@ -339,10 +139,10 @@ class TransparentListener:
         # picks them, so a redirected copy of one is recognised when it is accepted.
         self._upstream_names: set[Address] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._pipes: set[_Pipe] = set()
+        self._pipes: set[Pipe] = set()
         self._closing = False
         self.counters = TransparentCounters()
-        self._address = _normalize(sock.getsockname())
+        self._address = normalize_address(sock.getsockname())
         self._accept_task = self._loop.create_task(self._accept_loop())
 
     # -- lookups for the HTTP side -------------------------------------------------------
@@ -362,7 +162,7 @@ class TransparentListener:
         table: dict[Address, str] = {}
         for (ip, port), pool in services.items():
             try:
-                key = _normalize((ipaddress.ip_address(ip).compressed, port))
+                key = normalize_address((ipaddress.ip_address(ip).compressed, port))
             except ValueError:
                 raise ValueError(
                     f"transparent service address {ip!r} must be an IP address: the original "
@@ -441,9 +241,9 @@ class TransparentListener:
         conn.setblocking(False)
         _nodelay(conn)
         try:
-            dest = _normalize(self._original_destination(conn))
-            local = _normalize(conn.getsockname())
-            peer = _normalize(conn.getpeername())
+            dest = normalize_address(self._original_destination(conn))
+            local = normalize_address(conn.getsockname())
+            peer = normalize_address(conn.getpeername())
         except NotRedirectedError:
             self.counters.rejected += 1
             conn.close()
@@ -538,7 +338,7 @@ class TransparentListener:
         err = sock.connect_ex(dest)
         if err in (0, errno.EINPROGRESS, errno.EAGAIN):
             with contextlib.suppress(OSError):
-                name = _normalize(sock.getsockname())
+                name = normalize_address(sock.getsockname())
                 self._upstream_names.add(name)
                 names.append(name)
         if err not in (0, errno.EINPROGRESS, errno.EAGAIN):
@@ -565,7 +365,7 @@ class TransparentListener:
     async def _splice(
         self, conn: socket.socket, upstream: socket.socket, names: list[Address]
     ) -> None:
-        pipe = _Pipe(self.counters, self._loop)
+        pipe = Pipe(self.counters, self._loop)
         try:
             await self._loop.connect_accepted_socket(lambda: pipe.client, conn)
             await self._loop.create_connection(lambda: pipe.upstream, sock=upstream)
@@ -590,7 +390,7 @@ class TransparentListener:
         else:
             pipe.start()
 
-    def _pipe_finished(self, pipe: _Pipe, names: list[Address]) -> None:
+    def _pipe_finished(self, pipe: Pipe, names: list[Address]) -> None:
         self._forget(names)
         self._pipes.discard(pipe)
         self.counters.passthrough_active -= 1

@@ -21,17 +21,16 @@ from aiohttp import ClientSession, web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshd.transparent import (
+from meshd.original_dst import (
     IP6T_SO_ORIGINAL_DST,
     SO_ORIGINAL_DST,
     SOL_IPV6,
     NotRedirectedError,
-    TransparentListener,
-    _Pipe,
     original_destination,
     parse_sockaddr,
-    start_transparent_listener,
 )
+from meshd.passthrough import Pipe
+from meshd.transparent import TransparentListener, start_transparent_listener
 
 LOOPS = ["asyncio", "uvloop"]
 Address = tuple[str, int]
@@ -464,7 +463,7 @@ def test_pipe_backpressure_and_half_close_logic() -> None:
     async def scenario() -> None:
         from meshd.transparent import TransparentCounters
 
-        pipe = _Pipe(TransparentCounters(), asyncio.get_running_loop())
+        pipe = Pipe(TransparentCounters(), asyncio.get_running_loop())
         client, upstream = FakeTransport(), FakeTransport()
         pipe.client.connection_made(client)  # type: ignore[arg-type]
         pipe.upstream.connection_made(upstream)  # type: ignore[arg-type]
