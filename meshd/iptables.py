@@ -170,21 +170,33 @@ def _comment(text: str) -> list[str]:
     return ["-m", "comment", "--comment", f"meshd: {text}"]
 
 
+def _nat(*args: str) -> list[str]:
+    return ["-t", TABLE, *args]
+
+
 def build_rules(plan: IptablesPlan, family: Family = "ipv4") -> list[list[str]]:
     """The argv lists (without the iptables binary) that install `plan` for one family.
 
     CIDRs of the other family are skipped; with include_cidrs set and none of this family,
     the chains exist but redirect nothing.
     """
-    out, redirect = plan.output_chain, plan.redirect_chain
+    return [
+        *_chain_rules(plan),
+        *_owner_rules(plan),
+        _loopback_rule(plan, family),
+        *_exclude_rules(plan, family),
+        *_capture_rules(plan, family),
+        _nat("-A", "OUTPUT", "-p", "tcp", *_comment("outbound capture"), "-j", plan.output_chain),
+    ]
 
-    def nat(*args: str) -> list[str]:
-        return ["-t", TABLE, *args]
 
-    rules = [
-        nat("-N", redirect),
-        nat("-N", out),
-        nat(
+def _chain_rules(plan: IptablesPlan) -> list[list[str]]:
+    """The two chains, and the one REDIRECT to the transparent listener."""
+    redirect = plan.redirect_chain
+    return [
+        _nat("-N", redirect),
+        _nat("-N", plan.output_chain),
+        _nat(
             "-A",
             redirect,
             "-p",
@@ -196,71 +208,73 @@ def build_rules(plan: IptablesPlan, family: Family = "ipv4") -> list[list[str]]:
             str(plan.proxy_port),
         ),
     ]
-    if plan.proxy_uid is not None:
-        rules.append(
-            nat(
-                "-A",
-                out,
-                "-m",
-                "owner",
-                "--uid-owner",
-                str(plan.proxy_uid),
-                *_comment("sidecar traffic"),
-                "-j",
-                "RETURN",
-            )
+
+
+def _owner_rules(plan: IptablesPlan) -> list[list[str]]:
+    """The proxy's own traffic returns first, by UID and by GID."""
+    owners = (("--uid-owner", plan.proxy_uid), ("--gid-owner", plan.proxy_gid))
+    return [
+        _nat(
+            "-A",
+            plan.output_chain,
+            "-m",
+            "owner",
+            flag,
+            str(ident),
+            *_comment("sidecar traffic"),
+            "-j",
+            "RETURN",
         )
-    if plan.proxy_gid is not None:
-        rules.append(
-            nat(
-                "-A",
-                out,
-                "-m",
-                "owner",
-                "--gid-owner",
-                str(plan.proxy_gid),
-                *_comment("sidecar traffic"),
-                "-j",
-                "RETURN",
-            )
-        )
+        for flag, ident in owners
+        if ident is not None
+    ]
+
+
+def _loopback_rule(plan: IptablesPlan, family: Family) -> list[str]:
+    out = plan.output_chain
     if not plan.capture_loopback:
-        rules.append(nat("-A", out, "-o", "lo", *_comment("loopback"), "-j", "RETURN"))
-    else:
-        # Loopback destinations are captured, but never the proxy's own port.
-        rules.append(
-            nat(
-                "-A",
-                out,
-                "-d",
-                _LOOPBACK[family],
-                "-p",
-                "tcp",
-                "--dport",
-                str(plan.proxy_port),
-                *_comment("the transparent listener itself"),
-                "-j",
-                "RETURN",
-            )
+        return _nat("-A", out, "-o", "lo", *_comment("loopback"), "-j", "RETURN")
+    # Loopback destinations are captured, but never the proxy's own port.
+    return _nat(
+        "-A",
+        out,
+        "-d",
+        _LOOPBACK[family],
+        "-p",
+        "tcp",
+        "--dport",
+        str(plan.proxy_port),
+        *_comment("the transparent listener itself"),
+        "-j",
+        "RETURN",
+    )
+
+
+def _exclude_rules(plan: IptablesPlan, family: Family) -> list[list[str]]:
+    out = plan.output_chain
+    rules = [
+        _nat(
+            "-A",
+            out,
+            "-p",
+            "tcp",
+            "-m",
+            "multiport",
+            "--dports",
+            group,
+            *_comment("excluded ports"),
+            "-j",
+            "RETURN",
         )
-    for group in _port_groups(plan.exclude_ports):
-        rules.append(
-            nat(
-                "-A",
-                out,
-                "-p",
-                "tcp",
-                "-m",
-                "multiport",
-                "--dports",
-                group,
-                *_comment("excluded ports"),
-                "-j",
-                "RETURN",
-            )
-        )
+        for group in _port_groups(plan.exclude_ports)
+    ]
     for cidr in _cidrs_of(plan.exclude_cidrs, family, "exclude_cidrs"):
-        rules.append(nat("-A", out, "-d", cidr, *_comment("excluded CIDR"), "-j", "RETURN"))
+        rules.append(_nat("-A", out, "-d", cidr, *_comment("excluded CIDR"), "-j", "RETURN"))
+    return rules
+
+
+def _capture_rules(plan: IptablesPlan, family: Family) -> list[list[str]]:
+    """One REDIRECT jump per included destination x port group (one each for "*")."""
     dests: list[list[str]] = (
         [[]]
         if plan.include_cidrs == "*"
@@ -274,11 +288,11 @@ def build_rules(plan: IptablesPlan, family: Family = "ipv4") -> list[list[str]]:
             for g in _port_groups(plan.include_ports)
         ]
     )
-    for dest in dests:
-        for port in ports:
-            rules.append(nat("-A", out, *dest, *port, *_comment("capture"), "-j", redirect))
-    rules.append(nat("-A", "OUTPUT", "-p", "tcp", *_comment("outbound capture"), "-j", out))
-    return rules
+    return [
+        _nat("-A", plan.output_chain, *dest, *port, *_comment("capture"), "-j", plan.redirect_chain)
+        for dest in dests
+        for port in ports
+    ]
 
 
 def build_cleanup(plan: IptablesPlan, family: Family = "ipv4") -> list[list[str]]:
