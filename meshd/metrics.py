@@ -111,6 +111,21 @@ class DataPlaneMetrics:
     ) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self._register_requests(r)
+        self._register_latency(r)
+        self._register_refusals(r)
+        self._register_breaker(r)
+        self._register_admission(r)
+        self._register_tokens(r)
+        self._register_cost(r, clock)
+        self.access_log_dropped = Counter(
+            "meshd_access_log_dropped_records",
+            "Access-log records dropped because the writer's queue was full",
+            registry=r,
+        )
+
+    def _register_requests(self, r: CollectorRegistry) -> None:
+        """Requests and their upstream attempts and retries."""
         self.requests = Counter(
             "meshd_requests",
             "Client requests finished, by route kind, pool and outcome",
@@ -135,6 +150,9 @@ class DataPlaneMetrics:
             ["pool"],
             registry=r,
         )
+
+    def _register_latency(self, r: CollectorRegistry) -> None:
+        """Latency: end to end, to the first token, between tokens; streams now."""
         self.request_duration = _Histogram(
             "meshd_request_duration_seconds",
             "End-to-end latency: request accepted to the last byte sent to the client",
@@ -166,6 +184,9 @@ class DataPlaneMetrics:
         self.active_streams = Gauge(
             "meshd_active_requests", "Requests being served now", registry=r
         )
+
+    def _register_refusals(self, r: CollectorRegistry) -> None:
+        """What meshd answered itself, headers it stripped, clients that left."""
         self.rejected = Counter(
             "meshd_rejected_requests",
             "Requests meshd answered itself with an error, by reason",
@@ -183,7 +204,9 @@ class DataPlaneMetrics:
             ["pool"],
             registry=r,
         )
-        # Reliability: breaker, outlier ejection, admission, throttle, failover.
+
+    def _register_breaker(self, r: CollectorRegistry) -> None:
+        """Reliability per endpoint: the circuit breaker and outlier ejection."""
         self.breaker_state = Gauge(
             "meshd_breaker_state",
             "Circuit breaker state per endpoint: 0 closed, 1 half-open, 2 open",
@@ -214,6 +237,10 @@ class DataPlaneMetrics:
             ["pool", "endpoint", "reason"],
             registry=r,
         )
+
+    def _register_admission(self, r: CollectorRegistry) -> None:
+        """Reliability per pool: admission, the throttle, affinity departures, mid-stream
+        failover, tokens in flight."""
         self.admission_queue_depth = Gauge(
             "meshd_admission_queue_depth",
             "Requests waiting in the admission queue now",
@@ -258,8 +285,10 @@ class DataPlaneMetrics:
             ["pool"],
             registry=r,
         )
-        # Tokens and the prefix cache: hit rate = hit / prompt; prediction quality = hit /
-        # predicted (both by endpoint, on the attempt that served the request).
+
+    def _register_tokens(self, r: CollectorRegistry) -> None:
+        """Tokens and the prefix cache: hit rate = hit / prompt; prediction quality = hit /
+        predicted (both by endpoint, on the attempt that served the request)."""
         self.prompt_tokens = Counter(
             "meshd_prompt_tokens",
             "Input tokens of finished requests (engine usage, else meshd's estimate)",
@@ -284,8 +313,10 @@ class DataPlaneMetrics:
             ["pool", "endpoint"],
             registry=r,
         )
-        # Cost (filters/cost_ledger.py). Cost per successful task over a window =
-        # rate(meshd_task_cost_usd_total) / rate(meshd_tasks_total{outcome="success"}).
+
+    def _register_cost(self, r: CollectorRegistry, clock: Any) -> None:
+        """Cost (filters/cost_ledger.py). Cost per successful task over a window =
+        rate(meshd_task_cost_usd_total) / rate(meshd_tasks_total{outcome="success"})."""
         self.gpu_busy_seconds = Counter(
             "meshd_gpu_busy_seconds",
             "GPU-seconds requests used (engine-reported, else the timing model's estimate)",
@@ -328,10 +359,5 @@ class DataPlaneMetrics:
         self.successful_tasks_per_usd = Gauge(
             "meshd_successful_tasks_per_usd",
             "Tasks succeeded per dollar spent, since the sidecar started",
-            registry=r,
-        )
-        self.access_log_dropped = Counter(
-            "meshd_access_log_dropped_records",
-            "Access-log records dropped because the writer's queue was full",
             registry=r,
         )
