@@ -62,9 +62,7 @@ async def _drive(child: Child, endpoint: Endpoint, tokens: int, warmup: int, n: 
         await gen.close()
 
 
-def measure(
-    requests: int, tokens: int, warmup: int, overrides: Sequence[str] = ()
-) -> float:
+def measure(requests: int, tokens: int, warmup: int, overrides: Sequence[str] = ()) -> float:
     """Sidecar instructions per request over `requests` serial streamed completions."""
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
