@@ -72,13 +72,13 @@ if _dir:
         wrap(m.StreamWriter, "_write", "srv_write")
         wrap(m.StreamWriter, "_writelines", "srv_write")
     def upstream(m):
-        wrap(m._Connection, "send", "up_send")
-        wrap(m._Connection, "data_received", "up_recv")
+        wrap(m.UpstreamConnection, "send", "up_send")
+        wrap(m.UpstreamConnection, "data_received", "up_recv")
     def listener(m):
         wrap(m._Connection, "data_received", "srv_recv")
         wrap(m._Connection, "write", "srv_write")
     PATCH = {"aiohttp.web_protocol": web_protocol, "aiohttp.http_writer": http_writer,
-             "meshd.upstream": upstream, "meshd.listener": listener}
+             "meshd.upstream_connection": upstream, "meshd.listener": listener}
     class _Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
             patch = PATCH.pop(name, None)

@@ -27,8 +27,8 @@ from meshd.upstream import (
     UpstreamPool,
     UpstreamProtocolError,
     UpstreamResponse,
-    _Connection,
 )
+from meshd.upstream_connection import UpstreamConnection
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 TIMEOUT_S = 5.0  # bounds every await on an event, so a bug fails instead of hanging
@@ -965,7 +965,7 @@ def test_response_fields_match_the_regex_reference(fields: list[tuple[str, str]]
 
     async def parse() -> UpstreamResponse | None:
         pool = make_pool()
-        return _Connection(pool, pool._endpoint("http://127.0.0.1:1"))._parse_head(raw)
+        return UpstreamConnection(pool, pool._endpoint("http://127.0.0.1:1"))._parse_head(raw)
 
     response = asyncio.run(parse())
     assert response is not None
