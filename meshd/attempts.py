@@ -130,10 +130,9 @@ class Attempts:
         loop = asyncio.get_running_loop()
         attempt = self.start(ctx, route, tries.reason)
         try:
+            left = ctx.deadline - loop.time()
             try:
-                async with asyncio.timeout(
-                    min(up_cfg.first_byte_timeout_s, ctx.deadline - loop.time())
-                ):
+                async with asyncio.timeout(min(up_cfg.first_byte_timeout_s, left)):
                     upstream = await plane.upstream.request(
                         url,
                         ctx.method,
@@ -158,12 +157,13 @@ class Attempts:
                 attempt.local_failure = True
                 self.settle(attempt, "timeout")
                 plane.metrics.upstream_attempts.labels(ctx.pool, url, "timeout").inc()
+                limit = (
+                    f"upstream.first_byte_timeout_s ({up_cfg.first_byte_timeout_s:g} s)"
+                    if up_cfg.first_byte_timeout_s <= left
+                    else f"the rest of upstream.request_timeout_s ({up_cfg.request_timeout_s:g} s)"
+                )
                 return self.acct.refuse(
-                    ctx,
-                    504,
-                    f"{url} sent no response headers within "
-                    f"upstream.first_byte_timeout_s ({up_cfg.first_byte_timeout_s:g} s)",
-                    "upstream_timeout",
+                    ctx, 504, f"{url} sent no response headers within {limit}", "upstream_timeout"
                 )
             except UpstreamError as exc:  # a protocol error; the message names the url
                 attempt.local_failure = True

@@ -124,6 +124,8 @@ class Intake:
             return self._body_refused(exc)
         trusted = self._is_trusted(req)
         routing, headers = parse_routing_headers(req.headers, trusted)
+        if routing.stripped:
+            self.plane.metrics.stripped_headers.inc(len(routing.stripped))
         if routing.errors:
             return self.acct.reject(400, "; ".join(routing.errors), "bad_routing_header")
         pool = self._pool_for(req, None)
@@ -251,7 +253,7 @@ class Intake:
         self, headers: Iterable[tuple[str, str]], ctx: RequestContext
     ) -> list[tuple[str, str]]:
         """The client's headers without hop-by-hop ones (and those its Connection names),
-        with an x-request-id (the client's, else a new one) and our Via."""
+        with an x-request-id (the client's, else a new one) and our Via appended."""
         out: list[tuple[str, str]] = []
         connection_tokens: set[str] = set()
         for name, value in headers:
@@ -260,15 +262,21 @@ class Intake:
                 connection_tokens.update(t.strip().lower() for t in value.split(","))
             elif lname == "x-request-id":
                 ctx.request_id = value
+        via: list[str] = []
         for name, value in headers:
             lname = name.lower()
-            if lname in _REQUEST_DROP or lname in connection_tokens or lname == "via":
+            if lname in _REQUEST_DROP or lname in connection_tokens:
+                continue
+            if lname == "via":
+                via.append(value)
                 continue
             out.append((name, value))
         if not ctx.request_id:
             ctx.request_id = request_id()
             out.append(("x-request-id", ctx.request_id))
-        out.append(("via", VIA))
+        # RFC 9110 7.6.3: a proxy appends itself to the Via the request came with.
+        via.append(VIA)
+        out.append(("via", ", ".join(via)))
         return out
 
     def _is_trusted(self, req: HttpRequest) -> bool:

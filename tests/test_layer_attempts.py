@@ -198,12 +198,6 @@ async def test_no_response_head_in_time_is_504() -> None:
     assert_settled_once(router, guard)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Attempts._try waits min(first_byte_timeout_s, the request's deadline) for the "
-    "head, but its 504 always names upstream.first_byte_timeout_s, also when "
-    "upstream.request_timeout_s is what ran out",
-)
 async def test_a_504_names_the_limit_that_ran_out() -> None:
     pool = FakePool(HANG)
     layers, _router, _guard, _relay = setup(pool, upstream={"request_timeout_s": 0.05})

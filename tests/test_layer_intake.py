@@ -237,6 +237,15 @@ async def test_upstream_headers_drop_hop_by_hop_and_get_a_request_id_and_via() -
     assert ("via", "1.1 meshd") in sent
 
 
+async def test_meshd_appends_itself_to_the_via_the_request_came_with() -> None:
+    t = RequestLayer()
+    await t.post(headers=[("Via", "1.0 corp-proxy")])
+    (ctx,) = t.attempts.seen
+    assert [v for n, v in ctx.upstream_headers if n.lower() == "via"] == [
+        "1.0 corp-proxy, 1.1 meshd"
+    ]
+
+
 async def test_the_clients_request_id_is_kept() -> None:
     t = RequestLayer()
     await t.post(headers=[("X-Request-Id", "client-7")])
@@ -275,11 +284,6 @@ async def test_untrusted_routing_headers_on_other_paths_are_stripped() -> None:
     assert not [n for n, _ in ctx.upstream_headers if n.lower().startswith("x-meshd-")]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Intake.passthrough strips untrusted x-meshd-* headers but does not count them "
-    "in meshd_stripped_routing_headers_total (Intake.inference does)",
-)
 async def test_untrusted_routing_headers_stripped_on_other_paths_are_counted() -> None:
     t = RequestLayer()
     req = FakeRequest(path="/tokenize", body=b"{}", headers=ROUTING, remote=UNTRUSTED)
