@@ -1,5 +1,6 @@
 """The control plane's own spans (issue 9), against a real OTLP/gRPC receiver
-(tests/otlp_receiver.py): a span per publish (accepted or refused) and per response pushed,
+(tests/otlp_receiver.py): a span per sampled publish (and every refused one) and per response
+pushed,
 open until the client answers it, a NACK on it as an attribute and an event."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from otlp_receiver import OtlpReceiver
 from meshd import telemetry as tm
 from xds.client import Publisher
 from xds.resources import ENDPOINT_STATE_TYPE, EndpointState, ResourceError
-from xds.server import ControlPlane
+from xds.server import ControlPlane, ServerLimits
 
 T = ENDPOINT_STATE_TYPE
 DELTA = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources"
@@ -38,7 +39,7 @@ def receiver() -> Iterator[OtlpReceiver]:
 @pytest.fixture
 async def traced(receiver: OtlpReceiver) -> AsyncIterator[tuple[ControlPlane, Any]]:
     provider = tm.setup_tracing("meshd-control-plane", receiver.endpoint, 1.0)
-    plane = ControlPlane(tracer_provider=provider)
+    plane = ControlPlane(limits=ServerLimits(publish_trace_every=1), tracer_provider=provider)
     await plane.start("127.0.0.1", 0)
     yield plane, provider
     await plane.stop(0)
@@ -106,3 +107,25 @@ async def test_publish_and_push_spans_with_a_nack(
     assert tm.ATTR_XDS_NACK not in acked.attributes and not acked.events
     assert nacked.attributes[tm.ATTR_XDS_NACK] == "b: cannot use it"
     assert nacked.events == [(tm.EVENT_XDS_NACK, {tm.ATTR_XDS_NACK: "b: cannot use it"})]
+
+
+async def test_publishes_are_sampled_and_refused_ones_always_traced(
+    receiver: OtlpReceiver,
+) -> None:
+    provider = tm.setup_tracing("meshd-control-plane", receiver.endpoint, 1.0)
+    plane = ControlPlane(limits=ServerLimits(publish_trace_every=3), tracer_provider=provider)
+    await plane.start("127.0.0.1", 0)
+    pub = Publisher(f"127.0.0.1:{plane.port}")
+    try:
+        for i in range(7):
+            await pub.publish(T, {"a": state("a", i)})
+        with pytest.raises(ResourceError):
+            await pub.publish(T, {"bad": b"\xc1 not msgpack"})
+    finally:
+        await pub.close()
+        await plane.stop(0)
+        provider.shutdown()
+    spans = sorted(receiver.by_name()[tm.SPAN_XDS_PUBLISH], key=lambda s: s.start_ns)
+    # Accepted publishes 0, 3 and 6 of 7, and the refused one.
+    assert [s.attributes.get(tm.ATTR_REASON) is None for s in spans] == [True, True, True, False]
+    assert ServerLimits().publish_trace_every == 1000

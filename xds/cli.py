@@ -71,10 +71,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--otlp-endpoint",
         metavar="HOST:PORT",
-        help="export a span per publish and per response pushed over OTLP/gRPC",
+        help="export spans over OTLP/gRPC: per response pushed, and per sampled publish",
     )
     p.add_argument(
         "--trace-sample-ratio", type=float, default=1.0, help="share of traces kept (0..1)"
+    )
+    p.add_argument(
+        "--publish-trace-every",
+        type=int,
+        default=ServerLimits().publish_trace_every,
+        metavar="N",
+        help="a span for every Nth accepted publish (refused ones always; default %(default)s)",
     )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
@@ -132,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         keepalive_time_s=args.keepalive_time_s,
         keepalive_timeout_s=args.keepalive_timeout_s,
         resource_ttl_s=args.resource_ttl_s if args.resource_ttl_s > 0 else None,
+        publish_trace_every=args.publish_trace_every,
     )
     tls = _tls(args)
 
