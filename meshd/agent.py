@@ -136,9 +136,17 @@ class EngineAgent:
     """The agent of one engine. `start()`, then `close()`; `state` and `tracker` are its
     current view (tests and /metrics read them)."""
 
-    def __init__(self, config: AgentConfig, *, tracer_provider: Any = None) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        tracer_provider: Any = None,
+        links: list[ControlPlaneLink] | None = None,
+    ) -> None:
         """tracer_provider: an OpenTelemetry TracerProvider (tests pass one); else one is
-        made for config.otlp_endpoint, else no spans."""
+        made for config.otlp_endpoint, else no spans. links: the control-plane links of a
+        NodeAgent, shared with its other engines (started and closed by it); else the
+        agent's own, one per config.control_planes."""
         self.config = config
         self.credentials = channel_credentials(config)  # ValueError names a bad TLS file
         self._own_provider = tracer_provider is None and config.otlp_endpoint is not None
@@ -158,7 +166,10 @@ class EngineAgent:
         self._was_healthy: bool | None = None
         self._published_state: EndpointState | None = None
         self._published_at = float("-inf")
-        self._links = [ControlPlaneLink(self, t) for t in config.control_planes]
+        self._own_links = links is None
+        self._links = (
+            [ControlPlaneLink(self, t) for t in config.control_planes] if links is None else links
+        )
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._zmq = zmq.asyncio.Context()
@@ -187,8 +198,9 @@ class EngineAgent:
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.scrape_timeout_s)
         self._session = aiohttp.ClientSession(timeout=timeout)
-        for link in self._links:
-            link.start()
+        if self._own_links:
+            for link in self._links:
+                link.start()
         self._tasks.append(asyncio.ensure_future(self._scrape_loop()))
         if self.kv_events is not None:
             await self.kv_events.start()
@@ -197,8 +209,9 @@ class EngineAgent:
         await cancel_and_wait(self._tasks)
         if self.kv_events is not None:
             await self.kv_events.close()
-        for link in self._links:
-            await link.close()
+        if self._own_links:
+            for link in self._links:
+                await link.close()
         if self._session is not None:
             await self._session.close()
         self._zmq.destroy(linger=0)

@@ -1,5 +1,6 @@
 """`meshd agent`'s command line: its flags, the AgentConfig they make, and the process that
-runs one EngineAgent (meshd/agent.py) until SIGINT or SIGTERM.
+runs one EngineAgent (meshd/agent.py), or with --engines a NodeAgent for several
+(meshd/node_agent.py), until SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
@@ -8,20 +9,35 @@ import argparse
 import asyncio
 import logging
 import signal
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from meshd.agent import AgentConfig, EngineAgent
+from meshd.node_agent import NodeAgent, engine_configs
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "agent",
-        help="publish one engine's state and KV-cache digest to the control plane",
+        help="publish an engine's (or a node's engines') state and KV-cache digest to the "
+        "control plane",
         description="Run next to a vLLM or SGLang engine: scrape its /metrics and /health, "
         "follow its KV events (ZMQ), read its GPUs via NVML when present, and publish "
         "EndpointState and PrefixDigest to every --control-plane.",
     )
     p.add_argument("--engine", default="http://127.0.0.1:8000", help="engine base URL")
-    p.add_argument("--name", required=True, help="the engine's resource name")
+    p.add_argument("--name", help="the engine's resource name (required without --engines)")
+    p.add_argument(
+        "--engines",
+        metavar="FILE",
+        type=Path,
+        help="a YAML list of this node's engines, each a mapping of the per-engine flags "
+        "(name, engine, address, pool, model, flavor, kv_events, kv_events_replay, "
+        "kv_events_topic, kv_events_bind, gpu, gpu_count, gpu_memory_gib, gpu_index); one "
+        "process serves them all and their updates share publish messages",
+    )
     p.add_argument("--address", help="host:port clients reach the engine at (default: --engine)")
     p.add_argument("--pool", default="")
     p.add_argument("--model", default="", help="default: the engine's model_name label")
@@ -62,11 +78,31 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
-def config_from_args(args: argparse.Namespace) -> AgentConfig:
+def node_configs(args: argparse.Namespace) -> list[AgentConfig]:
+    """The engines of --engines FILE, each with the node's flags. SystemExit names the file,
+    the entry and the key of a mistake."""
+    try:
+        engines: Any = yaml.safe_load(args.engines.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"meshd agent: --engines {args.engines}: {exc}") from None
+    if not isinstance(engines, list):
+        raise SystemExit(f"meshd agent: --engines {args.engines}: expected a YAML list")
+    node = config_from_args(args, name=args.name or "node")
+    try:
+        return engine_configs(node, engines)
+    except ValueError as exc:
+        raise SystemExit(f"meshd agent: --engines {args.engines}: {exc}") from None
+
+
+def config_from_args(args: argparse.Namespace, name: str | None = None) -> AgentConfig:
+    if name is None:
+        if not args.name:
+            raise SystemExit("meshd agent: --name is required (or --engines FILE)")
+        name = args.name
     address = args.address or args.engine.split("://", 1)[-1].rstrip("/")
     mem = args.gpu_memory_gib
     return AgentConfig(
-        name=args.name,
+        name=name,
         engine_url=args.engine,
         address=address,
         control_planes=tuple(args.control_plane),
@@ -96,7 +132,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    config = config_from_args(args)
+    configs = node_configs(args) if args.engines is not None else [config_from_args(args)]
 
     async def serve() -> None:
         stop = asyncio.Event()
@@ -104,11 +140,14 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
-            agent = EngineAgent(config)
+            agent: EngineAgent | NodeAgent = (
+                NodeAgent(configs) if args.engines is not None else EngineAgent(configs[0])
+            )
         except ValueError as exc:  # a TLS file named by a flag
             raise SystemExit(f"meshd agent: {exc}") from None
         async with agent:
-            print(f"meshd agent for {config.name} ({config.engine_url})", flush=True)
+            names = ", ".join(f"{c.name} ({c.engine_url})" for c in configs)
+            print(f"meshd agent for {names}", flush=True)
             await stop.wait()
 
     asyncio.run(serve())

@@ -165,3 +165,25 @@ async def test_close_ends_a_link_waiting_for_work() -> None:
     async with asyncio.timeout(5.0):
         await link.close()
     assert link._task is not None and link._task.done()
+
+
+@pytest.mark.parametrize("window_s", [0.0, 0.05])
+async def test_a_window_gathers_what_several_engines_offer_into_one_message(
+    window_s: float,
+) -> None:
+    fake = FakeAgent()
+    link = ControlPlaneLink(fake, "127.0.0.1:1", window_s=window_s)  # type: ignore[arg-type]
+    link.start()
+    try:
+        for i in range(4):  # a node's engines, each on its own tick
+            link.offer(STATE, f"engine-{i}", b"s%d" % i)
+            await asyncio.sleep(0.005)
+        await until_sent(1)
+        await asyncio.sleep(window_s + 0.02)
+    finally:
+        await link.close()
+    sizes = [len(resources) for _, resources in FakePublisher.sent]
+    assert sum(sizes) == 4
+    # Without a window the first engine's body leaves alone, at once; with one, together.
+    assert sizes == ([4] if window_s else [1, *sizes[1:]]) and (window_s or len(sizes) > 1)
+    assert fake.stats.publishes == 4 and fake.stats.publish_messages == len(sizes)
