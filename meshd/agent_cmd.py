@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 from pathlib import Path
@@ -16,6 +17,7 @@ import yaml
 
 from meshd.agent import AgentConfig, EngineAgent
 from meshd.node_agent import NodeAgent, engine_configs
+from meshd.shards import parse_shard, shard_for
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -43,7 +45,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--model", default="", help="default: the engine's model_name label")
     p.add_argument("--flavor", choices=("vllm", "sglang"), help="default: detect")
     p.add_argument(
-        "--control-plane", action="append", default=[], metavar="HOST:PORT", required=True
+        "--control-plane",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a control plane to publish to (repeatable: every one gets every update)",
+    )
+    p.add_argument(
+        "--shard",
+        action="append",
+        default=[],
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="a control-plane shard, its replicas comma-separated (repeatable): each engine "
+        "publishes to the replicas of one shard, chosen by a stable hash of its name "
+        "(meshd/shards.py), so N shards each ingest 1/N of the fleet",
     )
     p.add_argument("--interval", type=float, default=0.1, help="seconds between scrapes")
     p.add_argument("--heartbeat", type=float, default=2.0, help="republish at least this often")
@@ -89,9 +104,25 @@ def node_configs(args: argparse.Namespace) -> list[AgentConfig]:
         raise SystemExit(f"meshd agent: --engines {args.engines}: expected a YAML list")
     node = config_from_args(args, name=args.name or "node")
     try:
-        return engine_configs(node, engines)
+        configs = engine_configs(node, engines)
     except ValueError as exc:
         raise SystemExit(f"meshd agent: --engines {args.engines}: {exc}") from None
+    return [dataclasses.replace(c, control_planes=control_planes(args, c.name)) for c in configs]
+
+
+def control_planes(args: argparse.Namespace, name: str) -> tuple[str, ...]:
+    """Where engine `name` publishes: every --control-plane, and the replicas of its shard
+    among the --shard ones."""
+    try:
+        shards = [parse_shard(s) for s in args.shard]
+    except ValueError as exc:
+        raise SystemExit(f"meshd agent: --shard: {exc}") from None
+    targets = list(args.control_plane)
+    if shards:
+        targets += [t for t in shard_for(name, shards) if t not in targets]
+    if not targets:
+        raise SystemExit("meshd agent: give --control-plane or --shard (where to publish)")
+    return tuple(targets)
 
 
 def config_from_args(args: argparse.Namespace, name: str | None = None) -> AgentConfig:
@@ -105,7 +136,7 @@ def config_from_args(args: argparse.Namespace, name: str | None = None) -> Agent
         name=name,
         engine_url=args.engine,
         address=address,
-        control_planes=tuple(args.control_plane),
+        control_planes=control_planes(args, name),
         pool=args.pool,
         model=args.model,
         flavor=args.flavor,

@@ -75,7 +75,8 @@ def engine_configs(node: AgentConfig, engines: Sequence[Mapping[str, Any]]) -> l
 
 class NodeAgent:
     """Several engines' agents behind one link per control plane. `start()`, `close()`;
-    `agents` are the EngineAgents, `stats` the links' publish counters."""
+    `agents` are the EngineAgents, `stats` the links' publish counters. Each engine
+    publishes to its own config's control planes (its shard's replicas)."""
 
     def __init__(
         self,
@@ -89,17 +90,25 @@ class NodeAgent:
         if not configs:
             raise ValueError("a node agent needs at least one engine")
         first = configs[0]
-        for c in configs[1:]:
-            if c.control_planes != first.control_planes:
-                raise ValueError(f"engine {c.name}: its control planes differ from the node's")
-        self.config = first  # the node's settings: backoff, TLS, control planes
+        self.config = first  # the node's settings: backoff, TLS
         self.credentials: grpc.ChannelCredentials | None = channel_credentials(first)
         self.stats = AgentStats()
         if window_s is None:
             window_s = min(0.02, first.interval_s / 5)
-        self.links = [ControlPlaneLink(self, t, window_s=window_s) for t in first.control_planes]
+        # One link per control plane any engine publishes to (engines of different shards
+        # share the links of the shards they have in common: meshd/shards.py).
+        self.links: dict[str, ControlPlaneLink] = {}
+        for c in configs:
+            for t in c.control_planes:
+                if t not in self.links:
+                    self.links[t] = ControlPlaneLink(self, t, window_s=window_s)
         self.agents = [
-            EngineAgent(c, tracer_provider=tracer_provider, links=self.links) for c in configs
+            EngineAgent(
+                c,
+                tracer_provider=tracer_provider,
+                links=[self.links[t] for t in c.control_planes],
+            )
+            for c in configs
         ]
 
     def on_link_lost(self) -> None:
@@ -108,7 +117,7 @@ class NodeAgent:
             agent.on_link_lost()
 
     async def start(self) -> None:
-        for link in self.links:
+        for link in self.links.values():
             link.start()
         for agent in self.agents:
             await agent.start()
@@ -116,7 +125,7 @@ class NodeAgent:
     async def close(self) -> None:
         for agent in self.agents:
             await agent.close()
-        for link in self.links:
+        for link in self.links.values():
             await link.close()
 
     async def __aenter__(self) -> NodeAgent:

@@ -111,9 +111,13 @@ def test_engine_entries_are_checked_and_name_the_mistake() -> None:
     )
     assert c.address == "10.0.0.7:8000" and c.memory_total_bytes == 80 * 2**30
     assert c.gpu_indices == (1,) and c.control_planes == base.control_planes
-    other = dataclasses.replace(c, control_planes=("elsewhere:1",))
-    with pytest.raises(ValueError, match="control planes differ"):
-        NodeAgent([c, other])
+    other = dataclasses.replace(c, name="b", control_planes=("elsewhere:1",))
+    both = dataclasses.replace(c, name="c", control_planes=(*c.control_planes, "elsewhere:1"))
+    n = NodeAgent([c, other, both])  # engines of different shards share what they share
+    assert sorted(n.links) == sorted({*c.control_planes, "elsewhere:1"})
+    a, b, ab = n.agents
+    assert a._links == [n.links[c.control_planes[0]]] and b._links == [n.links["elsewhere:1"]]
+    assert ab._links == [n.links[c.control_planes[0]], n.links["elsewhere:1"]]
 
 
 def test_the_engines_file_on_the_command_line(tmp_path: Path) -> None:
@@ -135,3 +139,25 @@ def test_the_engines_file_on_the_command_line(tmp_path: Path) -> None:
         from meshd.agent_cmd import config_from_args
 
         config_from_args(parser.parse_args(["agent", "--control-plane=c:1"]))
+
+
+def test_each_engine_publishes_to_the_replicas_of_its_own_shard(tmp_path: Path) -> None:
+    from meshd.agent_cmd import config_from_args
+    from meshd.shards import shard_for
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    shards = ["cp-0a:15010,cp-0b:15010", "cp-1a:15010,cp-1b:15010", "cp-2a:15010"]
+    flags = [f"--shard={s}" for s in shards]
+    f = tmp_path / "node.yaml"
+    f.write_text("".join(f"- {{name: gpu{i}, engine: 'http://h:{8000 + i}'}}\n" for i in range(8)))
+    configs = node_configs(parser.parse_args(["agent", "--engines", str(f), *flags]))
+    parsed = [tuple(s.split(",")) for s in shards]
+    for c in configs:
+        assert c.control_planes == shard_for(c.name, parsed)
+    assert len({c.control_planes for c in configs}) > 1  # 8 engines over 3 shards
+    argv = ["agent", "--name=gpu3", "--control-plane=all:1", *flags]
+    one = config_from_args(parser.parse_args(argv))
+    assert one.control_planes == ("all:1", *shard_for("gpu3", parsed))
+    with pytest.raises(SystemExit, match="--control-plane or --shard"):
+        config_from_args(parser.parse_args(["agent", "--name=x"]))
