@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -U pip
 
-$(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard filters/*.pyx)
+$(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard filters/*.pyx xds/*.pyx)
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
 	# xds-protos bundles old copies of opentelemetry-proto's modules and the last package
 	# installed wins; reinstall opentelemetry-proto so OpenTelemetry's own (newer) ones do.
@@ -37,4 +37,4 @@ unit: $(STAMP)
 test: lint typecheck unit
 
 clean:
-	rm -rf $(VENV) build *.egg-info filters/*.so filters/_*_c.c
+	rm -rf $(VENV) build *.egg-info filters/*.so filters/_*_c.c xds/*.so xds/_*_c.c

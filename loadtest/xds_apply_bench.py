@@ -23,7 +23,9 @@ Run: .venv/bin/python -m loadtest.xds_apply_bench [--engines 1000] [--updates 20
      [--no-process] [--json PATH]
 
 --json PATH writes every figure: `engines`; `apply` (per resources-per-response K, as a
-string key): {"before_us", "now_us", "now_over_before"}; `process` (absent with
+string key): {"before_us", "now_us", "now_over_before", "before_cold_us", "now_cold_us",
+"cold_now_over_before"} (cold: each response applied after COLD_GAP_S asleep, as a
+sidecar's caches are when a push comes; thread CPU of the applies alone); `process` (absent with
 --no-process): {"asked_per_s", "published_per_s", "applied_per_s", "window_s",
 "sidecar_cpu_share", "sidecar_us_per_update", "sidecar_idle_share",
 "sidecar_share_at_10hz" (the share the measured us/update gives 1,000 engines at 10 Hz),
@@ -65,6 +67,10 @@ from xds.resources import EndpointState, ResourceError, decode_endpoint_state
 
 T = "type.googleapis.com/meshd.v1.EndpointState"
 POOLS = 10  # engine i is in pool-{i % POOLS}, as loadtest/xds_scale_bench.py's engines
+# (a)'s cold figure: responses applied after a sleep each (caches cold, as a sidecar's are
+# when the next push comes), at most this many a round.
+COLD_GAP_S = 0.002
+COLD_RESPONSES = 300
 
 
 # -- the engines and the sidecar's config ---------------------------------------------------
@@ -326,7 +332,9 @@ def bench_apply(
             path.apply(raw)
         if path.followed() != engines:
             raise RuntimeError(f"{name}: follows {path.followed()} engines of {engines}")
-    samples: dict[str, list[float]] = {k: [] for k in paths}
+    samples: dict[str, list[float]] = {k: [] for k in (*paths, *(f"{k}_cold" for k in paths))}
+    cold = run[:COLD_RESPONSES]
+    cold_updates = min(updates, len(cold) * per_response)
     for _ in range(rounds):
         for name, path in paths.items():
             apply = path.apply
@@ -335,6 +343,14 @@ def bench_apply(
             for raw in run:
                 apply(raw)
             samples[name].append((time.thread_time() - t0) / updates * 1e6)
+            # As a sidecar between pushes: asleep, its caches taken by whatever else runs.
+            spent = 0.0
+            for raw in cold:
+                time.sleep(COLD_GAP_S)
+                t0 = time.thread_time()
+                apply(raw)
+                spent += time.thread_time() - t0
+            samples[f"{name}_cold"].append(spent / cold_updates * 1e6)
     return samples
 
 
@@ -527,17 +543,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(a) apply in-process: {args.engines} engines, {args.updates:,} updates a round, "
         f"CPU us per update (median of {args.rounds} rounds), cpus={os.cpu_count()}"
     )
-    print(f"{'resources/response':>20}{'before':>10}{'now':>10}{'now/before':>12}")
+    print(
+        f"{'':>20}{'caches warm':^32}{'cold (2 ms asleep before each response)':^42}\n"
+        f"{'resources/response':>20}{'before':>10}{'now':>10}{'now/before':>12}"
+        f"{'before':>14}{'now':>14}{'now/before':>14}"
+    )
     for k in sizes:
         s = bench_apply(args.engines, args.updates, k, args.rounds)
-        now = statistics.median(s["now"])
-        before = statistics.median(s["before"])
-        out["apply"][str(k)] = {
-            "before_us": before,
-            "now_us": now,
-            "now_over_before": now / before,
-        }
-        print(f"{k:>20}{before:>10.2f}{now:>10.2f}{now / before:>12.2f}")
+        r = {f"{name}_us": statistics.median(v) for name, v in s.items()}
+        r["now_over_before"] = r["now_us"] / r["before_us"]
+        r["cold_now_over_before"] = r["now_cold_us"] / r["before_cold_us"]
+        out["apply"][str(k)] = r
+        print(
+            f"{k:>20}{r['before_us']:>10.2f}{r['now_us']:>10.2f}{r['now_over_before']:>12.2f}"
+            f"{r['before_cold_us']:>14.2f}{r['now_cold_us']:>14.2f}"
+            f"{r['cold_now_over_before']:>14.2f}"
+        )
     if not args.no_process:
         r = bench_process(args.engines, args.rate, args.duration, args.batch, args.publishers)
         out["process"] = r

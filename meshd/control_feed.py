@@ -39,8 +39,14 @@ from filters.pool_router import PoolRouter
 from meshd.config import Config, ConfigError
 from meshd.metrics import DataPlaneMetrics
 from meshd.tasks import cancel_and_wait
-from xds.client import Backoff, Subscriber, Update, tls_channel_credentials
-from xds.resources import ENDPOINT_STATE_TYPE, PREFIX_DIGEST_TYPE, EndpointState, PrefixDigest
+from xds.client import Backoff, Entry, Subscriber, Update, tls_channel_credentials
+from xds.engine_report import EngineReport, decode_engine_report
+from xds.resources import (
+    ENDPOINT_STATE_TYPE,
+    PREFIX_DIGEST_TYPE,
+    PrefixDigest,
+    decode_prefix_digest,
+)
 
 __all__ = ["ControlFeed", "ControlFeedCollector", "FeedStats", "channel_credentials"]
 
@@ -48,6 +54,12 @@ log = logging.getLogger("meshd.control_feed")
 
 # Renew reports this often (at most) while connected: well inside stale_after_s.
 MAX_REFRESH_S = 1.0
+# Published addresses remembered with the endpoints they name (one per engine followed);
+# past this many the memo starts over, so addresses that keep changing cannot grow it.
+MAX_ADDRESSES = 65_536
+
+# An endpoint an engine reports for: its pool, its URL, and that pool router's `report`.
+Target = tuple[str, str, Callable[..., bool]]
 
 
 def channel_credentials(config: Config) -> grpc.ChannelCredentials | None:
@@ -117,14 +129,20 @@ class ControlFeed:
         self.metrics = metrics
         self.stats = FeedStats()
         self._clock = clock
-        # "host:port" -> [(pool, endpoint url)] of the routers to tell.
-        self._targets: dict[str, list[tuple[str, str]]] = {}
+        # "host:port" -> the endpoints there, one tuple per address (compared by identity).
+        targets: dict[str, list[Target]] = {}
         for pool in config.pools:
-            if pool.name not in routers:
+            router = routers.get(pool.name)
+            if router is None:
                 continue
             for ep in pool.endpoints:
-                self._targets.setdefault(_host_port(ep.url), []).append((pool.name, ep.url))
-        self._engines: dict[str, list[tuple[str, str]]] = {}  # resource name -> its targets
+                targets.setdefault(_host_port(ep.url), []).append(
+                    (pool.name, ep.url, router.report)
+                )
+        self._targets = {k: tuple(v) for k, v in targets.items()}
+        # A published address, as it came -> its targets (_targets_at).
+        self._by_address: dict[str, tuple[Target, ...]] = {}
+        self._engines: dict[str, tuple[Target, ...]] = {}  # resource name -> its targets
         self._reports: dict[str, ReportedState] = {}  # resource name -> last state
         self._on_restart = on_restart
         self._digest_names: set[str] = set()
@@ -132,6 +150,10 @@ class ControlFeed:
             cp.addresses,
             {ENDPOINT_STATE_TYPE: None, PREFIX_DIGEST_TYPE: ()},
             node_id=cp.node_id or socket.gethostname(),
+            decoders={
+                ENDPOINT_STATE_TYPE: decode_engine_report,
+                PREFIX_DIGEST_TYPE: decode_prefix_digest,
+            },
             credentials=channel_credentials(config),
             backoff=backoff or Backoff(base_s=0.25, max_s=10.0),
             on_update=self._on_update,
@@ -182,7 +204,7 @@ class ControlFeed:
 
     def engines(self) -> dict[str, list[str]]:
         """Resource name -> the endpoint URLs it reports for."""
-        return {n: [u for _, u in t] for n, t in self._engines.items()}
+        return {n: [u for _, u, _ in t] for n, t in self._engines.items()}
 
     def health(self) -> dict[str, Any]:
         """For /readyz detail: a stale control plane does not make the sidecar unready
@@ -210,9 +232,7 @@ class ControlFeed:
     def _on_update(self, update: Update) -> None:
         now = self._clock()
         if update.type_url == ENDPOINT_STATE_TYPE:
-            for name, entry in update.changed.items():
-                if isinstance(entry.value, EndpointState):
-                    self._on_state(name, entry.value, now)
+            self._on_reports(update.changed, now)
             for name in update.removed:
                 self._on_state(name, None, now)
         elif update.type_url == PREFIX_DIGEST_TYPE:
@@ -222,15 +242,52 @@ class ControlFeed:
             for name in update.removed:
                 self._on_digest(name, None, now)
 
-    def _on_state(self, name: str, state: EndpointState | None, now: float) -> None:
-        old = self._engines.get(name, [])
-        new = [] if state is None else self._targets.get(_address_key(state.address), [])
-        if state is None:
+    def _on_reports(self, changed: Mapping[str, Entry], now: float) -> None:
+        """The common case, in a loop of its own: an engine already ours, at the same
+        address, in the same epoch; its state goes to its endpoints' routers. Anything
+        else (new, moved, restarted, not ours) goes through _on_state."""
+        engines, reports, by_address = self._engines, self._reports, self._by_address
+        ttl_s = self.stale_after_s
+        applied = 0
+        for name, entry in changed.items():
+            report = entry.value
+            if type(report) is not EngineReport:
+                continue
+            targets = engines.get(name)
+            state = report.state
+            if (
+                targets is None
+                or by_address.get(report.address) is not targets
+                or reports[name].epoch != state.epoch
+            ):
+                self._on_state(name, report, now)
+                continue
+            reports[name] = state
+            for _, url, tell in targets:
+                tell(url, state, now, ttl_s=ttl_s)
+            applied += 1
+        if applied:
+            self.stats.updates[ENDPOINT_STATE_TYPE] += applied
+
+    def _targets_at(self, address: str) -> tuple[Target, ...]:
+        """The endpoints at a published address (none: not ours), remembered."""
+        targets = self._by_address.get(address)
+        if targets is None:
+            if len(self._by_address) >= MAX_ADDRESSES:
+                self._by_address.clear()
+            targets = self._targets.get(_address_key(address), ())
+            self._by_address[address] = targets
+        return targets
+
+    def _on_state(self, name: str, report: EngineReport | None, now: float) -> None:
+        old = self._engines.get(name, ())
+        new = () if report is None else self._targets_at(report.address)
+        if report is None:
             self.stats.removals[ENDPOINT_STATE_TYPE] += 1
         elif not new:
             self.stats.unmatched += 1
-        for pool, url in old:
-            if (pool, url) not in new:  # moved to another address, or gone
+        for pool, url, _ in old:
+            if not any(t[0] == pool and t[1] == url for t in new):  # moved, or gone
                 self.routers[pool].report(url, None, now, ttl_s=self.stale_after_s)
                 self.routers[pool].apply_digest(url, None, now)
         if not new:
@@ -239,15 +296,15 @@ class ControlFeed:
             self._want_digest(name, False)
             return
         self._engines[name] = new
-        assert state is not None
+        assert report is not None
         before = self._reports.get(name)
-        reported = self._reports[name] = state.to_reported()
+        reported = self._reports[name] = report.state
         # From a known epoch to another (an unset one, "" or 0, says nothing).
         restarted = (
             before is not None and before.epoch not in ("", 0) and before.epoch != reported.epoch
         )
-        for pool, url in new:
-            self.routers[pool].report(url, reported, now, ttl_s=self.stale_after_s)
+        for pool, url, tell in new:
+            tell(url, reported, now, ttl_s=self.stale_after_s)
             if restarted and self._on_restart is not None:
                 self._on_restart(pool, url, now)
         self.stats.updates[ENDPOINT_STATE_TYPE] += 1
@@ -259,7 +316,7 @@ class ControlFeed:
             return
         if digest is None:
             self.stats.removals[PREFIX_DIGEST_TYPE] += 1
-        for pool, url in targets:
+        for pool, url, _ in targets:
             if not self.routers[pool].apply_digest(url, digest, now) and digest is not None:
                 self.stats.digests_ignored += 1
         if digest is not None:
@@ -297,8 +354,8 @@ class ControlFeed:
                 continue
             now = self._clock()
             for name, reported in self._reports.items():
-                for pool, url in self._engines.get(name, ()):
-                    self.routers[pool].report(url, reported, now, ttl_s=self.stale_after_s)
+                for _, url, tell in self._engines.get(name, ()):
+                    tell(url, reported, now, ttl_s=self.stale_after_s)
             self.stats.refreshes += 1
 
 

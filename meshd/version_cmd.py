@@ -27,4 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from filters.picker import IMPLEMENTATION as PICKER
 
     print(f"picker loop: {PICKER}")
+    from xds.engine_report import IMPLEMENTATION as XDS_DECODE
+
+    print(f"xds EndpointState decode: {XDS_DECODE}")
     return 0
