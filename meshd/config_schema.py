@@ -68,6 +68,11 @@ class Endpoint(_Strict):
     gpu: str | None = None
     weight: float = Field(default=1.0, gt=0)
     kv_capacity_tokens: int | None = Field(default=None, ge=1)
+    # The engine's resource name on the control plane (its agent's --name; the pod's name
+    # where meshd's webhook injected the agent). When every endpoint names its engine the
+    # sidecar subscribes to those engines alone instead of the whole fleet (a report still
+    # counts for the endpoint whose host:port is the engine's published address).
+    engine: str | None = Field(default=None, min_length=1, pattern=r"^[^*]+$")
     # The engine's KV events (vLLM --kv-events-config): its ZMQ PUB endpoint, and the
     # replay ROUTER for gaps. Read only when routing.tokenizers has the pool's model.
     kv_events: KVEvents | None = None

@@ -1,9 +1,11 @@
 """The sidecar's subscription to the control plane: engines' EndpointState and PrefixDigest
 (delta ADS, xds/client.py) into the pools' routers (filters/pool_router.py).
 
-Which engines are ours: EndpointState is subscribed with the wildcard (an engine's
-resource name is chosen by its agent) and an engine counts when its `address` is the
-host:port of one of a pool's endpoint URLs; its PrefixDigest is then subscribed by name.
+Which engines are ours: an engine counts when its `address` is the host:port of one of a
+pool's endpoint URLs; its PrefixDigest is then subscribed by name. EndpointState is
+subscribed by name when every endpoint names its engine (`pools[].endpoints[].engine`, the
+resource name its agent publishes under), so the sidecar receives its pools' engines
+alone; else with the wildcard (every engine of the fleet, matched by address).
 
 Static stability: the feed never sits on the request path. While a stream to a replica is
 open the reports are renewed every `refresh_s` (the control plane holds the engines'
@@ -48,7 +50,13 @@ from xds.resources import (
     decode_prefix_digest,
 )
 
-__all__ = ["ControlFeed", "ControlFeedCollector", "FeedStats", "channel_credentials"]
+__all__ = [
+    "ControlFeed",
+    "ControlFeedCollector",
+    "FeedStats",
+    "channel_credentials",
+    "subscribed_engines",
+]
 
 log = logging.getLogger("meshd.control_feed")
 
@@ -82,6 +90,20 @@ def _host_port(url: str) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"{host}:{parts.port}"
+
+
+def subscribed_engines(config: Config, routers: Mapping[str, PoolRouter]) -> list[str] | None:
+    """The EndpointState resource names to subscribe to: every endpoint's `engine` in the
+    pools routed here, or None (the wildcard) unless each of them names one."""
+    names: set[str] = set()
+    for pool in config.pools:
+        if pool.name not in routers:
+            continue
+        for ep in pool.endpoints:
+            if ep.engine is None:
+                return None
+            names.add(ep.engine)
+    return sorted(names)
 
 
 def _address_key(address: str) -> str:
@@ -148,7 +170,7 @@ class ControlFeed:
         self._digest_names: set[str] = set()
         self._sub = Subscriber(
             cp.addresses,
-            {ENDPOINT_STATE_TYPE: None, PREFIX_DIGEST_TYPE: ()},
+            {ENDPOINT_STATE_TYPE: subscribed_engines(config, routers), PREFIX_DIGEST_TYPE: ()},
             node_id=cp.node_id or socket.gethostname(),
             decoders={
                 ENDPOINT_STATE_TYPE: decode_engine_report,
