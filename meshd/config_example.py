@@ -137,6 +137,7 @@ telemetry:
   prices_usd_per_gpu_hour: {}  # e.g. {H100: 2.5}
 control_plane:
   addresses: []                # host:port of each `meshd control-plane` replica
+  shards: []                   # or [[shard-0 replicas...], [shard-1 ...]]: followed all
   node_id: ""                  # default: the host name
   tls: null                    # {ca_file, cert_file, key_file} for mTLS
   stale_after_s: 10

@@ -460,9 +460,26 @@ class ControlPlane(_Strict):
 
     # host:port of each control-plane replica; the sidecar uses one, fails over to the next.
     addresses: tuple[str, ...] = ()
+    # Or shards (meshd/shards.py: each engine's agent publishes to one, by a hash of its
+    # name): each shard its replicas' host:port; the sidecar follows every shard (one of
+    # its replicas at a time) and merges what they hold.
+    shards: tuple[tuple[str, ...], ...] = ()
     node_id: str = ""  # default: the host name
     tls: ControlPlaneTLS | None = None  # None: plaintext (loopback or a trusted network)
     stale_after_s: float = Field(default=10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_way(self) -> ControlPlane:
+        if self.addresses and self.shards:
+            raise ValueError("addresses and shards: give one (addresses is a single shard)")
+        for i, shard in enumerate(self.shards):
+            if not shard:
+                raise ValueError(f"shards.{i}: a shard needs at least one replica address")
+        return self
+
+    def shard_list(self) -> list[tuple[str, ...]]:
+        """Every shard's replicas (`addresses` is one shard); empty: no control plane."""
+        return list(self.shards) if self.shards else [self.addresses] if self.addresses else []
 
 
 class Drain(_Strict):

@@ -143,7 +143,8 @@ class ControlFeed:
         """`on_restart(pool, url, now)`: an engine's report came with a new epoch (it
         restarted, its cache is empty); the sidecar ramps it back in (slow start)."""
         cp = config.control_plane
-        if not cp.addresses:
+        shards = cp.shard_list()
+        if not shards:
             raise ConfigError(["control_plane.addresses: at least one address is needed"])
         self.stale_after_s = cp.stale_after_s
         self.refresh_s = min(MAX_REFRESH_S, cp.stale_after_s / 4)
@@ -168,19 +169,30 @@ class ControlFeed:
         self._reports: dict[str, ReportedState] = {}  # resource name -> last state
         self._on_restart = on_restart
         self._digest_names: set[str] = set()
-        self._sub = Subscriber(
-            cp.addresses,
-            {ENDPOINT_STATE_TYPE: subscribed_engines(config, routers), PREFIX_DIGEST_TYPE: ()},
-            node_id=cp.node_id or socket.gethostname(),
-            decoders={
-                ENDPOINT_STATE_TYPE: decode_engine_report,
-                PREFIX_DIGEST_TYPE: decode_prefix_digest,
-            },
-            credentials=channel_credentials(config),
-            backoff=backoff or Backoff(base_s=0.25, max_s=10.0),
-            on_update=self._on_update,
-            clock=clock,
-        )
+        # One subscriber per control-plane shard (control_plane.shards; `addresses` is one
+        # shard), each failing over among its replicas. An engine is in one shard, but
+        # while shards are added it may be in two for a while (its agent moved; the old
+        # shard forgets it after its resource TTL): it is gone only when no shard has it.
+        credentials = channel_credentials(config)
+        wanted = subscribed_engines(config, routers)
+        self._subs = [
+            Subscriber(
+                replicas,
+                {ENDPOINT_STATE_TYPE: wanted, PREFIX_DIGEST_TYPE: ()},
+                node_id=cp.node_id or socket.gethostname(),
+                decoders={
+                    ENDPOINT_STATE_TYPE: decode_engine_report,
+                    PREFIX_DIGEST_TYPE: decode_prefix_digest,
+                },
+                credentials=credentials,
+                backoff=backoff or Backoff(base_s=0.25, max_s=10.0),
+                on_update=self._on_update if len(shards) == 1 else self._shard_handler(k),
+                clock=clock,
+            )
+            for k, replicas in enumerate(shards)
+        ]
+        self._sub = self._subs[0]
+        self._holders: dict[str, set[int]] = {}  # resource name -> the shards that hold it
         self._pending_digests: set[str] = set()
         self._digests_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -188,7 +200,13 @@ class ControlFeed:
 
     @property
     def subscriber(self) -> Subscriber:
+        """The first shard's subscriber (the only one without control_plane.shards)."""
         return self._sub
+
+    @property
+    def subscribers(self) -> list[Subscriber]:
+        """One per control-plane shard."""
+        return list(self._subs)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -197,21 +215,23 @@ class ControlFeed:
         self._collector = ControlFeedCollector(self)
         with contextlib.suppress(ValueError):  # a second feed on one registry: no metrics
             self.metrics.registry.register(self._collector)
-        self._sub.start()
+        for sub in self._subs:
+            sub.start()
         self._tasks = [
             asyncio.ensure_future(self._refresh_loop()),
             asyncio.ensure_future(self._digest_loop()),
         ]
         log.info(
             "following the control plane at %s (stale after %.1f s)",
-            ", ".join(self._sub.targets),
+            "; ".join(", ".join(sub.targets) for sub in self._subs),
             self.stale_after_s,
         )
 
     async def close(self) -> None:
         await cancel_and_wait(self._tasks)
         self._tasks = []
-        await self._sub.close()
+        for sub in self._subs:
+            await sub.close()
         if self._collector is not None:
             with contextlib.suppress(KeyError):
                 self.metrics.registry.unregister(self._collector)
@@ -220,7 +240,14 @@ class ControlFeed:
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Return once `predicate()` holds, re-checked after every response applied and
         every connect or disconnect (updates reach the routers inside the response)."""
-        await self._sub.wait_until(predicate)
+        if len(self._subs) == 1:
+            await self._sub.wait_until(predicate)
+            return
+        waits = [asyncio.ensure_future(sub.wait_until(predicate)) for sub in self._subs]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await cancel_and_wait(waits)
 
     # -- health ---------------------------------------------------------------------------
 
@@ -231,7 +258,18 @@ class ControlFeed:
     def health(self) -> dict[str, Any]:
         """For /readyz detail: a stale control plane does not make the sidecar unready
         (it routes on its own observations), but it is said here."""
-        sub = self._sub
+        out = self._health(self._sub)
+        out["engines"] = len(self._engines)
+        if len(self._subs) > 1:
+            # Worst of the shards at the top (stale if any shard is), each one below.
+            shards = [self._health(sub) for sub in self._subs]
+            out["connected"] = all(h["connected"] for h in shards)
+            out["stale"] = any(h["stale"] for h in shards)
+            out["unconfirmed_for_s"] = max(h["unconfirmed_for_s"] for h in shards)
+            out["shards"] = shards
+        return out
+
+    def _health(self, sub: Subscriber) -> dict[str, Any]:
         age = sub.last_update_age_s
         stale_for = sub.stale_for_s
         return {
@@ -241,7 +279,6 @@ class ControlFeed:
             "stale": stale_for > self.stale_after_s,
             "unconfirmed_for_s": round(stale_for, 3),
             "last_update_age_s": None if age is None else round(age, 3),
-            "engines": len(self._engines),
             "connects": sub.stats.connects,
             "disconnects": sub.stats.disconnects,
             "failovers": sub.stats.failovers,
@@ -263,6 +300,32 @@ class ControlFeed:
                     self._on_digest(name, entry.value, now)
             for name in update.removed:
                 self._on_digest(name, None, now)
+
+    def _shard_handler(self, shard: int) -> Callable[[Update], None]:
+        def on_update(update: Update) -> None:
+            self._on_shard_update(shard, update)
+
+        return on_update
+
+    def _on_shard_update(self, shard: int, update: Update) -> None:
+        """An update from one of several shards: an engine is removed only once no shard
+        holds it (the merge); everything else applies as from a single control plane."""
+        if update.type_url == ENDPOINT_STATE_TYPE:
+            holders = self._holders
+            for name in update.changed:
+                holders.setdefault(name, set()).add(shard)
+            gone = []
+            for name in update.removed:
+                held = holders.get(name)
+                if held is not None:
+                    held.discard(shard)
+                    if held:
+                        continue  # another shard still has it
+                    del holders[name]
+                gone.append(name)
+            if len(gone) != len(update.removed):
+                update = Update(update.type_url, update.changed, frozenset(gone))
+        self._on_update(update)
 
     def _on_reports(self, changed: Mapping[str, Entry], now: float) -> None:
         """The common case, in a loop of its own: an engine already ours, at the same
@@ -363,19 +426,24 @@ class ControlFeed:
             pending, self._pending_digests = self._pending_digests, set()
             add = sorted(n for n in pending if n in self._digest_names)
             drop = sorted(n for n in pending if n not in self._digest_names)
-            if add:
-                await self._sub.subscribe(PREFIX_DIGEST_TYPE, add)
-            if drop:
-                await self._sub.unsubscribe(PREFIX_DIGEST_TYPE, drop)
+            for sub in self._subs:  # an engine's digest is in its state's shard
+                if add:
+                    await sub.subscribe(PREFIX_DIGEST_TYPE, add)
+                if drop:
+                    await sub.unsubscribe(PREFIX_DIGEST_TYPE, drop)
 
     async def _refresh_loop(self) -> None:
         """While connected, the control plane vouches for the state we hold: renew it."""
         while True:
             await asyncio.sleep(self.refresh_s)
-            if not self._sub.connected:
+            live = {k for k, sub in enumerate(self._subs) if sub.connected}
+            if not live:
                 continue
             now = self._clock()
+            sharded = len(self._subs) > 1
             for name, reported in self._reports.items():
+                if sharded and not self._holders.get(name, set()) & live:
+                    continue  # its shard is away: its state is going stale
                 for _, url, tell in self._engines.get(name, ()):
                     tell(url, reported, now, ttl_s=self.stale_after_s)
             self.stats.refreshes += 1
@@ -414,20 +482,22 @@ class ControlFeedCollector(Collector):
         self.feed = feed
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        feed, sub = self.feed, self.feed.subscriber
-        unconfirmed = sub.stale_for_s
-        age = sub.last_update_age_s
+        # With shards: connected only if every shard is, the worst staleness, each shard's
+        # replica in use, the counters summed.
+        feed, subs = self.feed, self.feed.subscribers
+        unconfirmed = max(sub.stale_for_s for sub in subs)
+        ages = [a for a in (sub.last_update_age_s for sub in subs) if a is not None]
         yield GaugeMetricFamily(
             "meshd_control_plane_connected",
-            "1 while a stream to a control-plane replica is open",
-            value=1.0 if sub.connected else 0.0,
+            "1 while a stream to a control-plane replica is open (to every shard's)",
+            value=1.0 if all(sub.connected for sub in subs) else 0.0,
         )
         yield _family(
             GaugeMetricFamily,
             "meshd_control_plane_replica_info",
-            "The control-plane replica in use (1) or tried next",
+            "The control-plane replica in use (1) or tried next, one per shard",
             ["target"],
-            [([sub.target], 1.0)],
+            [([sub.target], 1.0) for sub in subs],
         )
         yield GaugeMetricFamily(
             "meshd_control_plane_unconfirmed_seconds",
@@ -442,20 +512,20 @@ class ControlFeedCollector(Collector):
         yield GaugeMetricFamily(
             "meshd_control_plane_last_update_age_seconds",
             "Seconds since the last response from the control plane",
-            value=math.nan if age is None else age,
+            value=max(ages) if len(ages) == len(subs) else math.nan,
         )
         yield GaugeMetricFamily(
             "meshd_control_plane_engines",
             "Engines reporting for this sidecar's endpoints",
             value=len(feed.engines()),
         )
-        s = sub.stats
-        for name, doc, value in (
-            ("connects", "Streams opened to a control-plane replica", s.connects),
-            ("disconnects", "Streams to a control-plane replica lost", s.disconnects),
-            ("failovers", "Moves to another control-plane replica", s.failovers),
-            ("nacks", "Control-plane responses refused (malformed resources)", s.nacks),
+        for name, doc in (
+            ("connects", "Streams opened to a control-plane replica"),
+            ("disconnects", "Streams to a control-plane replica lost"),
+            ("failovers", "Moves to another control-plane replica"),
+            ("nacks", "Control-plane responses refused (malformed resources)"),
         ):
+            value = sum(getattr(sub.stats, name) for sub in subs)
             yield CounterMetricFamily(f"meshd_control_plane_{name}", doc, value=value)
         yield _family(
             CounterMetricFamily,

@@ -71,6 +71,9 @@ class InjectionConfig:
     # Where engine agents publish (meshd agent --control-plane) and the engine's own port
     # in its pod (the agent scrapes it on loopback and advertises it on the pod IP).
     control_plane: str = "meshd-control-plane.meshd-system.svc:18000"
+    # Control-plane shards instead (each "host:port[,replica...]"): every engine publishes
+    # to one, by a stable hash of its name (meshd agent --shard; meshd/shards.py).
+    control_plane_shards: tuple[str, ...] = ()
     engine_port: int = 8000
     # Extra environment of the injected containers (e.g. OTEL_EXPORTER_OTLP_ENDPOINT).
     env: tuple[tuple[str, str], ...] = ()
@@ -109,7 +112,7 @@ def config_from_mapping(data: Mapping[str, Any]) -> InjectionConfig:
     if "include_ports" in kwargs:
         inc = kwargs["include_ports"]
         kwargs["include_ports"] = "*" if inc == "*" else tuple(inc)
-    for key in ("exclude_ports", "exclude_cidrs"):
+    for key in ("exclude_ports", "exclude_cidrs", "control_plane_shards"):
         if key in kwargs:
             kwargs[key] = tuple(kwargs[key] or ())
     if "env" in kwargs:

@@ -182,8 +182,11 @@ def agent_container(cfg: InjectionConfig) -> dict[str, Any]:
             f"http://127.0.0.1:{cfg.engine_port}",
             "--address",
             f"$(MESHD_POD_IP):{cfg.engine_port}",
-            "--control-plane",
-            cfg.control_plane,
+            *(
+                [a for shard in cfg.control_plane_shards for a in ("--shard", shard)]
+                if cfg.control_plane_shards
+                else ["--control-plane", cfg.control_plane]
+            ),
         ],
         "env": downward + _env(cfg).get("env", []),
         "resources": cfg.agent_resources.to_k8s(),

@@ -127,7 +127,7 @@ class Sidecar:
 
     @property
     def control_feed(self) -> ControlFeed | None:
-        """The control-plane subscription (None: control_plane.addresses is empty)."""
+        """The control-plane subscription (None: no control_plane.addresses or shards)."""
         feed: ControlFeed | None = self._feed
         return feed
 
@@ -164,7 +164,7 @@ class Sidecar:
     async def start(self) -> None:
         cfg = self.config
         # Built before anything binds: a bad control_plane.tls file fails the start.
-        if cfg.control_plane.addresses and self._feed is None:
+        if cfg.control_plane.shard_list() and self._feed is None:
             from meshd.control_feed import ControlFeed
 
             self._feed = ControlFeed(

@@ -59,6 +59,7 @@ OTLP = "http://otel-collector.observability.svc:4317"
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
+    "sharded": {"controlPlane": {"shards": 3}},
     "ha": {
         "controlPlane": {"replicas": 3},
         "webhook": {"replicas": 2, "failurePolicy": "Fail"},
@@ -623,3 +624,32 @@ async def test_the_installed_webhook_wires_pods_to_the_releases_control_plane(
     (agent,) = [c for c in engine_pod["spec"]["initContainers"] if c["name"] == "meshd-agent"]
     args = agent["args"]
     assert args[args.index("--control-plane") + 1] == address
+
+
+def test_sharded_control_planes_a_statefulset_that_agents_and_sidecars_address_by_pod(
+    chart: Any, tmp_path: Path
+) -> None:
+    from meshd.inject_containers import agent_container
+    from meshd.shards import parse_shard
+
+    docs = render(chart, {"controlPlane": {"shards": 3}})
+    (sts,) = find(docs, "StatefulSet", "meshd-control-plane")
+    assert sts["spec"]["replicas"] == 3
+    assert sts["spec"]["serviceName"] == "meshd-control-plane-headless"
+    assert not find(docs, "Deployment", "meshd-control-plane")
+    (headless,) = find(docs, "Service", "meshd-control-plane-headless")
+    assert headless["spec"]["clusterIP"] == "None"
+    pods = [
+        f"meshd-control-plane-{i}.meshd-control-plane-headless.{NAMESPACE}.svc:15010"
+        for i in range(3)
+    ]
+    sidecar, injection = _sidecar_and_injection(docs, tmp_path)
+    assert sidecar.control_plane.shards == tuple((p,) for p in pods)
+    assert sidecar.control_plane.addresses == ()
+    assert injection.control_plane_shards == tuple(pods)
+    args = agent_container(injection)["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--shard"] == pods
+    assert "--control-plane" not in args
+    assert [parse_shard(p) for p in pods] == [(p,) for p in pods]
+    with pytest.raises(Exception, match=r"controlPlane\.shards and controlPlane\.replicas"):
+        render(chart, {"controlPlane": {"shards": 2, "replicas": 2}})

@@ -136,3 +136,17 @@ Call: include "meshd.tlsData" (list . SECRET_NAME SERVICE_NAME CA_NAME DAYS) -> 
 {{- toJson (dict "tls.crt" ($cert.Cert | b64enc) "tls.key" ($cert.Key | b64enc) "ca.crt" ($ca.Cert | b64enc)) -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The control-plane shards' addresses, one per StatefulSet pod (controlPlane.shards > 1),
+as a JSON list: <release>-control-plane-<i>.<release>-control-plane-headless.<ns>.svc:<port>.
+*/}}
+{{- define "meshd.shardAddresses" -}}
+{{- $fullname := include "meshd.fullname" . -}}
+{{- $v := .Values.controlPlane -}}
+{{- $out := list -}}
+{{- range $i := until (int $v.shards) -}}
+{{- $out = append $out (printf "%s-control-plane-%d.%s-control-plane-headless.%s.svc:%d" $fullname $i $fullname $.Release.Namespace (int $v.xdsPort)) -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}

@@ -1,0 +1,87 @@
+"""A sidecar following control-plane shards (control_plane.shards, issue #23): two real
+control planes, each engine published to the shard meshd/shards.py picks for it, and an
+in-process sidecar that follows both and merges them; an engine that moves to another
+shard (a shard was added) stays reported while the old one still lists it and after the
+old one removes it; a shard that goes away leaves the other's engines fresh."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from backends import TestBackend as Backend
+from harness import sidecar_config
+
+from meshd.control_feed import ControlFeed
+from meshd.shards import shard_for
+from meshd.sidecar import Sidecar
+from xds.client import Publisher
+from xds.resources import ENDPOINT_STATE_TYPE, EndpointState
+from xds.server import ControlPlane
+
+WAIT_S = 10.0
+
+
+def state(b: Backend, running: int = 0) -> bytes:
+    return EndpointState(
+        address=b.url.removeprefix("http://"),
+        pool="default",
+        model="tiny",
+        gpu="H100",
+        requests_running=running,
+    ).encode()
+
+
+async def test_a_sidecar_merges_its_engines_from_every_shard(
+    backends: Callable[..., Awaitable[Backend]],
+    sidecar: Callable[..., Awaitable[Sidecar]],
+) -> None:
+    planes = [ControlPlane(eds=False), ControlPlane(eds=False)]
+    for p in planes:
+        await p.start("127.0.0.1", 0)
+    shards = [(f"127.0.0.1:{p.port}",) for p in planes]
+    pubs = [Publisher(shard[0]) for shard in shards]
+    bs = [await backends(f"b{i}") for i in range(6)]
+    names = [f"engine-{i}" for i in range(6)]
+    home = {n: shards.index(shard_for(n, shards)) for n in names}
+    assert set(home.values()) == {0, 1}, "both shards hold engines"
+    cfg = sidecar_config(
+        [b.url for b in bs],
+        routing={"policy": "meshd"},
+        control_plane={"shards": [list(sh) for sh in shards], "stale_after_s": 30},
+    )
+    s = await sidecar(cfg)
+    feed = s.control_feed
+    assert isinstance(feed, ControlFeed) and len(feed.subscribers) == 2
+    try:
+        for n, b in zip(names, bs, strict=True):
+            await pubs[home[n]].publish(ENDPOINT_STATE_TYPE, {n: state(b, 1)})
+        await asyncio.wait_for(feed.wait_until(lambda: len(feed.engines()) == 6), WAIT_S)
+        assert sorted(feed.engines()) == names
+        health = feed.health()
+        assert health["connected"] and len(health["shards"]) == 2
+
+        # engine-0 moves to the other shard (a shard was added): the new shard has it
+        # before the old one forgets it, and removing it from the old one keeps it.
+        moved, b0 = names[0], bs[0]
+        old, new = home[moved], 1 - home[moved]
+        await pubs[new].publish(ENDPOINT_STATE_TYPE, {moved: state(b0, 5)})
+        await pubs[old].publish(ENDPOINT_STATE_TYPE, {}, removed=[moved])
+        await asyncio.sleep(0.3)  # both shards' responses applied
+        await asyncio.wait_for(feed.wait_until(lambda: moved in feed.engines()), WAIT_S)
+        assert moved in feed.engines()
+        # Gone from every shard: gone.
+        await pubs[new].publish(ENDPOINT_STATE_TYPE, {}, removed=[moved])
+        await asyncio.wait_for(feed.wait_until(lambda: moved not in feed.engines()), WAIT_S)
+
+        # A shard that goes away: the other shard's engines still come and go.
+        away = 1 - home[names[1]]
+        await planes[away].stop(0)
+        await pubs[home[names[1]]].publish(ENDPOINT_STATE_TYPE, {}, removed=[names[1]])
+        await asyncio.wait_for(feed.wait_until(lambda: names[1] not in feed.engines()), WAIT_S)
+        assert not feed.health()["connected"]
+    finally:
+        for pub in pubs:
+            await pub.close()
+        for p in planes:
+            await p.stop(0)
