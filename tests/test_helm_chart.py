@@ -219,7 +219,7 @@ def test_ha_runs_replicas_with_disruption_budgets(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
     docs = rendered["ha"]
-    cp = find(docs, "Deployment", "meshd-control-plane")[0]
+    cp = find(docs, "StatefulSet", "meshd-control-plane")[0]  # pods addressed by name
     assert cp["spec"]["replicas"] == 3
     assert cp["spec"]["template"]["spec"]["topologySpreadConstraints"]
     pdbs = {d["metadata"]["name"] for d in find(docs, "PodDisruptionBudget")}
@@ -653,3 +653,22 @@ def test_sharded_control_planes_a_statefulset_that_agents_and_sidecars_address_b
     assert [parse_shard(p) for p in pods] == [(p,) for p in pods]
     with pytest.raises(Exception, match=r"controlPlane\.shards and controlPlane\.replicas"):
         render(chart, {"controlPlane": {"shards": 2, "replicas": 2}})
+
+
+def test_control_plane_replicas_each_get_every_update_and_sidecars_fail_over(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    from meshd.inject_containers import agent_container
+
+    docs = rendered["ha"]  # controlPlane.replicas: 3
+    (sts,) = find(docs, "StatefulSet", "meshd-control-plane")
+    assert sts["spec"]["replicas"] == 3
+    pods = [
+        f"meshd-control-plane-{i}.meshd-control-plane-headless.{NAMESPACE}.svc:15010"
+        for i in range(3)
+    ]
+    sidecar, injection = _sidecar_and_injection(docs, tmp_path)
+    assert sidecar.control_plane.addresses == tuple(pods)  # one at a time, failing over
+    assert injection.control_plane_shards == (",".join(pods),)  # one shard: all replicas
+    args = agent_container(injection)["args"]
+    assert args[args.index("--shard") + 1] == ",".join(pods)

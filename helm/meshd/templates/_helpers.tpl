@@ -138,14 +138,19 @@ Call: include "meshd.tlsData" (list . SECRET_NAME SERVICE_NAME CA_NAME DAYS) -> 
 {{- end -}}
 
 {{/*
-The control-plane shards' addresses, one per StatefulSet pod (controlPlane.shards > 1),
-as a JSON list: <release>-control-plane-<i>.<release>-control-plane-headless.<ns>.svc:<port>.
+The control plane's pods when there are several (a StatefulSet: controlPlane.shards > 1,
+one pod a shard; or controlPlane.replicas > 1, every pod holding everything), as a JSON
+list: <release>-control-plane-<i>.<release>-control-plane-headless.<ns>.svc:<port>.
 */}}
+{{- define "meshd.controlPlanePods" -}}
+{{- $v := .Values.controlPlane -}}
+{{- if gt (int $v.shards) 1 }}{{ int $v.shards }}{{ else }}{{ int $v.replicas }}{{ end -}}
+{{- end -}}
 {{- define "meshd.shardAddresses" -}}
 {{- $fullname := include "meshd.fullname" . -}}
 {{- $v := .Values.controlPlane -}}
 {{- $out := list -}}
-{{- range $i := until (int $v.shards) -}}
+{{- range $i := until (int (include "meshd.controlPlanePods" .)) -}}
 {{- $out = append $out (printf "%s-control-plane-%d.%s-control-plane-headless.%s.svc:%d" $fullname $i $fullname $.Release.Namespace (int $v.xdsPort)) -}}
 {{- end -}}
 {{- toJson $out -}}
