@@ -109,8 +109,17 @@ def engine_body(i: int, seq: int) -> bytes:
     ).encode()
 
 
-def sidecar_config(engines: int, control_plane: str = "127.0.0.1:1") -> dict[str, Any]:
-    """A sidecar routing to every engine, in POOLS pools (the `meshd` policy)."""
+def sidecar_config(
+    engines: int, control_plane: str = "127.0.0.1:1", *, named: bool = True
+) -> dict[str, Any]:
+    """A sidecar routing to every engine, in POOLS pools (the `meshd` policy); `named`:
+    each endpoint names its engine, so the sidecar subscribes by name (pool-scoped), else
+    it takes the wildcard."""
+
+    def endpoint(i: int) -> dict[str, str]:
+        url = f"http://{engine_address(i)}"
+        return {"url": url, "engine": engine_name(i)} if named else {"url": url}
+
     return {
         "listeners": {
             "outbound": {"host": "127.0.0.1", "port": 0},
@@ -119,7 +128,7 @@ def sidecar_config(engines: int, control_plane: str = "127.0.0.1:1") -> dict[str
         "pools": [
             {
                 "name": f"pool-{p}",
-                "endpoints": [f"http://{engine_address(i)}" for i in range(p, engines, POOLS)],
+                "endpoints": [endpoint(i) for i in range(p, engines, POOLS)],
             }
             for p in range(min(POOLS, engines))
         ],
@@ -422,7 +431,7 @@ def _scrape(admin: str) -> tuple[float, float]:
 
 
 def bench_process(
-    engines: int, rate: float, duration_s: float, batch: int, publishers: int
+    engines: int, rate: float, duration_s: float, batch: int, publishers: int, named: bool = True
 ) -> dict[str, float]:
     from loadtest.overhead import start_child
 
@@ -457,7 +466,9 @@ def bench_process(
                 if p.recv() != "published":
                     raise RuntimeError("a publisher did not start")
             path = Path(tmp) / "sidecar.yaml"
-            path.write_text(yaml.safe_dump(sidecar_config(engines, f"127.0.0.1:{port}")))
+            path.write_text(
+                yaml.safe_dump(sidecar_config(engines, f"127.0.0.1:{port}", named=named))
+            )
             cmd = [sys.executable, "-m", "meshd.cli", "sidecar", "--config", str(path)]
             sidecar = start_child("sidecar", cmd, Path(tmp), 60.0)
             admin = str(sidecar.ready["admin"])
@@ -493,6 +504,8 @@ def bench_process(
             cp.send("responses")
             r1 = cp.recv()
             published = sum(p.recv() for p in pubs)
+            sidecar.stop()  # before the control plane, whose stop would cut its stream
+            sidecar = None
             cp.send("stop")
         finally:
             if sidecar is not None:
@@ -534,6 +547,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=50, help="engines a publish, (b)")
     ap.add_argument("--publishers", type=int, default=2, help="publisher processes, (b)")
     ap.add_argument("--no-process", action="store_true", help="(a) only")
+    ap.add_argument(
+        "--wildcard",
+        action="store_true",
+        help="(b)'s sidecar takes the wildcard (default: it names its engines, pool-scoped)",
+    )
     ap.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     args = ap.parse_args(argv)
     sizes = [int(k) for k in args.per_response.split(",")]
@@ -560,12 +578,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r['cold_now_over_before']:>14.2f}"
         )
     if not args.no_process:
-        r = bench_process(args.engines, args.rate, args.duration, args.batch, args.publishers)
+        r = bench_process(
+            args.engines,
+            args.rate,
+            args.duration,
+            args.batch,
+            args.publishers,
+            named=not args.wildcard,
+        )
         out["process"] = r
         print(
             f"\n(b) one sidecar process following {r['engines_followed']:.0f} engines, "
             f"{args.rate:,.0f} updates/s asked for {r['window_s']:.1f} s "
-            f"({args.publishers} publishers, {args.batch} engines a publish; "
+            f"({args.publishers} publishers, {args.batch} engines a publish; subscribed "
+            f"{'with the wildcard' if args.wildcard else 'by name'}; "
             f"{r['updates_per_response']:.1f} updates a response to the sidecar)"
         )
         print(
