@@ -40,6 +40,7 @@ from filters.endpoint_state import ReportedState
 from filters.pool_router import PoolRouter
 from meshd.config import Config, ConfigError
 from meshd.metrics import DataPlaneMetrics
+from meshd.shards import shard_for
 from meshd.tasks import cancel_and_wait
 from xds.client import Backoff, Entry, Subscriber, Update, tls_channel_credentials
 from xds.engine_report import EngineReport, decode_engine_report
@@ -175,10 +176,18 @@ class ControlFeed:
         # shard forgets it after its resource TTL): it is gone only when no shard has it.
         credentials = channel_credentials(config)
         wanted = subscribed_engines(config, routers)
+        # Named engines: each shard is asked only for those that hash to it (their agents
+        # publish nowhere else: meshd/shards.py), instead of every shard for all of them.
+        per_shard: list[list[str] | None] = [wanted] * len(shards)
+        if wanted is not None and len(shards) > 1:
+            split: list[list[str]] = [[] for _ in shards]
+            for name in wanted:
+                split[shards.index(shard_for(name, shards))].append(name)
+            per_shard = list(split)
         self._subs = [
             Subscriber(
                 replicas,
-                {ENDPOINT_STATE_TYPE: wanted, PREFIX_DIGEST_TYPE: ()},
+                {ENDPOINT_STATE_TYPE: per_shard[k], PREFIX_DIGEST_TYPE: ()},
                 node_id=cp.node_id or socket.gethostname(),
                 decoders={
                     ENDPOINT_STATE_TYPE: decode_engine_report,

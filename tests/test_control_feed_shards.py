@@ -85,3 +85,26 @@ async def test_a_sidecar_merges_its_engines_from_every_shard(
             await pub.close()
         for p in planes:
             await p.stop(0)
+
+
+def test_named_engines_are_asked_for_only_at_their_shard() -> None:
+    from meshd.config import load_config
+    from meshd.metrics import DataPlaneMetrics
+    from meshd.pools import build_routers
+
+    shards = [("127.0.0.1:1",), ("127.0.0.1:2",), ("127.0.0.1:3",)]
+    names = [f"engine-{i}" for i in range(12)]
+    endpoints = [{"url": f"http://10.0.0.{i}:8000", "engine": n} for i, n in enumerate(names)]
+    cfg = load_config(
+        None,
+        base={
+            "pools": [{"name": "default", "endpoints": endpoints}],
+            "control_plane": {"shards": [list(s) for s in shards]},
+        },
+        env={},
+    )
+    feed = ControlFeed(cfg, build_routers(cfg), DataPlaneMetrics())
+    asked = [sorted(sub._interest[ENDPOINT_STATE_TYPE].names) for sub in feed.subscribers]
+    assert sorted(n for shard in asked for n in shard) == sorted(names)  # each once
+    for k, shard_names in enumerate(asked):
+        assert all(shard_for(n, shards) == shards[k] for n in shard_names)
