@@ -21,24 +21,17 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import sys
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from loadtest.procstats import cpu_seconds
 from loadtest.xds_scale_bench import engine_body
 from xds.resources import ENDPOINT_STATE_TYPE
 
 ENGINES = 1000
-
-
-def _cpu_s(pid: int) -> float:
-    """utime + stime of a process, in seconds (/proc/PID/stat fields 14 and 15)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _control_plane(conn: Connection) -> None:
@@ -85,9 +78,9 @@ async def _over_grpc(port: int, pid: int, batch: int, updates: int, streams: int
         for resources in plans[k]:
             await pubs[k].publish(ENDPOINT_STATE_TYPE, resources)
 
-    before = _cpu_s(pid)
+    before = cpu_seconds(pid)
     await asyncio.gather(*(stream(k) for k in range(streams)))
-    spent = _cpu_s(pid) - before
+    spent = cpu_seconds(pid) - before
     for p in pubs:
         await p.close()
     return spent / (per * streams)

@@ -181,12 +181,7 @@ class _Connection(asyncio.Protocol):
             if not data:
                 return
         was_in_head = self._in_head
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade as exc:
-            self._upgraded(data, int(exc.args[0]) if exc.args else len(data))
-        except httptools.HttpParserError as exc:
-            self._malformed(exc)
+        self._parse(data)
         if was_in_head and self._in_head:
             # A head spread over reads: bounded here, since the parser buffers a field
             # until its end (the read a head begins in is not counted: at most one read).
@@ -451,12 +446,15 @@ class _Connection(asyncio.Protocol):
         if self._raw_body:
             rest = self._take_raw_body(rest)
         if rest:
-            try:
-                self._parser.feed_data(rest)
-            except httptools.HttpParserUpgrade as exc:
-                self._upgraded(rest, int(exc.args[0]) if exc.args else len(rest))
-            except httptools.HttpParserError as exc:
-                self._malformed(exc)
+            self._parse(rest)
+
+    def _parse(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            self._upgraded(data, int(exc.args[0]) if exc.args else len(data))
+        except httptools.HttpParserError as exc:
+            self._malformed(exc)
 
     def _take_raw_body(self, data: bytes) -> bytes:
         req = self._parsing
