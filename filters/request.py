@@ -100,6 +100,22 @@ def _loads(body: bytes) -> Any:
         return _loads_stdlib(body)
 
 
+_PROMPT_PARAM = {"chat": "messages", "completion": "prompt", "embedding": "input"}
+
+
+def _check_encodable(prompt: str, kind: RequestKind) -> None:
+    """JSON's "\\ud800" is valid JSON and not valid text: no tokenizer (nor our block
+    hasher) can encode a lone UTF-16 surrogate, so it is the client's error, a 400."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(
+            f"the prompt holds a lone UTF-16 surrogate ({prompt[exc.start]!r} at character "
+            f"{exc.start}), which is not Unicode text and no tokenizer encodes",
+            param=_PROMPT_PARAM.get(kind, "prompt"),
+        ) from None
+
+
 def parse_inference_request(kind: RequestKind, body: bytes) -> InferenceRequest:
     return _parse(kind, body, _loads)
 
@@ -139,6 +155,8 @@ def _parse(kind: RequestKind, body: bytes, loads: Callable[[bytes], Any]) -> Inf
             raise RequestError("'input' is required", param="input")
         prompt = _prompt_text(doc["input"], "input")
         max_tokens = None
+    if not prompt.isascii():
+        _check_encodable(prompt, kind)
     return InferenceRequest(
         kind=kind,
         model=model,

@@ -340,6 +340,7 @@ class _Connection(asyncio.Protocol):
             return
         except Exception:
             log.exception("handler failed on %s %s", req.method, req.path)
+            self._count("internal")  # a bug: counted, and answered in the error shape
             if req._stream is None and not self.closed:
                 self._send_reply(req, error_reply(500, "internal error", "internal", close=True))
             self._close()

@@ -139,7 +139,9 @@ class Relay:
             usage = _usage_of(body)
             take_usage(attempt, usage)
         self.attempts.settle(attempt, "ok" if status < 400 else f"http_{status}")
-        self.acct.finish(ctx, "ok" if status < 500 else "upstream_5xx", status, usage)
+        # An engine's 4xx or 5xx went through as it came: it is not a success (the ledger
+        # and `meshd cost` count tasks by this outcome).
+        self.acct.finish(ctx, "ok" if status < 400 else f"http_{status}", status, usage)
         return Reply(status, headers, body)
 
     def _response_headers(

@@ -1,0 +1,73 @@
+"""What a request's end is counted as, and bad input that used to crash the handler (issue
+#21's list, found as a new user would): an engine's 4xx is not a success; a prompt with a
+lone surrogate is the client's 400, not a 500; a bug in a handler is a counted 500 in the
+OpenAI error shape, never a traceback."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from backends import TestBackend as Backend
+from harness import sidecar_config, url
+
+from meshd.sidecar import Sidecar
+
+
+def count(s: Sidecar, name: str, **labels: str) -> float:
+    value = s.metrics.registry.get_sample_value(name, labels)
+    return value or 0.0
+
+
+async def test_an_engines_4xx_goes_through_and_is_not_a_success(
+    backends: Callable[..., Awaitable[Backend]], sidecar: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    b = await backends()
+    b.refuse_with = 400
+    s = await sidecar(sidecar_config([b.url]))
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(url(s, "/v1/completions"), json={"model": "tiny", "prompt": "a"})
+        assert resp.status == 400
+    ok = {"kind": "completion", "pool": "default"}
+    s.accounting.flush()  # finished off the request path: whatever is still pending
+    assert count(s, "meshd_requests_total", **ok, outcome="http_400") == 1
+    assert count(s, "meshd_requests_total", **ok, outcome="ok") == 0
+
+
+async def test_a_lone_surrogate_in_the_prompt_is_a_400_that_says_so(
+    backends: Callable[..., Awaitable[Backend]], sidecar: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url]))
+    body = b'{"model": "tiny", "prompt": "hi \\ud800 there"}'  # valid JSON, not valid text
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(
+            url(s, "/v1/completions"), data=body, headers={"Content-Type": "application/json"}
+        )
+        doc = await resp.json()
+        assert resp.status == 400 and doc["error"]["param"] == "prompt"
+        assert "lone UTF-16 surrogate" in doc["error"]["message"]
+        ok = await http.post(url(s, "/v1/completions"), json={"model": "tiny", "prompt": "a"})
+        assert ok.status == 200
+    assert len(b.requests) == 1
+
+
+async def test_a_bug_in_a_handler_is_a_counted_500_in_the_error_shape(
+    backends: Callable[..., Awaitable[Backend]], sidecar: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url]))
+
+    async def broken(req: Any) -> Any:
+        raise KeyError("a bug")
+
+    s.intake.inference = broken  # type: ignore[method-assign]
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(url(s, "/v1/completions"), json={"model": "tiny", "prompt": "a"})
+        doc = await resp.json()
+        assert resp.status == 500 and doc["error"]["code"] == "internal"
+        assert resp.headers["x-meshd-error"] == "internal"
+        models = await http.get(url(s, "/v1/models"))  # the sidecar serves on
+        assert models.status == 200
+    assert count(s, "meshd_rejected_requests_total", reason="internal") == 1
