@@ -86,6 +86,7 @@ class HttpRequest:
         "_waiter",
         "complete",
         "content_length",
+        "drained",
         "headers",
         "keep_alive",
         "method",
@@ -117,6 +118,7 @@ class HttpRequest:
         self.transport: asyncio.Transport | None = conn.transport
         self.content_length: int | None = None
         self.complete = False  # the whole body has been read off the connection
+        self.drained = False  # cut by a drain that ran out of time (HttpServer.shutdown)
         self._chunks: list[bytes] = []
         self._size = 0
         self._error: BodyError | None = None
@@ -218,7 +220,7 @@ class ResponseStream:
     (one `transport.write` per chunk); `end` closes the body. Writes raise
     ConnectionResetError once the client has gone."""
 
-    __slots__ = ("_chunked", "_conn", "_head", "_request", "ended", "head_only")
+    __slots__ = ("_chunked", "_conn", "_head", "_request", "drain_tail", "ended", "head_only")
 
     def __init__(
         self, request: HttpRequest, status: int, headers: list[tuple[str, str]], hold: bool
@@ -233,6 +235,9 @@ class ResponseStream:
         extra = [("Transfer-Encoding", "chunked")] if self._chunked and not self.head_only else []
         self._head = conn.head(request, status, headers + extra)
         self.ended = False
+        # What the body gets before its end if a drain cuts it (an SSE stream: an error
+        # event, so the client knows it did not finish); empty: it just ends.
+        self.drain_tail = b""
         if not hold:
             self._flush_head()
 

@@ -239,13 +239,22 @@ class Intake:
             ctx.tokens = guard.expected_tokens(
                 ctx.inference.model, ctx.pick.prompt_tokens, ctx.inference.max_tokens
             )
-            refused = await self.gate.admit(ctx, guard)
+            try:
+                refused = await self.gate.admit(ctx, guard)
+            except asyncio.CancelledError:  # left (or drained) while queued
+                self.acct.finish(ctx, "drain_timeout" if req.drained else "client_disconnect")
+                raise
             if refused is not None:
                 return refused
         else:
             ctx.pick = PickRequest(model="")
         try:
             return await self.attempts.run(req, ctx)
+        except asyncio.CancelledError:
+            # Before any answer was relayed (queued, or waiting for the engine's head): the
+            # trace still ends, as what it was (the relay finishes it once one began).
+            self.acct.finish(ctx, "drain_timeout" if req.drained else "client_disconnect")
+            raise
         finally:
             self.gate.release(ctx)
 

@@ -111,8 +111,10 @@ class HttpServer:
             self._idle.set()
 
     async def shutdown(self, timeout_s: float) -> None:
-        """Close idle connections now and the others once their response is complete; after
-        `timeout_s` cancel what still runs."""
+        """Close idle connections now and the others once their response is complete. What
+        still runs after `timeout_s` is cut, properly: a stream gets its `drain_tail` (an
+        SSE error event) and the end of its body, a response not begun a 503; the handler
+        is cancelled with its request marked `drained`. Then the connections close."""
         self.closing = True
         for conn in list(self.connections):
             conn.close_when_idle()
@@ -123,6 +125,19 @@ class HttpServer:
                     await self._idle.wait()
             except TimeoutError:
                 pass
+        reply = error_reply(
+            503,
+            f"meshd is shutting down and its drain period ({timeout_s:g} s) ran out",
+            "draining",
+            retry_after_s=1,
+            close=True,
+        )
+        for conn in list(self.connections):
+            conn.cut_for_drain(reply)
+        for _ in range(50):  # the closes flush what was written; a stuck peer is aborted
+            if not self.connections:
+                break
+            await asyncio.sleep(0.01)
         for conn in list(self.connections):
             conn.abort()
         # Let cancelled handlers run their cleanup before the caller closes what they use.
@@ -525,6 +540,24 @@ class _Connection(asyncio.Protocol):
         self._close_when_idle = True
         if self._current is None and not self._queue:
             self._close()
+
+    def cut_for_drain(self, reply: Reply) -> None:
+        req = self._current
+        if req is not None and not self.closed:
+            req.drained = True
+            stream = req._stream
+            try:
+                if stream is None:
+                    self._send_reply(req, reply)
+                elif not stream.ended:
+                    if stream.drain_tail:
+                        stream.write(stream.drain_tail)
+                    stream.end()
+            except ConnectionResetError:
+                pass
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self._close()
 
     def abort(self) -> None:
         if self._task is not None and not self._task.done():

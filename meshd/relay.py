@@ -91,13 +91,15 @@ class Relay:
             await _Stream(self, req, ctx, attempt, upstream, headers, watch).run()
             return None
         except asyncio.CancelledError:
-            # The client went away (the listener cancels the handler): drop the upstream
-            # connection now so the engine stops generating.
+            # The client went away, or a drain ran out of time (the listener cancels the
+            # handler): drop the upstream connection now so the engine stops generating.
             attempt.ok = False
             attempt.cancelled = True
-            self.attempts.settle(attempt, "client_disconnect")
-            self.plane.metrics.client_disconnects.labels(ctx.pool).inc()
-            self.acct.finish(ctx, "client_disconnect")
+            outcome = "drain_timeout" if req.drained else "client_disconnect"
+            self.attempts.settle(attempt, outcome)
+            if not req.drained:
+                self.plane.metrics.client_disconnects.labels(ctx.pool).inc()
+            self.acct.finish(ctx, outcome)
             raise
         finally:
             watches.discard(watch)
@@ -272,6 +274,13 @@ class _Stream:
         self.out: ResponseStream = req.stream(
             upstream.status, headers, hold_head=upstream.buffered > 0
         )
+        if upstream.content_type == "text/event-stream":
+            self.out.drain_tail = sse_error_event(
+                503,
+                "meshd is shutting down and this stream outlived its drain period "
+                f"(drain.grace_period_s = {relay.plane.config.drain.grace_period_s:g} s)",
+                "draining",
+            )
         inference = ctx.inference
         scan = ctx.kind in ("completion", "chat") and upstream.header("content-encoding") is None
         self.scanner: Any = SSEScanner() if scan else None  # the hot path's (Cython or Python)

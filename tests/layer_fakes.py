@@ -260,6 +260,7 @@ class FakeRequest:
     writes_ok: int | None = None  # the client leaves after this many writes (None: never)
     transport: Any = None
     out: ClientStream | None = None
+    drained: bool = False  # a drain cut it (HttpRequest.drained)
 
     @property
     def target(self) -> str:

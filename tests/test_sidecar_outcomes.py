@@ -71,3 +71,46 @@ async def test_a_bug_in_a_handler_is_a_counted_500_in_the_error_shape(
         models = await http.get(url(s, "/v1/models"))  # the sidecar serves on
         assert models.status == 200
     assert count(s, "meshd_rejected_requests_total", reason="internal") == 1
+
+
+async def test_a_drain_that_runs_out_ends_the_stream_with_an_error_event_in_time(
+    backends: Callable[..., Awaitable[Backend]], tmp_path: Any
+) -> None:
+    import asyncio
+    import json
+    import time
+
+    from backends import sse_events
+
+    b = await backends()
+    log = tmp_path / "access.jsonl"
+    cfg = sidecar_config(
+        [b.url],
+        drain={"grace_period_s": 0.5},
+        telemetry={"access_log": {"path": str(log)}},
+    )
+    s = Sidecar(cfg)
+    await s.start()
+    host, port = s.addresses["outbound"].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = json.dumps({"model": "tiny", "prompt": "stall", "max_tokens": 3, "stream": True})
+    writer.write(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+    )
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 200")
+    first = await asyncio.wait_for(reader.readuntil(b"\n\n"), 5)  # the stream has begun
+    assert b"data: " in first
+    began = time.monotonic()
+    await s.drain_and_stop()  # the engine stalls: the grace period runs out
+    took = time.monotonic() - began
+    rest = await asyncio.wait_for(reader.read(-1), 5)
+    writer.close()
+    assert took < 0.5 + 1.0, "the drain kept to its grace period"
+    assert rest.endswith(b"0\r\n\r\n"), "the chunked body was ended, not cut"
+    events = sse_events(rest)
+    assert events and isinstance(events[-1], dict) and events[-1]["error"]["code"] == "draining"
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["outcome"] for r in records] == ["drain_timeout"]
