@@ -45,8 +45,8 @@ class Accounting:
     def __init__(self, metrics: DataPlaneMetrics) -> None:
         self.metrics = metrics
         self._pool_series: dict[str, PoolSeries] = {}
-        # (pool, endpoint, status) -> its meshd_upstream_attempts child (bounded).
-        self._attempt_series: dict[tuple[str, str, int], Any] = {}
+        # (pool, endpoint, result) -> its meshd_upstream_attempts child (bounded).
+        self._attempt_series: dict[tuple[str, str, str], Any] = {}
         self._pending: list[tuple[RequestTrace, str, dict[str, Any] | None, float, int]] = []
 
     def series(self, pool: str) -> PoolSeries:
@@ -55,15 +55,15 @@ class Accounting:
             series = self._pool_series[pool] = PoolSeries(self.metrics, pool)
         return series
 
-    def count_attempt(self, pool: str, url: str, status: int) -> None:
-        """meshd_upstream_attempts_total{pool, endpoint, outcome=status}, its child cached."""
-        key = (pool, url, status)
+    def count_attempt(self, pool: str, url: str, result: str) -> None:
+        """meshd_upstream_attempts_total{pool, endpoint, result}, its child cached."""
+        key = (pool, url, result)
         child = self._attempt_series.get(key)
         if child is None:
             if len(self._attempt_series) >= CACHE_LIMIT:
                 self._attempt_series.clear()
             child = self._attempt_series[key] = self.metrics.upstream_attempts.labels(
-                pool, url, str(status)
+                pool, url, result
             )
         child.inc()
 

@@ -26,6 +26,9 @@ from meshd.upstream import UpstreamClosedError, UpstreamConnectError, UpstreamEr
 if TYPE_CHECKING:
     from meshd.relay import Relay
 
+# meshd_upstream_attempts_total's result for an attempt's outcome, where they differ.
+_ATTEMPT_RESULTS = {"upstream_error": "error"}
+
 # What one try tells the loop of tries to do next.
 _NEXT = object()  # try the next endpoint
 _STOP = object()  # no more tries: say what failed
@@ -146,7 +149,6 @@ class Attempts:
                 tries.reason = str(exc)
                 attempt.local_failure = True
                 self.settle(attempt, "connect_error", tries.reason)
-                plane.metrics.upstream_attempts.labels(ctx.pool, url, "connect_error").inc()
                 tries.failures.append(f"{url}: {tries.reason}")
                 delay = self.retry_delay(ctx, tries.made, len(tries.routes), None, "connect_error")
                 if delay is None:
@@ -156,7 +158,6 @@ class Attempts:
             except TimeoutError:
                 attempt.local_failure = True
                 self.settle(attempt, "timeout")
-                plane.metrics.upstream_attempts.labels(ctx.pool, url, "timeout").inc()
                 limit = (
                     f"upstream.first_byte_timeout_s ({up_cfg.first_byte_timeout_s:g} s)"
                     if up_cfg.first_byte_timeout_s <= left
@@ -168,10 +169,8 @@ class Attempts:
             except UpstreamError as exc:  # a protocol error; the message names the url
                 attempt.local_failure = True
                 self.settle(attempt, "upstream_error", str(exc))
-                plane.metrics.upstream_attempts.labels(ctx.pool, url, "error").inc()
                 return self.acct.refuse(ctx, 502, f"upstream failed: {exc}", "upstream_error")
             status = attempt.status = upstream.status
-            self.acct.count_attempt(ctx.pool, url, status)
             attempt.ok = status < 500
             if plane.retry_budgets[ctx.pool].retryable(status, False, False):
                 # Refused before the first byte (429/502/503/504): another endpoint may
@@ -202,7 +201,7 @@ class Attempts:
         router = plane.routers[ctx.pool]
         guard = plane.guards[ctx.pool] if ctx.inference is not None else None
         trace = ctx.trace.attempt(route.url, None, asyncio.get_running_loop().time(), reason=reason)
-        attempt = Attempt(router, route, next(plane.ids), ctx.pick, guard, trace)
+        attempt = Attempt(router, route, next(plane.ids), ctx.pool, ctx.pick, guard, trace)
         if reason != "resume":  # a continuation's prompt is not the text the pick estimated
             attempt.inference = ctx.inference
         now = time.monotonic()
@@ -255,6 +254,13 @@ class Attempts:
                 cancelled=attempt.cancelled,
                 completion_tokens=attempt.completion_tokens if attempt.ok else None,
             )
+        # Counted as it ended, not as its head came: a 200 whose stream broke is a
+        # stream_broken, and a resumed stream's continuation is an attempt too.
+        if outcome == "ok" or outcome.startswith("http_"):
+            result = str(attempt.status or outcome)
+        else:
+            result = _ATTEMPT_RESULTS.get(outcome, outcome)
+        self.acct.count_attempt(attempt.pool, route.url, result)
         attempt.trace.end(
             outcome,
             attempt.status,

@@ -60,6 +60,7 @@ class Attempt:
     router: PoolRouter
     route: Route
     rid: int
+    pool: str
     pick: PickRequest
     guard: PoolGuard | None
     trace: AttemptTrace

@@ -438,6 +438,12 @@ async def test_stream_broken_mid_way_resumes_on_another_endpoint(backends, sidec
     async with aiohttp.ClientSession() as http:
         metrics = await (await http.get(url(s, "/metrics", "admin"))).text()
     assert 'meshd_stream_resumes_total{outcome="resumed",pool="default"} 1.0' in metrics
+    # Each attempt counted as it ended: the broken one is no "200", the continuation counts.
+    series = 'meshd_upstream_attempts_total{{endpoint="{}",pool="default",result="{}"}}'
+    broken = series.format(crashed.url, "stream_broken") + " 1.0"
+    cont_ok = series.format(resumed.url, "200") + " 1.0"
+    assert broken in metrics and cont_ok in metrics
+    assert f'endpoint="{crashed.url}",pool="default",result="200"' not in metrics
 
 
 async def test_failing_engine_trips_its_breaker_and_traffic_moves(backends, sidecar):
