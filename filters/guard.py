@@ -32,7 +32,10 @@ they speak and what each outcome means to the others:
 A failure is counted once per attempt, by the detector that owns its kind: connect
 failures, resets, timeouts and 5xx go to both breaker and outlier detector (the breaker
 opens fast on consecutive failures; ejection is Envoy's slower, percentage-bounded
-judgement), 429 goes to neither (the engine is healthy and says it is busy), and an
+judgement), 429 goes to neither (the engine is healthy and says it is busy), a 503 goes
+to neither while it is a moment's refusal but to both once an endpoint has answered
+REFUSALS_AS_FAILURE consecutive 503s (an engine that only ever says 503 is unhealthy to
+its clients, whatever it calls it: it would stay the first pick forever), and an
 attempt the client abandoned far slower than the pool's typical pace goes to the outlier
 detector only (`slow_abandon_factor`).
 """
@@ -69,6 +72,8 @@ __all__ = [
 
 # HTTP statuses by which an engine says "busy", not "broken".
 OVERLOAD_STATUSES = frozenset({429, 503})
+# Consecutive 503s from one endpoint after which they count as failures (module docstring).
+REFUSALS_AS_FAILURE = 5
 # A ramping endpoint's weight is re-published when it moved this much (or reached 1):
 # each publication makes the picker rebuild that endpoint's view.
 RAMP_STEP = 0.02
@@ -204,6 +209,7 @@ class PoolGuard:
         self._dirty: set[str] = set()
         self._sick: set[str] = set()  # last seen open, half-open or ejected
         self._accepted: set[Hashable] = set()  # attempts the throttle counted at first token
+        self._refusals: dict[str, int] = {}  # url -> consecutive 503s it answered
         # Slow abandonment: (start, expected tokens) per attempt in flight, and the pool's
         # typical pace (seconds per expected token) of attempts that succeeded.
         self._flights: dict[Hashable, tuple[float, int]] = {}
@@ -339,6 +345,15 @@ class PoolGuard:
         broke after its headers, `local_failure` too), or `local_failure` alone (no
         connection, reset, timeout), or `cancelled` (the client left: no verdict)."""
         overloaded = status in OVERLOAD_STATUSES and not local_failure
+        if status == 503 and not local_failure:
+            streak = self._refusals[url] = self._refusals.get(url, 0) + 1
+            if streak >= REFUSALS_AS_FAILURE:
+                overloaded = False  # a 503 storm: a failure, for the breaker and ejection
+                if streak == REFUSALS_AS_FAILURE and self.outlier is not None:
+                    for _ in range(streak - 1):  # the streak's earlier ones, now judged
+                        self.outlier.record(url, now, status=status, local_failure=False)
+        elif not cancelled and (status is not None or local_failure):
+            self._refusals.pop(url, None)
         failed = local_failure or (status is not None and status >= 500 and not overloaded)
         self._dirty.add(url)  # the breaker or the ejection may have moved: see pump()
         if self.breaker is not None:

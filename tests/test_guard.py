@@ -60,6 +60,27 @@ def test_overload_statuses_are_not_failures() -> None:
     assert s.routes == [] and not s.full
 
 
+def test_an_endpoint_that_only_says_503_is_ejected_and_429_never() -> None:
+    # Issue #21, found as a new user: an engine answering 503 to everything stayed the
+    # first pick for 87 of 87 requests. A moment's 503 is overload; a streak is a failure.
+    from filters.guard import REFUSALS_AS_FAILURE
+
+    g = guard(breaker=None, outlier=OutlierConfig(consecutive_5xx=2))
+    t = 0.0
+    for i in range(REFUSALS_AS_FAILURE - 1):  # a short streak, then an answer: overload
+        g.finished("a", i, t, status=503)
+        t += 0.1
+    g.finished("a", "ok", t, status=200)
+    for i in range(50):  # a busy engine saying 429 is never ejected
+        g.finished("b", ("b", i), t, status=429)
+    assert [r.url for r in g.screen([R("a"), R("b")], 1, None, t).routes] == ["a", "b"]
+    for i in range(REFUSALS_AS_FAILURE + 1):  # only ever 503: from the 5th on, failures
+        g.finished("a", ("s", i), t, status=503)
+        t += 0.1
+    s = g.screen([R("a"), R("b")], 1, None, t)
+    assert [r.url for r in s.routes] == ["b"] and s.skipped == [("a", "ejected")]
+
+
 def test_outlier_ejection_removes_the_route() -> None:
     g = guard(breaker=None, outlier=OutlierConfig(consecutive_5xx=2))
     for i in range(2):

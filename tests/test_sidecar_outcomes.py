@@ -114,3 +114,21 @@ async def test_a_drain_that_runs_out_ends_the_stream_with_an_error_event_in_time
     assert events and isinstance(events[-1], dict) and events[-1]["error"]["code"] == "draining"
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["outcome"] for r in records] == ["drain_timeout"]
+
+
+async def test_an_engine_answering_503_to_everything_leaves_rotation(
+    backends: Callable[..., Awaitable[Backend]], sidecar: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    # Issue #21: such an engine stayed the first pick for 87 of 87 requests, every request
+    # paying a retry (amplification 2.0x). Now its streak of 503s counts as failures.
+    a, b = await backends("a"), await backends("b")
+    a.refuse_with = 503
+    s = await sidecar(sidecar_config([a.url, b.url], routing={"policy": "round-robin"}))
+    async with aiohttp.ClientSession() as http:
+        for i in range(40):
+            body = {"model": "tiny", "prompt": f"request {i}"}
+            resp = await http.post(url(s, "/v1/completions"), json=body)
+            assert resp.status == 200  # retried on b while a was still tried
+    attempts = len(a.requests) + len(b.requests)
+    assert len(b.requests) == 40
+    assert attempts / 40 <= 1.2, (len(a.requests), len(b.requests))
