@@ -4,6 +4,7 @@ state, as the picker sees it)."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,27 @@ from filters.hotpath import IMPLEMENTATION
 
 if TYPE_CHECKING:
     from meshd.sidecar import Sidecar
+
+
+# Keys whose values are secrets, wherever they sit; and maps whose every value may be one
+# (telemetry.tracing.headers: an exporter's Authorization, API keys).
+_SECRET_KEY = re.compile(
+    r"(?i)^(.*[-_])?(authori[sz]ation|token|secret|password|passwd|api[-_]?key|cookie)$"
+)
+_SECRET_MAPS = frozenset({"headers"})
+REDACTED = "<redacted>"
+
+
+def redact(doc: Any, key: str = "") -> Any:
+    """The effective config as /config shows it: every secret-bearing value replaced by
+    `<redacted>` (the key stays, so an operator sees that one is set)."""
+    if isinstance(doc, dict):
+        if key in _SECRET_MAPS:
+            return {k: REDACTED for k in doc}
+        return {k: REDACTED if v and _SECRET_KEY.match(k) else redact(v, k) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [redact(v, key) for v in doc]
+    return doc
 
 
 def build_admin_app(sidecar: Sidecar) -> web.Application:
@@ -47,7 +69,7 @@ def build_admin_app(sidecar: Sidecar) -> web.Application:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def config(request: web.Request) -> web.Response:
-        return web.json_response(sidecar.config.model_dump(mode="json"))
+        return web.json_response(redact(sidecar.config.model_dump(mode="json")))
 
     async def endpoints(request: web.Request) -> web.Response:
         now = time.monotonic()

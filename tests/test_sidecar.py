@@ -310,6 +310,18 @@ async def test_admin_endpoints(backends, sidecar):
     assert ready["ready"] is True
     cfg = json.loads(await _admin(s, "/config"))
     assert cfg["pools"][0]["endpoints"][0]["url"] == b.url
+
+
+async def test_admin_config_redacts_secrets(backends, sidecar):
+    # Issue #21: /config showed telemetry.tracing.headers.authorization in clear.
+    b = await backends()
+    tracing = {"headers": {"authorization": "Bearer s3cret", "x-honeycomb-team": "k3y"}}
+    s = await sidecar(sidecar_config([b.url], telemetry={"tracing": tracing}))
+    raw = await _admin(s, "/config")
+    assert b"s3cret" not in raw and b"k3y" not in raw
+    headers = json.loads(raw)["telemetry"]["tracing"]["headers"]
+    assert headers == {"authorization": "<redacted>", "x-honeycomb-team": "<redacted>"}
+    assert json.loads(raw)["pools"][0]["endpoints"][0]["url"] == b.url  # the rest as is
     eps = json.loads(await _admin(s, "/endpoints"))
     assert eps["pools"]["default"][0]["healthy"] is True
 

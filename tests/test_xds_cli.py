@@ -89,3 +89,17 @@ def test_eds_and_expiry_exported_to_prometheus() -> None:
     assert "meshd_xds_eds_pools 1.0" in text
     assert "meshd_xds_eds_skipped_engines 1.0" in text
     assert "meshd_xds_expired_resources_total 3.0" in text
+
+
+def test_the_control_plane_listens_on_loopback_unless_told() -> None:
+    import argparse
+
+    from xds.cli import _loopback, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["control-plane"])
+    host = args.listen.rpartition(":")[0]
+    assert _loopback(host)  # plaintext beyond loopback is a warning, and opt-in
+    assert _loopback("127.0.0.1") and _loopback("[::1]") and _loopback("localhost")
+    assert not _loopback("0.0.0.0") and not _loopback("") and not _loopback("10.0.0.5")

@@ -24,7 +24,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "state-of-the-world) serving meshd's EndpointState and PrefixDigest resources, and "
         "the publish stream engine agents write them to.",
     )
-    p.add_argument("--listen", default="0.0.0.0:18000", help="host:port (default %(default)s)")
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:18000",
+        help="host:port (default %(default)s: loopback; give 0.0.0.0:PORT to serve other "
+        "hosts, with --tls-cert/--tls-key/--client-ca unless the network is trusted)",
+    )
     p.add_argument("--tls-cert", type=Path, help="server certificate chain (PEM)")
     p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
     p.add_argument(
@@ -87,6 +92,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
+def _loopback(host: str) -> bool:
+    host = host.strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def _tls(args: argparse.Namespace) -> TlsConfig | None:
     if args.tls_cert is None and args.tls_key is None:
         if args.client_ca is not None:
@@ -142,6 +152,17 @@ def run(args: argparse.Namespace) -> int:
         publish_trace_every=args.publish_trace_every,
     )
     tls = _tls(args)
+    if tls is None and not _loopback(host):
+        log.warning(
+            "serving PLAINTEXT xDS on %s with no client authentication: anyone who reaches "
+            "it can publish engine state and read the fleet's; give --tls-cert, --tls-key "
+            "and --client-ca (mTLS), or listen on loopback",
+            args.listen,
+        )
+    elif tls is not None and tls.client_ca is None and not _loopback(host):
+        log.warning(
+            "serving xDS on %s without --client-ca: clients are not authenticated", args.listen
+        )
 
     provider = None
     if args.otlp_endpoint:
