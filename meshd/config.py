@@ -51,13 +51,26 @@ def _loc(loc: Iterable[int | str]) -> str:
     return out
 
 
-def _problems(exc: ValidationError) -> list[str]:
+def _problems(exc: ValidationError, origins: Mapping[str, str] | None = None) -> list[str]:
+    """One line per bad key, naming where a value came from when it was not the file (an
+    environment variable, a --set). A collection left too short only because one of its
+    items failed is not a second problem: the item's error says it."""
+    errors = exc.errors()
+    locs = [tuple(err["loc"]) for err in errors]
     problems = []
-    for err in exc.errors():
-        where = _loc(err["loc"])
+    for err, loc in zip(errors, locs, strict=True):
+        if err["type"] == "too_short" and any(o[: len(loc)] == loc and o != loc for o in locs):
+            continue
+        where = _loc(loc)
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `meshd config example` lists every key)"
+        origin = next(
+            (o for k, o in (origins or {}).items() if where == k or where.startswith(k + ".")),
+            None,
+        )
+        if origin is not None:
+            msg += f" (from {origin})"
         problems.append(f"{where}: {msg}" if where else msg)
     return problems
 
@@ -123,17 +136,20 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(["the top level must be a mapping of keys"], source)
         tree = deep_merge(tree, loaded)
+    origins: dict[str, str] = {}  # a key set after the file -> what set it
     for keys, value, origin in env_overrides(env):
         _set_path(tree, keys, value, origin)
+        origins[".".join(keys)] = origin
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError([f"override {item!r}: expected KEY.PATH=VALUE"], "--set")
         _set_path(tree, key.split("."), _parse_scalar(raw), f"--set {key}")
+        origins[key] = f"--set {item}"
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(_problems(exc), source) from None
+        raise ConfigError(_problems(exc, origins), source) from None
 
 
 def deep_merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:

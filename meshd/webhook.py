@@ -153,8 +153,16 @@ class WebhookServer:
         self.address: tuple[str, int] | None = None
 
     def reload_certificates(self) -> None:
-        # load_cert_chain on the live context takes effect for new handshakes.
-        self.ssl_context.load_cert_chain(self.cert_file, self.key_file)
+        """Load the pair again (on the live context it takes effect for new handshakes).
+        An ssl.SSLError names the files: OpenSSL's own message ("[SSL] PEM lib") does not."""
+        try:
+            self.ssl_context.load_cert_chain(self.cert_file, self.key_file)
+        except ssl.SSLError as exc:
+            raise ssl.SSLError(
+                exc.errno,
+                f"cannot load the TLS certificate {self.cert_file} and key {self.key_file} "
+                f"(not PEM, empty, or not a pair): {exc}",
+            ) from None
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_REVIEW_BYTES)

@@ -287,3 +287,25 @@ def test_admission_slots_scale_with_the_pool_unless_set() -> None:
     )
     adm = guard_config(fixed, 64).admission
     assert adm is not None and adm.max_in_flight == 100 and adm.knee_wait_s is None
+
+
+def test_a_bad_value_names_where_it_came_from_and_a_missing_key_is_one_problem() -> None:
+    # Issue #21's item 8: a bad --set or environment value was reported as coming from
+    # the file ("defaults"); a missing endpoint url added "pools: ... at least 1 item".
+    from meshd.config import ConfigError, load_config
+
+    pools = {"pools": [{"name": "a", "endpoints": ["http://x:1"]}]}
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base=pools, env={}, overrides=["limits.max_body_bytes=abc"])
+    assert err.value.problems[0].endswith("(from --set limits.max_body_bytes=abc)")
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base=pools, env={"MESHD_LIMITS__MAX_BODY_BYTES": "abc"})
+    env_name = "MESHD_LIMITS__MAX_BODY_BYTES"
+    assert err.value.problems[0].endswith(f"(from environment variable {env_name})")
+    broken = {"pools": [{"name": "a", "endpoints": [{"weight": 2}]}]}
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base=broken, env={})
+    assert err.value.problems == ["pools[0].endpoints[0].url: Field required"]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, base={"pools": []}, env={})  # empty on its own: still said
+    assert err.value.problems[0].startswith("pools:")

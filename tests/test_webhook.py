@@ -205,3 +205,17 @@ def test_create_without_object_is_malformed() -> None:
     del sent["request"]["object"]
     with pytest.raises(MalformedReview, match=r"request\.object"):
         review(sent, InjectionConfig())
+
+
+def test_an_empty_certificate_file_is_named(tmp_path) -> None:
+    import ssl
+
+    import pytest as _pytest
+
+    from meshd.inject_config import InjectionConfig
+    from meshd.webhook import WebhookServer
+
+    empty = tmp_path / "tls.crt"
+    empty.write_text("")
+    with _pytest.raises(ssl.SSLError, match=str(empty)):
+        WebhookServer(InjectionConfig(), str(empty), str(empty), "127.0.0.1", 0)
