@@ -223,6 +223,17 @@ class EndpointState:
     # -- reports --------------------------------------------------------------------------
 
     def report(self, state: ReportedState, now: float) -> None:
+        before = self.reported
+        if (
+            before is not None
+            and before.epoch not in ("", 0)
+            and state.epoch not in ("", 0)
+            and before.epoch != state.epoch
+        ):
+            # A restart: perhaps on another node, another GPU. What was learnt of its speed
+            # may not hold; it is learnt again (its cache is dropped by the prefix index).
+            self.ttft_ratio = 1.0
+            self.decode_ratio = 1.0
         self.reported = state
         self.reported_at = now
         self._changed()

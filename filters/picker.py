@@ -1479,8 +1479,10 @@ class Picker:
         if old is None or not mine or old.cap_blocks != cap_blocks:
             self.index.set_capacity(e.name, cap_blocks)
         v.cap_blocks = cap_blocks
-        if r is not None:
-            self.index.observe_epoch(e.name, r.epoch)
+        if r is not None and self.index.observe_epoch(e.name, r.epoch):
+            # Restarted: its calibration starts over (EndpointState.report), and so does the
+            # count of evidence behind it.
+            self._dispatched[e.name] = e.outstanding
         e._pick_view = v
         self._by_name[e.name] = v
         return v

@@ -703,3 +703,23 @@ def test_direct_field_changes_need_touch():
     eps[0].models = frozenset({"other"})
     eps[0].touch()
     assert names(p.pick(PickRequest("m"), eps, 0.0)) == ["e1"]
+
+
+def test_a_restarted_engine_learns_its_speed_again() -> None:
+    # Issue #21's item 7: a restart (a new epoch) may be on another node, another GPU;
+    # its TTFT and decode calibration start over. Same epoch, first report, unset epoch:
+    # kept.
+    from filters.endpoint_state import EndpointState, ReportedState
+
+    e = EndpointState("a")
+    e.ttft_ratio, e.decode_ratio = 2.5, 1.7
+    e.report(ReportedState(epoch="e1"), 0.0)  # the first report: nothing to compare
+    assert (e.ttft_ratio, e.decode_ratio) == (2.5, 1.7)
+    e.report(ReportedState(epoch="e1"), 1.0)
+    assert (e.ttft_ratio, e.decode_ratio) == (2.5, 1.7)
+    e.report(ReportedState(epoch="e2"), 2.0)
+    assert (e.ttft_ratio, e.decode_ratio) == (1.0, 1.0)
+    e.ttft_ratio = 3.0
+    e.report(ReportedState(epoch=""), 3.0)  # an unset epoch says nothing
+    e.report(ReportedState(epoch=""), 4.0)
+    assert e.ttft_ratio == 3.0
