@@ -41,7 +41,6 @@ import gc
 import json
 import multiprocessing as mp
 import os
-import random
 import re
 import statistics
 import sys
@@ -62,6 +61,7 @@ from envoy.service.discovery.v3 import discovery_pb2 as pb
 
 import xds  # noqa: F401  (makes xds-protos' own `xds` package importable; see xds/__init__.py)
 from loadtest import procstats
+from loadtest.xds_scale_bench import engine_body_us, engine_name
 from xds.client import Entry, Update, _entry
 from xds.resources import EndpointState, ResourceError, decode_endpoint_state
 
@@ -80,33 +80,10 @@ def engine_address(i: int) -> str:
     return f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}:8000"
 
 
-def engine_name(i: int) -> str:
-    return f"engine-{i:05d}"
-
-
 def engine_body(i: int, seq: int) -> bytes:
-    """Engine i's EndpointState at its update `seq`: load figures that change every update
-    (as xds_scale_bench's), the rest as a running engine's (stable)."""
-    rng = random.Random(i * 1_000_003 + seq)
-    return EndpointState(
-        address=engine_address(i),
-        pool=f"pool-{i % POOLS}",
-        model="meta-llama/Llama-3.1-8B-Instruct",
-        adapters={"sql-lora": True, "chat-lora": seq % 2 == 0},
-        gpu="H100",
-        gpu_count=8,
-        memory_total_bytes=8 * 80 * 2**30,
-        memory_used_bytes=8 * 61 * 2**30 + rng.randrange(2**30),
-        kv_block_size=16,
-        kv_capacity_blocks=40_000,
-        kv_usage=round(rng.random(), 3),
-        requests_running=rng.randrange(64),
-        requests_waiting=rng.randrange(8),
-        tokens_in_flight=rng.randrange(500_000),
-        ttft_s=round(rng.uniform(0.05, 0.5), 4),
-        tpot_s=round(rng.uniform(0.01, 0.04), 4),
-        epoch=f"{i:08x}",
-    ).encode()
+    """Engine i's EndpointState at its update `seq`: xds_scale_bench's engine, with a
+    tokens_in_flight that changes every update (that bench stamps its clock there)."""
+    return engine_body_us(i, seq, (i * 7919 + seq * 104_729) % 500_000)
 
 
 def sidecar_config(

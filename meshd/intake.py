@@ -220,6 +220,17 @@ class Intake:
         )
         ctx.body = body
         ctx.deadline = ctx.started + plane.config.upstream.request_timeout_s
+        try:
+            return await self._admit_and_try(req, ctx)
+        except asyncio.CancelledError:
+            # The client left, or a drain ran out of time, before the answer was over
+            # (queued, waiting for the engine's head, relaying): the trace ends as what it
+            # was (a no-op where the relay has already ended it).
+            self.acct.finish(ctx, "drain_timeout" if req.drained else "client_disconnect")
+            raise
+
+    async def _admit_and_try(self, req: HttpRequest, ctx: RequestContext) -> Reply | None:
+        plane = self.plane
         guard = plane.guards[ctx.pool]
         if ctx.inference is not None and ctx.routing is not None:
             cpt, tpb = pick_inputs(
@@ -239,22 +250,13 @@ class Intake:
             ctx.tokens = guard.expected_tokens(
                 ctx.inference.model, ctx.pick.prompt_tokens, ctx.inference.max_tokens
             )
-            try:
-                refused = await self.gate.admit(ctx, guard)
-            except asyncio.CancelledError:  # left (or drained) while queued
-                self.acct.finish(ctx, "drain_timeout" if req.drained else "client_disconnect")
-                raise
+            refused = await self.gate.admit(ctx, guard)
             if refused is not None:
                 return refused
         else:
             ctx.pick = PickRequest(model="")
         try:
             return await self.attempts.run(req, ctx)
-        except asyncio.CancelledError:
-            # Before any answer was relayed (queued, or waiting for the engine's head): the
-            # trace still ends, as what it was (the relay finishes it once one began).
-            self.acct.finish(ctx, "drain_timeout" if req.drained else "client_disconnect")
-            raise
         finally:
             self.gate.release(ctx)
 

@@ -12,6 +12,7 @@ import asyncio
 import random
 
 import pytest
+from test_xds_digest_bases import Engine as DigestEngine
 
 from filters.endpoint_state import ReportedBlocks
 from xds.client import Backoff, Publisher, Subscriber, Update
@@ -26,40 +27,14 @@ ENGINES = 12
 SLACK_S = 0.5
 
 
-class Engine:
-    def __init__(self, name: str, rng: random.Random) -> None:
-        self.name, self.rng = name, rng
-        self.epoch_n, self.seq = 1, 0
-        self.blocks: set[int] = set()
-        self.base: frozenset[int] = frozenset()
-        self.base_seq = 0
-
+class Engine(DigestEngine):
     def step(self) -> bytes:
-        """One churn and the digest an agent would publish for it."""
+        """One churn and the digest an agent would publish for it: full at a restart
+        (now and then) and at random, else a delta on the last full one."""
         if self.rng.random() < 0.03:  # a restart: a new epoch starts from nothing
-            self.epoch_n, self.seq, self.blocks = self.epoch_n + 1, 0, set()
-        for _ in range(self.rng.randint(1, 6)):
-            if self.blocks and self.rng.random() < 0.3:
-                self.blocks.discard(self.rng.choice(sorted(self.blocks)))
-            else:
-                self.blocks.add(self.rng.getrandbits(63))
-        self.seq += 1
-        epoch = f"e{self.epoch_n}"
-        if self.seq == 1 or self.rng.random() < 0.15:
-            self.base, self.base_seq = frozenset(self.blocks), self.seq
-            d = PrefixDigest(self.name, epoch, self.seq, self.seq, True, 16, tuple(self.base))
-        else:
-            d = PrefixDigest(
-                self.name,
-                epoch,
-                self.seq,
-                self.base_seq,
-                False,
-                16,
-                tuple(self.blocks - self.base),
-                tuple(self.base - self.blocks),
-            )
-        return d.encode()
+            self.restart()
+        self.churn()
+        return self.digest(full=self.seq == 0 or self.rng.random() < 0.15)
 
 
 class Follower:
