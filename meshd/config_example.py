@@ -18,6 +18,16 @@ pools:
       # The engine's KV events (vLLM --kv-events-config), for routing.tokenizers' models:
       # - {url: "http://10.0.0.7:8000", kv_events: {endpoint: "tcp://10.0.0.7:5557",
       #    replay: "tcp://10.0.0.7:5558", topic: "", bind: false}}
+    response_cache: deterministic  # replayable answers (response_cache.enabled): also
+                                   # opt-in (Cache-Control opt-in only) or off
+    fallbacks: []              # e.g. [{pool: small, model: llama-8b}, eu-west]: when this
+                               # pool cannot serve a request in time, the next one does
+    max_cost_usd: null         # predicted $ over which a request goes to the first fallback
+    autoscaling:               # meshd_pool_desired_replicas (docs/autoscaling.md)
+      slo_ttft_s: null         # the TTFT p90 to keep (null: demand and queue alone)
+      target_utilization: 0.7  # busy share of a replica's capacity aimed at
+      min_replicas: 1
+      max_replicas: 100
 upstream:
   connect_timeout_s: 5
   first_byte_timeout_s: 120    # per try: time to the response headers (504 after)
@@ -143,5 +153,16 @@ control_plane:
   stale_after_s: 10
 drain:
   grace_period_s: 30           # SIGTERM: streams get this long to finish
+response_cache:               # exact-match answers (README: Response cache)
+  enabled: false
+  store: memory                # or redis (shared by every sidecar; down = bypassed)
+  max_bytes: 67108864          # memory store: LRU over this many bytes
+  max_entry_bytes: 1048576     # larger answers are not stored
+  ttl_s: 600
+  coalesce: true               # identical requests in flight: one goes to the engine
+  max_waiters: 64              # ...and at most this many wait for its answer
+  partition_headers: [authorization]  # besides the tenant, part of the key
+  redis: null                  # {url: "redis://cache:6379/0", key_prefix: "meshd:rc:",
+                               #  timeout_s: 0.05, retry_after_s: 5}
 log_level: info
 """

@@ -90,12 +90,53 @@ class Endpoint(_Strict):
         return v.rstrip("/")
 
 
+class Fallback(_Strict):
+    """The next pool in a pool's fallback chain (a string is the pool's name alone): where a
+    request goes when its pool cannot serve it in time, with the model rewritten to `model`
+    (unset: the request's model is kept, e.g. the same model in another region)."""
+
+    pool: str = Field(min_length=1)
+    model: str | None = Field(default=None, min_length=1)
+
+
+class PoolAutoscaling(_Strict):
+    """What the pool's desired-replicas figure aims for (docs/autoscaling.md)."""
+
+    # TTFT the pool should keep at p90; unset: the figure follows demand and queue alone.
+    slo_ttft_s: float | None = Field(default=None, gt=0)
+    # Busy share of a replica's capacity the figure aims at (headroom for bursts).
+    target_utilization: float = Field(default=0.7, gt=0, le=1)
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=100, ge=1)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolAutoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas is over max_replicas")
+        return self
+
+
 class Pool(_Strict):
     """A set of interchangeable engines serving the same models."""
 
     name: str = Field(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     models: tuple[str, ...] = ("*",)
     endpoints: tuple[Endpoint, ...] = Field(min_length=1)
+    # response_cache (when enabled): which of this pool's answers may be replayed:
+    # deterministic ones (temperature 0 or a seed, n 1) and opted-in ones, opted-in only, or none.
+    response_cache: Literal["deterministic", "opt-in", "off"] = "deterministic"
+    fallbacks: tuple[Fallback, ...] = ()
+    # Dollars a request may be predicted to cost here before it goes to the first fallback
+    # (a request's x-meshd-max-cost-usd, from a trusted peer, wins); unset: no cap.
+    max_cost_usd: float | None = Field(default=None, gt=0)
+    autoscaling: PoolAutoscaling = PoolAutoscaling()
+
+    @field_validator("fallbacks", mode="before")
+    @classmethod
+    def _fallbacks_from_strings(cls, v: Any) -> Any:
+        if isinstance(v, list | tuple):
+            return [{"pool": f} if isinstance(f, str) else f for f in v]
+        return v
 
     @field_validator("endpoints", mode="before")
     @classmethod
@@ -486,6 +527,40 @@ class Drain(_Strict):
     grace_period_s: float = Field(default=30.0, ge=0)
 
 
+class ResponseCacheRedis(_Strict):
+    """A Redis every sidecar shares. Unreachable or slow: the cache is bypassed (the request
+    goes to the engine), never a failed request."""
+
+    url: str = Field(pattern=r"^(redis|rediss|unix)://.+")
+    key_prefix: str = "meshd:rc:"
+    timeout_s: float = Field(default=0.05, gt=0)  # per command
+    retry_after_s: float = Field(default=5.0, gt=0)  # after an error, bypass Redis this long
+
+
+class ResponseCache(_Strict):
+    """Exact-match cache of whole answers (filters/response_cache.py): which requests may be
+    replayed is each pool's `response_cache`; Cache-Control request directives are honoured."""
+
+    enabled: StrictBool = False
+    store: Literal["memory", "redis"] = "memory"
+    max_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)  # memory store, all entries
+    max_entry_bytes: int = Field(default=1024 * 1024, ge=256)  # larger answers: not stored
+    ttl_s: float = Field(default=600.0, gt=0)
+    # Concurrent identical requests: one goes to the engine, up to max_waiters wait for it.
+    coalesce: StrictBool = True
+    max_waiters: int = Field(default=64, ge=0)
+    # Request headers whose values are part of the key besides the tenant (an API key: one
+    # caller never gets another's answer even without x-meshd-tenant).
+    partition_headers: tuple[str, ...] = ("authorization",)
+    redis: ResponseCacheRedis | None = None
+
+    @model_validator(mode="after")
+    def _store(self) -> ResponseCache:
+        if self.store == "redis" and self.redis is None:
+            raise ValueError("store is redis: set redis.url")
+        return self
+
+
 class Config(_Strict):
     listeners: Listeners = Listeners()
     pools: tuple[Pool, ...] = Field(min_length=1)
@@ -498,6 +573,7 @@ class Config(_Strict):
     telemetry: Telemetry = Telemetry()
     control_plane: ControlPlane = ControlPlane()
     drain: Drain = Drain()
+    response_cache: ResponseCache = ResponseCache()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @model_validator(mode="after")
@@ -506,6 +582,15 @@ class Config(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"pools: duplicate pool name(s) {', '.join(dupes)}")
+        for i, pool in enumerate(self.pools):
+            for j, fb in enumerate(pool.fallbacks):
+                where = f"pools[{i}].fallbacks[{j}].pool"
+                if fb.pool == pool.name:
+                    raise ValueError(f"{where}: a pool cannot fall back to itself")
+                if fb.pool not in names:
+                    raise ValueError(
+                        f"{where}: unknown pool {fb.pool!r} (pools are: {', '.join(names)})"
+                    )
         for i, svc in enumerate(self.transparent.services):
             if svc.pool not in names:
                 raise ValueError(
