@@ -46,6 +46,7 @@ class AdmissionGate:
         ctx_item, ctx.item_id = ctx.item_id, None  # not admitted: nothing to release
         if isinstance(decision, Throttled):
             plane.metrics.throttled_requests.labels(ctx.pool).inc()
+            self.shed(ctx)
             return self.acct.refuse(ctx, 503, decision.message, decision.code, retry_after_s=1)
         if isinstance(decision, Reject):
             return self.refuse(ctx, decision)
@@ -71,9 +72,17 @@ class AdmissionGate:
 
     def refuse(self, ctx: RequestContext, r: Reject) -> Reply:
         self.plane.metrics.admission_rejections.labels(ctx.pool, r.reason).inc()
+        self.shed(ctx)
         return self.acct.refuse(
             ctx, 429, r.message, r.code, retry_after_s=max(1, math.ceil(r.retry_after_s))
         )
+
+    def shed(self, ctx: RequestContext) -> None:
+        """A request turned away for want of capacity: unmet demand for the autoscaler."""
+        demand = self.plane.observer.demand
+        if demand is not None:
+            prompt = ctx.inference.estimated_prompt_tokens if ctx.inference is not None else 0
+            demand.shed(ctx.pool, time.monotonic(), prompt_tokens=prompt)
 
     async def wait_turn(
         self, ctx: RequestContext, guard: PoolGuard, item: AdmissionItem

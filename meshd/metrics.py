@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from meshd.autoscale_metrics import AutoscaleCollector
+
 __all__ = [
     "BREAKER_CLOSED",
     "BREAKER_HALF_OPEN",
@@ -118,6 +120,9 @@ class DataPlaneMetrics:
         self._register_admission(r)
         self._register_tokens(r)
         self._register_cost(r, clock)
+        # meshd_pool_* (meshd/autoscale_metrics.py): bound to the sidecar's pools at start.
+        self.autoscale = AutoscaleCollector(clock)
+        r.register(self.autoscale)
         self.access_log_dropped = Counter(
             "meshd_access_log_dropped_records",
             "Access-log records dropped because the writer's queue was full",

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from filters.autoscale import DemandBoard
 from filters.cost_ledger import (
     ABANDONED_OUTCOMES,
     NO_WORK_OUTCOMES,
@@ -145,8 +146,12 @@ class RequestObserver:
         max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS,
         max_model_labels: int = DEFAULT_MAX_MODEL_LABELS,
         gpus: Mapping[str, str | None] | None = None,
+        demand: DemandBoard | None = None,
     ) -> None:
         self.metrics = metrics
+        # Each pool's demand as requests end (filters/autoscale.py); the admission layer
+        # adds what it sheds, the attempts layer what it sends to a fallback pool.
+        self.demand = demand
         self.tracer_provider = tracer_provider
         self._tracer = (
             tracer_provider.get_tracer("meshd.sidecar", __version__) if tracer_provider else None
@@ -204,6 +209,7 @@ class RequestObserver:
             tenants=config.reliability.admission.tenants,
             models=[m for pool in config.pools for m in pool.models],
             gpus=gpus,
+            demand=DemandBoard([p.name for p in config.pools], now=time.monotonic()),
             **kw,
         )
         for pool in config.pools:
@@ -339,6 +345,14 @@ class RequestObserver:
                 s.hit.inc(last.cached_tokens)
             if last.predicted_cached_tokens:
                 s.predicted.inc(last.predicted_cached_tokens)
+            if self.demand is not None:
+                self.demand.finished(
+                    pool,
+                    req.started + req.e2e_s,
+                    prefill_tokens=(req.prompt_tokens or 0) - (last.cached_tokens or 0),
+                    decode_tokens=req.completion_tokens or 0,
+                    predicted_ttft_s=getattr(req, "predicted_ttft_s", None),
+                )
 
     def _record_cost(self, req: RequestTrace, costs: list[tuple[float, float, bool]]) -> None:
         pool = req.pool

@@ -63,6 +63,7 @@ class RequestTrace:
         "outcome",
         "pick_reason",
         "pool",
+        "predicted_ttft_s",
         "prompt_tokens",
         "queue_s",
         "request_id",
@@ -101,6 +102,7 @@ class RequestTrace:
         self._predicted: dict[str, int] | None = None
         self.pick_reason: str | None = None
         self.affinity_departure: str | None = None
+        self.predicted_ttft_s: float | None = None  # the pick's, for the pool's demand
         self.step: int | None = None
         self.steps_in_task: int | None = None
         self.final: bool | None = None
@@ -179,6 +181,7 @@ class RequestTrace:
         }
         if routes:
             self.pick_reason = routes[0].reason
+            self.predicted_ttft_s = routes[0].predicted_ttft_s
             self.affinity_departure = getattr(routes[0], "departure", None)
         tracer = self.observer._tracer
         if tracer is None or self.span is None or not self.span.is_recording() or not routes:

@@ -36,6 +36,7 @@ from meshd.accounting import Accounting
 from meshd.admin import build_admin_app
 from meshd.admission_gate import AdmissionGate
 from meshd.attempts import Attempts
+from meshd.autoscale_metrics import PoolSignals
 from meshd.config import Config, ConfigError, load_config
 from meshd.context import Plane
 from meshd.http_message import HttpRequest, ListenerLimits, Reply
@@ -85,6 +86,10 @@ class Sidecar:
         self.guards = self.plane.guards
         self.retry_budgets = self.plane.retry_budgets
         self.observer = self.plane.observer
+        # Each pool's demand and desired replicas (meshd_pool_*, docs/autoscaling.md).
+        assert self.observer.demand is not None
+        self.autoscale = PoolSignals(config, self.routers, self.guards, self.observer.demand)
+        self.metrics.autoscale.bind(self.autoscale)
         acct = self.accounting = Accounting(self.metrics)
         self.gate = AdmissionGate(self.plane, acct)
         attempts = Attempts(self.plane, acct, self.gate, self.chars_per_token)
@@ -274,6 +279,7 @@ class Sidecar:
                     continue
                 w.upstream.close()
             self.gate.tick(time.monotonic())
+            self.autoscale.evaluate(time.monotonic())
             self.observer.tick(now)
 
 
