@@ -22,6 +22,7 @@ from meshd.upstream import UpstreamResponse
 
 if TYPE_CHECKING:
     from filters.guard import PoolGuard
+    from meshd.response_cache import CachePlan, ResponseCache
     from meshd.upstream import UpstreamPool
 
 
@@ -40,6 +41,7 @@ class Plane:
     ids: Iterator[int] = field(default_factory=itertools.count)
     watches: set[Watch] = field(default_factory=set)
     upstream: UpstreamPool | None = None
+    cache: ResponseCache | None = None  # response_cache.enabled
 
 
 @dataclass(slots=True, eq=False)
@@ -100,6 +102,7 @@ class RequestContext:
     tokens: int = 0  # expected prompt + output tokens (the token breaker's unit)
     item_id: int | None = None  # admission item while admitted
     tried: set[str] = field(default_factory=set)
+    cache: CachePlan | None = None  # a cacheable request: its key, rule and flight
 
     @property
     def trace(self) -> RequestTrace:

@@ -27,6 +27,7 @@ from meshd.attempts import Attempts
 from meshd.context import Plane, RequestContext
 from meshd.http_message import BodyError, HttpRequest, Reply, json_reply
 from meshd.relay import HOP_BY_HOP
+from meshd.response_cache import MISS
 
 if TYPE_CHECKING:
     from meshd.kv_events import PrecisePrefix
@@ -220,7 +221,14 @@ class Intake:
         )
         ctx.body = body
         ctx.deadline = ctx.started + plane.config.upstream.request_timeout_s
+        cache = plane.cache
+        plan = ctx.cache = None if cache is None else cache.plan(req, ctx)
         try:
+            if plan is not None:
+                assert cache is not None
+                served = await cache.lookup(req, ctx, plan)
+                if served is not MISS:
+                    return served
             return await self._admit_and_try(req, ctx)
         except asyncio.CancelledError:
             # The client left, or a drain ran out of time, before the answer was over
@@ -228,6 +236,10 @@ class Intake:
             # was (a no-op where the relay has already ended it).
             self.acct.finish(ctx, "drain_timeout" if req.drained else "client_disconnect")
             raise
+        finally:
+            if plan is not None:
+                assert cache is not None
+                cache.release(plan)
 
     async def _admit_and_try(self, req: HttpRequest, ctx: RequestContext) -> Reply | None:
         plane = self.plane

@@ -57,6 +57,8 @@ _MAX_USAGE_PARSE_BYTES = 1 << 20
 # A stream longer than this is relayed without keeping a copy, so it cannot be resumed.
 _MAX_RESUME_BYTES = 4 << 20
 _FAILURE_OUTCOMES = {"upstream_timeout": "timeout", "upstream_stream_truncated": "stream_truncated"}
+# The response cache's verdict as RFC 9211's `fwd` parameter.
+_FORWARDED = {"miss": "miss", "refresh": "request", "bypass": "bypass"}
 Failure = tuple[int, str, str]  # status, message, code (as an SSE error event)
 Resumed = tuple[Attempt, UpstreamResponse, StreamSplicer]
 
@@ -144,6 +146,12 @@ class Relay:
         # An engine's 4xx or 5xx went through as it came: it is not a success (the ledger
         # and `meshd cost` count tasks by this outcome).
         self.acct.finish(ctx, "ok" if status < 400 else f"http_{status}", status, usage)
+        cache = self.plane.cache
+        if cache is not None and ctx.cache is not None:
+            why_not = "" if status == 200 else f"http_{status}"
+            if upstream.header("content-encoding") is not None:
+                why_not = "content_encoding"
+            cache.offer(ctx, False, body, why_not)
         return Reply(status, headers, body)
 
     def _response_headers(
@@ -159,6 +167,8 @@ class Relay:
             out.append((name, value))
         if ctx.trusted:
             out.append(("x-meshd-endpoint", url))
+        if ctx.cache is not None:  # RFC 9211: this answer came from the engine
+            out.append(("cache-status", f"meshd; fwd={_FORWARDED[ctx.cache.result]}"))
         return out
 
     def first_token(self, attempt: Attempt) -> None:
@@ -295,6 +305,16 @@ class _Stream:
             and upstream.status == 200
         )
         self.sent: list[bytes] | None = [] if resumable else None
+        cache = relay.plane.cache
+        # The stream's bytes as the engine sent them, when its answer may be stored.
+        self.capture = (
+            cache.capture_for(ctx)
+            if cache is not None and self.scanner is not None and upstream.status == 200
+            else None
+        )
+        self.capture_bytes = 0
+        self.capture_limit = relay.plane.config.response_cache.max_entry_bytes
+        self.capture_lost = ""  # why the capture was given up
         self.sent_bytes = 0
         self.held = b""
         self.splicer: StreamSplicer | None = None
@@ -344,6 +364,8 @@ class _Stream:
         try:
             while chunk := await up.read():
                 watch.last_activity = loop.time()
+                if self.capture is not None:
+                    self._keep(chunk)
                 chunk = self._frame(chunk)
                 if not chunk:
                     continue
@@ -365,6 +387,16 @@ class _Stream:
                 return (504, expired_message(watch, self.relay.plane.config), "upstream_timeout")
             return (502, f"the upstream stream broke: {describe(exc)}", "upstream_stream_broken")
         return None
+
+    def _keep(self, chunk: bytes) -> None:
+        """A copy for the response cache, given up past its entry limit or on a resume."""
+        assert self.capture is not None
+        self.capture_bytes += len(chunk)
+        if self.capture_bytes > self.capture_limit or self.resumes:
+            self.capture_lost = "too_large" if not self.resumes else "resumed"
+            self.capture = None
+            return
+        self.capture.append(chunk)
 
     def _frame(self, chunk: bytes) -> bytes:
         """What of an upstream read goes to the client now: the continuation's events
@@ -438,6 +470,7 @@ class _Stream:
     async def _resume(self, failure: Failure) -> tuple[Failure | None, bool]:
         """After a broken stream: (the failure left, whether to relay a continuation)."""
         self.held = b""  # the partial event never reached the client
+        self.capture_lost = "resumed"  # what the client gets is no longer one engine's answer
         assert self.sent is not None
         ctx, plane = self.ctx, self.relay.plane
         loop = asyncio.get_running_loop()
@@ -503,6 +536,13 @@ class _Stream:
             self.relay.acct.finish(ctx, "client_disconnect")
             return
         self.relay.acct.finish(ctx, "ok" if failure is None else failure[2], 200, usage)
+        cache = self.relay.plane.cache
+        if cache is not None and ctx.cache is not None:
+            why_not = failure[2] if failure is not None else self.capture_lost
+            if self.resumes or self.splicer is not None:
+                why_not = "resumed"
+            capture = self.capture
+            cache.offer(ctx, True, b"".join(capture) if capture is not None else None, why_not)
 
 
 def _done_with(upstream: UpstreamResponse, watch: Watch) -> None:

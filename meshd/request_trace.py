@@ -47,6 +47,8 @@ class RequestTrace:
         "_predicted",
         "_ttft_attempt",
         "affinity_departure",
+        "avoided_gpu_seconds",
+        "avoided_usd",
         "cached_tokens",
         "completion_tokens",
         "cost_usd",
@@ -67,6 +69,7 @@ class RequestTrace:
         "prompt_tokens",
         "queue_s",
         "request_id",
+        "response_cache",
         "routing",
         "span",
         "started",
@@ -120,6 +123,11 @@ class RequestTrace:
         self.cost_usd = 0.0
         self.gpu_seconds: float | None = None
         self.gpu_seconds_source: str | None = None
+        # The response cache (meshd/response_cache.py): hit, coalesced, miss or refresh;
+        # a replay's avoided figures are what the engine spent on the stored answer.
+        self.response_cache: str | None = None
+        self.avoided_gpu_seconds: float | None = None
+        self.avoided_usd: float | None = None
 
     # RecordLike's fields that live elsewhere.
     @property
@@ -417,6 +425,9 @@ class RequestTrace:
             predicted_cached_tokens=last.predicted_cached_tokens if last is not None else None,
             pick_reason=self.pick_reason,
             affinity_departure=self.affinity_departure,
+            response_cache=self.response_cache,
+            avoided_gpu_seconds=self.avoided_gpu_seconds,
+            avoided_usd=self.avoided_usd,
         )
 
 

@@ -91,6 +91,10 @@ class Sidecar:
         self.autoscale = PoolSignals(config, self.routers, self.guards, self.observer.demand)
         self.metrics.autoscale.bind(self.autoscale)
         acct = self.accounting = Accounting(self.metrics)
+        if config.response_cache.enabled:
+            from meshd.response_cache import ResponseCache
+
+            self.plane.cache = ResponseCache(config, acct, self.metrics.registry)
         self.gate = AdmissionGate(self.plane, acct)
         attempts = Attempts(self.plane, acct, self.gate, self.chars_per_token)
         self.relay = Relay(self.plane, acct, attempts)
@@ -260,6 +264,8 @@ class Sidecar:
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
         self.accounting.flush()
+        if self.plane.cache is not None:
+            await self.plane.cache.aclose()
         await self.observer.aclose()
 
     async def _reap(self) -> None:
