@@ -39,7 +39,13 @@ REVIEW = Path(__file__).parent / "k8s" / "admission_review_pod.json"
 ENGINE_REVIEW = Path(__file__).parent / "k8s" / "admission_review_engine_pod.json"
 NAMESPACE = "meshd-system"
 # Custom resources (cert-manager, Prometheus Operator): no schema in kubernetes-validate.
-CRD_KINDS = {"Certificate", "Issuer", "ServiceMonitor", "PodMonitor"}
+CRD_KINDS = {"Certificate", "Issuer", "ServiceMonitor", "PodMonitor", "ScaledObject"}
+# KEDA's ScaledObject schema (its CRD's openAPIV3Schema, vendored: source and license there).
+KEDA_SCHEMA = Path(__file__).parent / "data" / "keda" / "scaledobject-v1alpha1.schema.yaml"
+AUTOSCALED_ENGINES = [
+    {"pool": "default", "deployment": "vllm-llama", "namespace": "models", "maxReplicas": 8},
+    {"pool": "small.v2", "deployment": "vllm-small", "minReplicas": 0, "maxReplicas": 4},
+]
 
 # With mTLS the sidecars need a client certificate for the control plane (files in the pod).
 SIDECAR_TLS = {
@@ -95,6 +101,16 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
         "telemetry": {"otlp": {"endpoint": OTLP, "sampleRatio": 0.5}},
         "sidecar": {"controlPlane": {"connect": False}},
+    },
+    "autoscaling": {"autoscaling": {"enabled": True, "engines": AUTOSCALED_ENGINES}},
+    "autoscaling-prometheus": {
+        "autoscaling": {
+            "enabled": True,
+            "scaler": "prometheus",
+            "prometheusAddress": "http://prometheus-operated.monitoring.svc:9090",
+            "engines": AUTOSCALED_ENGINES[:1],
+        },
+        "telemetry": {"serviceMonitor": {"enabled": True}},
     },
     "user-secret": {
         "webhook": {"tls": {"mode": "secret", "secretName": "my-tls", "caBundle": "Q0E="}}
@@ -171,7 +187,9 @@ def test_every_manifest_validates_against_kubernetes(
     assert checked >= 10
 
 
-@pytest.mark.parametrize("name", ["defaults", "ha", "mtls", "cert-manager", "all-flags"])
+@pytest.mark.parametrize(
+    "name", ["defaults", "ha", "mtls", "cert-manager", "all-flags", "autoscaling-prometheus"]
+)
 def test_helm_lint_is_clean(name: str) -> None:
     report = helm.lint(str(CHART), VALUE_SETS[name], namespace=NAMESPACE, kube_version="v1.29.0")
     assert report["errors"] == []
@@ -198,6 +216,13 @@ def test_helm_lint_is_clean(name: str) -> None:
         ({"controlPlane": {"resourceTTLSeconds": -1}}, "/controlPlane/resourceTTLSeconds"),
         ({"controlPlane": {"eds": "no"}}, "/controlPlane/eds"),
         ({"sidecar": {"controlPlane": {"conect": True}}}, "conect"),
+        ({"autoscaling": {"scaler": "hpa"}}, "/autoscaling/scaler"),
+        ({"autoscaling": {"enabled": True, "scaler": "prometheus"}}, "prometheusAddress"),
+        ({"autoscaling": {"engines": [{"pool": "p"}]}}, "deployment"),
+        (
+            {"autoscaling": {"engines": [{"pool": "p", "deployment": "d", "maxReplicas": 0}]}},
+            "/autoscaling/engines/0/maxReplicas",
+        ),
         (
             {"sidecar": {"config": {"control_plane": {"addresses": ["http://cp:15010"]}}}},
             "/sidecar/config/control_plane/addresses/0",
@@ -672,3 +697,92 @@ def test_control_plane_replicas_each_get_every_update_and_sidecars_fail_over(
     assert injection.control_plane_shards == (",".join(pods),)  # one shard: all replicas
     args = agent_container(injection)["args"]
     assert args[args.index("--shard") + 1] == ",".join(pods)
+
+
+# ---------------------------------------------------------------- autoscaling (KEDA)
+
+
+def _strict(schema: Any) -> Any:
+    """As kubernetes-validate's strict mode: an object schema without additionalProperties
+    refuses fields it does not name (the API server would prune them: a typo is lost)."""
+    if isinstance(schema, dict):
+        out = {k: _strict(v) for k, v in schema.items()}
+        if out.get("type") == "object" and "properties" in out:
+            out.setdefault("additionalProperties", False)
+        return out
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+def keda_validator() -> Any:
+    import jsonschema
+
+    schema = _strict(yaml.safe_load(KEDA_SCHEMA.read_text()))
+    return jsonschema.Draft7Validator(schema)
+
+
+@pytest.mark.parametrize("name", ["autoscaling", "autoscaling-prometheus"])
+def test_scaled_objects_validate_against_kedas_crd(
+    rendered: dict[str, list[dict[str, Any]]], name: str
+) -> None:
+    validator = keda_validator()
+    objs = find(rendered[name], "ScaledObject")
+    assert len(objs) == len(VALUE_SETS[name]["autoscaling"]["engines"])
+    for doc in objs:
+        assert doc["apiVersion"] == "keda.sh/v1alpha1"
+        errors = [f"{list(e.path)}: {e.message}" for e in validator.iter_errors(doc)]
+        assert errors == []
+    # The validation can fail: a misspelt field and a number where KEDA wants a string.
+    bad = copy.deepcopy(objs[0])
+    bad["spec"]["minReplicas"] = 1
+    bad["spec"]["triggers"][0]["metadata"]["targetValue"] = 1
+    assert len(list(validator.iter_errors(bad))) == 2
+
+
+def test_autoscaling_is_off_by_default(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    for name in VALUE_SETS:
+        if not name.startswith("autoscaling"):
+            assert find(rendered[name], "ScaledObject") == []
+
+
+def test_scaled_objects_read_the_control_planes_figure(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["autoscaling"]
+    big, small = find(docs, "ScaledObject")
+    assert big["metadata"]["namespace"] == "models"  # beside the Deployment it scales
+    assert small["metadata"]["namespace"] == NAMESPACE
+    assert big["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "vllm-llama",
+    }
+    assert (big["spec"]["minReplicaCount"], big["spec"]["maxReplicaCount"]) == (1, 8)
+    assert (small["spec"]["minReplicaCount"], small["spec"]["maxReplicaCount"]) == (0, 4)
+    (svc,) = find(docs, "Service", "meshd-control-plane")
+    port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "http-metrics")
+    (trigger,) = big["spec"]["triggers"]
+    assert trigger["type"] == "metrics-api" and trigger["metricType"] == "AverageValue"
+    meta = trigger["metadata"]
+    assert meta["url"] == f"http://meshd-control-plane.{NAMESPACE}.svc:{port}/autoscale"
+    assert meta["valueLocation"] == "pools.default.desired_replicas"
+    assert meta["targetValue"] == "1"  # one replica per unit: the HPA asks for the figure
+    # A pool name with a dot is escaped in the GJSON path KEDA reads.
+    assert small["spec"]["triggers"][0]["metadata"]["valueLocation"] == (
+        "pools.small\\.v2.desired_replicas"
+    )
+    (prom,) = find(rendered["autoscaling-prometheus"], "ScaledObject")
+    (trigger,) = prom["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    assert trigger["metadata"] == {
+        "serverAddress": "http://prometheus-operated.monitoring.svc:9090",
+        "query": 'max(meshd_fleet_pool_desired_replicas{pool="default"})',
+        "threshold": "1",
+    }
+
+
+def test_scaled_object_bounds_are_checked(chart: Any) -> None:
+    engines = [{"pool": "p", "deployment": "d", "minReplicas": 5, "maxReplicas": 2}]
+    with pytest.raises(Exception, match="minReplicas 5 over maxReplicas 2"):
+        render(chart, {"autoscaling": {"enabled": True, "engines": engines}})
