@@ -23,12 +23,12 @@ LoRA adapter, which vLLM names as a model) stays in it. Numbers are kept as writ
 
 Records: a whole answer is kept as the engine's bytes; a stream as its events (each
 `data: <json>\\n\\n`) without the usage-only chunk and `[DONE]`, its usage beside them.
-Replayed in the same form they are the engine's bytes (the stream gets its usage chunk back,
-as the engine sent it, when the client asks for usage); in the other form they are converted when the answer is
-plain text (one choice, content or text only, no logprobs, tool calls or reasoning), and
-are a miss otherwise. Never recorded: a status other than 200, an error event, a stream
-that did not end with `[DONE]` or was resumed on another engine, an answer over the size
-limit.
+Replayed in the same form they are the engine's bytes (the stream gets its usage chunk
+back, as the engine sent it, when the client asks for usage); in the other form they are
+converted when the answer is plain text (one choice, content or text only, no logprobs,
+tool calls or reasoning), and are a miss otherwise. Never recorded: a status other than
+200, an error event, a stream that did not end with `[DONE]` or was resumed on another
+engine, an answer over the size limit.
 """
 
 from __future__ import annotations

@@ -190,6 +190,34 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
+class CacheReplays:
+    """What the response cache did, from the access log's `response_cache` fields."""
+
+    def __init__(self) -> None:
+        self.requests = self.cacheable = self.hits = self.coalesced = 0
+        self.gpu_seconds = self.usd = 0.0
+
+    def add(self, record: AccessRecord) -> None:
+        self.requests += 1
+        result = record.response_cache
+        if result is None:
+            return
+        self.cacheable += 1
+        if result in ("hit", "coalesced"):
+            self.hits += result == "hit"
+            self.coalesced += result == "coalesced"
+            self.gpu_seconds += record.avoided_gpu_seconds or 0.0
+            self.usd += record.avoided_usd or 0.0
+
+    def line(self) -> str:
+        replayed = self.hits + self.coalesced
+        return (
+            f"response cache: {replayed} of {self.requests} requests answered without an "
+            f"engine ({self.hits} hits, {self.coalesced} coalesced; {self.cacheable} "
+            f"cacheable); avoided {self.gpu_seconds:.3f} GPU-s, {_usd(self.usd)}"
+        )
+
+
 def render_summary(summary: LedgerSummary, by: str | None, tasks: Sequence[TaskResult] = ()) -> str:
     rows = [figures_row("all", summary.total)]
     if by == "tenant":
@@ -386,16 +414,20 @@ def cost(args: argparse.Namespace) -> int:
     ledger = CostLedger(prices, idle_timeout_s=args.idle_timeout, fleet=fleet)
     tasks: list[TaskResult] = []
     errors: list[str] = []
+    replays = CacheReplays()
     try:
         for path in args.log:
             for record in read_access_log(path, strict=not args.skip_bad, errors=errors):
                 tasks += ledger.record(record)
+                replays.add(record)
     except (OSError, AccessLogError) as exc:
         print(f"meshd cost: {exc}", file=sys.stderr)
         return 1
     tasks += ledger.close_all()
     summary = ledger.summary()
     print(render_summary(summary, args.by, tasks))
+    if replays.cacheable:
+        print(replays.line())
     if errors:
         print(f"skipped {len(errors)} malformed line(s); first: {errors[0]}", file=sys.stderr)
     if args.plot:

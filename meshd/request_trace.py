@@ -378,6 +378,10 @@ class RequestTrace:
                 attrs[t.ATTR_ENDPOINT] = self.endpoint
             if self.queue_s is not None:
                 attrs[t.ATTR_QUEUE_S] = self.queue_s
+            if self.response_cache is not None:
+                attrs[t.ATTR_RESPONSE_CACHE] = self.response_cache
+                if self.avoided_gpu_seconds is not None:
+                    attrs[t.ATTR_AVOIDED_GPU_S] = self.avoided_gpu_seconds
             span.set_attributes(attrs)
             if outcome not in NOT_AN_ERROR:
                 span.set_attribute(t.ERROR_TYPE, outcome)

@@ -21,6 +21,7 @@ from harness import sidecar_config, url
 
 from loadtest.engine import EngineSpec, SimEngine
 from meshd.access_log import read_access_log
+from meshd.cost_cmd import main as cost_main
 from meshd.sidecar import Sidecar
 
 CHAT = "/v1/chat/completions"
@@ -137,6 +138,7 @@ async def test_identical_requests_in_flight_go_to_the_engine_once(
     backends: Callable[..., Awaitable[Backend]],
     sidecar: Callable[..., Awaitable[Sidecar]],
     tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     b = await backends()
     s = await sidecar(cached([b.url], tmp_path, max_waiters=3))
@@ -160,6 +162,9 @@ async def test_identical_requests_in_flight_go_to_the_engine_once(
         if r.response_cache == "coalesced":
             assert r.outcome == "ok" and r.attempts == () and r.cost_usd == 0
             assert r.avoided_gpu_seconds is not None and r.avoided_gpu_seconds > 0
+    assert cost_main(["--log", str(tmp_path / "access.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "response cache: 3 of 5 requests answered without an engine (0 hits, 3 coalesced" in out
 
 
 async def test_waiters_go_on_their_own_when_the_first_gets_no_answer(
