@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -24,13 +24,22 @@ from filters.autoscale import (
     ReplicaCapacity,
     ReplicaPlan,
     ReplicaPlanner,
+    ScalingPolicy,
+    merge_demand,
     policy_from,
     replica_capacity,
 )
 from filters.endpoint_state import EndpointState
 from filters.gpu import GpuTable
 
-__all__ = ["AutoscaleCollector", "PoolSignals"]
+if TYPE_CHECKING:
+    from xds.resources import PoolDemandReport
+
+__all__ = ["AutoscaleCollector", "FleetDemand", "FleetDemandCollector", "PoolSignals"]
+
+# The control plane counts a sidecar's report for this long after its last publish (the
+# sidecars publish every PUBLISH_INTERVAL_S, meshd/demand_publisher.py).
+REPORT_MAX_AGE_S = 30.0
 
 # Evaluations closer together than this reuse the last one (a scrape and the reaper).
 _MIN_PERIOD_S = 1.0
@@ -137,71 +146,72 @@ def demand_families(
     rows: Mapping[str, tuple[PoolDemand, ReplicaPlan | None]],
     slo: Mapping[str, float | None],
     totals: Callable[[str], tuple[int, int]] | None = None,
+    prefix: str = "meshd_pool_",
 ) -> list[GaugeMetricFamily | CounterMetricFamily]:
-    """The meshd_pool_* families for pools' demand and plans (the sidecar's own, or the
-    control plane's merged figure; `totals` gives the shed and fallback counters where the
-    caller counts them)."""
+    """The meshd_pool_* families for pools' demand and plans: the sidecar's own, or (prefix
+    meshd_fleet_pool_) the control plane's figure over every sidecar. `totals` gives the
+    shed and fallback counters where the caller counts them."""
     tps = GaugeMetricFamily(
-        "meshd_pool_demand_tokens_per_second",
+        prefix + "demand_tokens_per_second",
         "Tokens/s the pool's finished requests needed (prefill: prompt minus engine-cached; "
         "decode: completion), over the last 30 s",
         labels=["pool", "phase"],
     )
     unmet = GaugeMetricFamily(
-        "meshd_pool_unmet_demand_tokens_per_second",
+        prefix + "unmet_demand_tokens_per_second",
         "Tokens/s of requests shed or sent to a fallback for want of capacity (estimated)",
         labels=["pool", "phase"],
     )
     capacity = GaugeMetricFamily(
-        "meshd_pool_replica_capacity_tokens_per_second",
+        prefix + "replica_capacity_tokens_per_second",
         "One replica's learnt capacity: prefill tokens/s, decode tokens/s at a batch of 64",
         labels=["pool", "phase"],
     )
     ttft = GaugeMetricFamily(
-        "meshd_pool_predicted_ttft_seconds",
+        prefix + "predicted_ttft_seconds",
         "p90 over the last 30 s of the TTFT the picker predicted at the pick",
         labels=["pool"],
     )
     slo_f = GaugeMetricFamily(
-        "meshd_pool_slo_ttft_seconds",
+        prefix + "slo_ttft_seconds",
         "The pool's TTFT SLO (pools[].autoscaling.slo_ttft_s), where set",
         labels=["pool"],
     )
     queue = GaugeMetricFamily(
-        "meshd_pool_queue_depth",
+        prefix + "queue_depth",
         "Requests waiting now: in the admission queue, and at the engines",
         labels=["pool", "where"],
     )
     kv = GaugeMetricFamily(
-        "meshd_pool_kv_headroom_ratio",
+        prefix + "kv_headroom_ratio",
         "Free share of the pool's KV cache capacity (engines' reports, else meshd's count)",
         labels=["pool"],
     )
     replicas = GaugeMetricFamily(
-        "meshd_pool_replicas", "Endpoints of the pool eligible for traffic now", labels=["pool"]
+        prefix + "replicas", "Endpoints of the pool eligible for traffic now", labels=["pool"]
     )
     rates = GaugeMetricFamily(
-        "meshd_pool_refused_per_second",
+        prefix + "refused_per_second",
         "Requests/s shed by admission or sent to a fallback pool, over the last 30 s",
         labels=["pool", "kind"],
     )
     desired = GaugeMetricFamily(
-        "meshd_pool_desired_replicas",
+        prefix + "desired_replicas",
         "Replicas the pool should have (docs/autoscaling.md): what an autoscaler scales on",
         labels=["pool"],
     )
     terms = GaugeMetricFamily(
-        "meshd_pool_desired_replicas_term",
+        prefix + "desired_replicas_term",
         "The figure's terms in replicas before rounding: load, queue (part of load), kv, slo",
         labels=["pool", "term"],
     )
     shed_c = CounterMetricFamily(
-        "meshd_pool_shed",
+        prefix + "shed",
         "Requests refused by admission (429) or the throttle (503)",
         labels=["pool"],
     )
     fb_c = CounterMetricFamily(
-        "meshd_pool_fallbacks", "Requests sent to a fallback pool", labels=["pool"]
+        prefix + "fallbacks", "Requests sent to a fallback pool", labels=["pool"]
     )
     for pool, (d, plan) in sorted(rows.items()):
         tps.add_metric([pool, "prefill"], d.prefill_tokens_per_s)
@@ -260,3 +270,100 @@ class AutoscaleCollector(Collector):
 
     def describe(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         return demand_families({}, {}, lambda _p: (0, 0))
+
+
+class FleetDemand:
+    """The control plane's view (meshd control-plane): every sidecar's PoolDemandReport
+    (xds/resources.py) merged into one demand and one desired-replicas figure per pool.
+    A report older than `max_age_s` no longer counts (its sidecar is gone)."""
+
+    def __init__(self, plane: Any, *, max_age_s: float = REPORT_MAX_AGE_S) -> None:
+        self.plane = plane
+        self.max_age_s = max_age_s
+        self._planners: dict[str, ReplicaPlanner] = {}
+        self._decoded: dict[str, tuple[str, PoolDemandReport]] = {}  # name -> (version, report)
+
+    def reports(self) -> dict[str, list[PoolDemandReport]]:
+        """The fresh reports, by pool."""
+        from xds.resources import POOL_DEMAND_TYPE, ResourceError, decode_pool_demand
+
+        by_pool: dict[str, list[PoolDemandReport]] = {}
+        live = self.plane.cache.resources(POOL_DEMAND_TYPE)
+        for name in list(self._decoded):
+            if name not in live:
+                del self._decoded[name]
+        for name, r in sorted(live.items()):
+            age = self.plane.published_age(name)
+            if age is None or age > self.max_age_s:
+                continue
+            seen = self._decoded.get(name)
+            if seen is None or seen[0] != r.version:
+                try:
+                    seen = self._decoded[name] = (r.version, decode_pool_demand(r.body))
+                except ResourceError:  # validated at publish: only a newer schema
+                    continue
+            by_pool.setdefault(seen[1].pool, []).append(seen[1])
+        return by_pool
+
+    def evaluate(self, now: float) -> dict[str, tuple[PoolDemand, ReplicaPlan, int, ScalingPolicy]]:
+        """Each reported pool: (merged demand, plan, sidecars reporting, policy)."""
+        out = {}
+        for pool, reps in self.reports().items():
+            # Sidecars of one pool share its config; where they differ (a rollout), the
+            # most recently published report's policy.
+            newest = min(reps, key=lambda r: self.plane.published_age(r.name) or 0.0)
+            policy = newest.policy
+            planner = self._planners.get(pool)
+            if planner is None or planner.policy != policy:
+                planner = self._planners[pool] = ReplicaPlanner(policy)
+            merged = merge_demand(r.demand for r in reps)
+            out[pool] = (merged, planner.plan(merged, now), len(reps), policy)
+        return out
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        """What KEDA's metrics-api scaler reads (`pools.<pool>.desired_replicas`)."""
+        pools = {}
+        for pool, (d, plan, n, policy) in self.evaluate(now).items():
+            pools[pool] = {
+                "desired_replicas": plan.desired,
+                "reason": plan.reason,
+                "sidecars": n,
+                "replicas": d.replicas,
+                "prefill_tokens_per_s": d.prefill_tokens_per_s,
+                "decode_tokens_per_s": d.decode_tokens_per_s,
+                "unmet_prefill_tokens_per_s": d.unmet_prefill_tokens_per_s,
+                "unmet_decode_tokens_per_s": d.unmet_decode_tokens_per_s,
+                "shed_per_s": d.shed_per_s,
+                "fallbacks_per_s": d.fallbacks_per_s,
+                "predicted_ttft_s": d.predicted_ttft_s,
+                "slo_ttft_s": policy.slo_ttft_s,
+                "queue_depth": d.queue_depth + d.engine_queue_depth,
+                "kv_headroom": d.kv_headroom,
+                "terms": {"load": plan.load, "queue": plan.queue, "kv": plan.kv, "slo": plan.slo},
+            }
+        return {"pools": pools}
+
+
+class FleetDemandCollector(Collector):
+    """meshd_fleet_pool_* on the control plane's /metrics: one figure per pool."""
+
+    PREFIX = "meshd_fleet_pool_"
+
+    def __init__(self, fleet: FleetDemand, clock: Callable[[], float] = time.monotonic) -> None:
+        self.fleet = fleet
+        self._clock = clock
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        rows = self.fleet.evaluate(self._clock())
+        slo = {p: r[3].slo_ttft_s for p, r in rows.items()}
+        yield from demand_families(
+            {p: (r[0], r[1]) for p, r in rows.items()}, slo, prefix=self.PREFIX
+        )
+        sidecars = GaugeMetricFamily(
+            self.PREFIX + "sidecars",
+            "Sidecars whose demand reports for the pool count now",
+            labels=["pool"],
+        )
+        for pool, r in sorted(rows.items()):
+            sidecars.add_metric([pool], r[2])
+        yield sidecars

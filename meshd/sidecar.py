@@ -126,6 +126,8 @@ class Sidecar:
         self._reaper: asyncio.Task[None] | None = None
         self._transparent: Any = None
         self._feed: Any = None  # meshd.control_feed.ControlFeed when control_plane is set
+        # meshd.demand_publisher.DemandPublisher: each pool's demand to the control planes.
+        self.demand_publisher: Any = None
         # meshd.engine_probe.EngineProbes: each endpoint's /metrics, without a control plane.
         self.probes: Any = None
         self.addresses: dict[str, str] = {}
@@ -179,6 +181,12 @@ class Sidecar:
             self._feed = ControlFeed(
                 cfg, self.routers, self.metrics, on_restart=self.gate.engine_restarted
             )
+            from meshd.control_feed import channel_credentials
+            from meshd.demand_publisher import DemandPublisher
+
+            self.demand_publisher = DemandPublisher(
+                cfg, self.autoscale, credentials=channel_credentials(cfg)
+            )
         for precise in self.precise.values():
             await precise.start()
         self.plane.upstream = UpstreamPool(
@@ -210,6 +218,8 @@ class Sidecar:
         self._reaper = asyncio.create_task(self._reap())
         if self._feed is not None:
             await self._feed.start()
+            if self.demand_publisher is not None:
+                self.demand_publisher.start()
         elif cfg.routing.engine_metrics.enabled and cfg.routing.policy == "meshd":
             from meshd.engine_probe import EngineProbes
 
@@ -251,6 +261,8 @@ class Sidecar:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        if self.demand_publisher is not None:
+            await self.demand_publisher.close()
         if self._feed is not None:
             await self._feed.close()
         if self.probes is not None:

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import time
 from pathlib import Path
 
 from aiohttp import web
@@ -112,14 +113,19 @@ def _tls(args: argparse.Namespace) -> TlsConfig | None:
 
 
 async def _start_admin(address: str, plane: ControlPlane) -> web.AppRunner:
-    """The control plane's admin listener: liveness, readiness and its Prometheus stats."""
+    """The control plane's admin listener: liveness, readiness, its Prometheus stats with
+    each pool's demand and desired replicas over every sidecar (meshd_fleet_pool_*), and
+    the same as JSON at /autoscale (what KEDA's metrics-api scaler reads)."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+    from meshd.autoscale_metrics import FleetDemand, FleetDemandCollector
     from xds.metrics import ServerStatsCollector
 
     registry = CollectorRegistry()
     registry.register(ServerStatsCollector(plane.stats, plane.eds))
+    fleet = FleetDemand(plane)
+    registry.register(FleetDemandCollector(fleet))
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -129,7 +135,11 @@ async def _start_admin(address: str, plane: ControlPlane) -> web.AppRunner:
             body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
+    async def autoscale(request: web.Request) -> web.Response:
+        return web.json_response(fleet.as_json(time.monotonic()))
+
     app = web.Application()
+    app.router.add_get("/autoscale", autoscale)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", healthz)
     app.router.add_get("/metrics", metrics)

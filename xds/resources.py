@@ -1,6 +1,6 @@
-"""meshd's own xDS resource types, `EndpointState` and `PrefixDigest`: what each field
-means, their msgpack encoding (carried as `google.protobuf.Any.value` under a type URL in
-meshd's namespace, so no .proto build step), and strict decoding.
+"""meshd's own xDS resource types, `EndpointState`, `PrefixDigest` and `PoolDemandReport`:
+what each field means, their msgpack encoding (carried as `google.protobuf.Any.value` under a
+type URL in meshd's namespace, so no .proto build step), and strict decoding.
 
 Every decoder either returns a value or raises `ResourceError` (never another exception):
 the control plane refuses a malformed publish with it and a subscriber NACKs with it.
@@ -18,23 +18,29 @@ from typing import Any
 
 import msgpack
 
+from filters.autoscale import PoolDemand, ScalingPolicy
 from filters.endpoint_state import ReportedState
 
 __all__ = [
     "DECODERS",
     "ENDPOINT_STATE_TYPE",
     "MAX_RESOURCE_BYTES",
+    "POOL_DEMAND_TYPE",
     "PREFIX_DIGEST_TYPE",
     "EndpointState",
+    "PoolDemandReport",
     "PrefixDigest",
     "ResourceError",
     "decode",
     "decode_endpoint_state",
+    "decode_pool_demand",
     "decode_prefix_digest",
+    "report_name",
 ]
 
 ENDPOINT_STATE_TYPE = "type.googleapis.com/meshd.v1.EndpointState"
 PREFIX_DIGEST_TYPE = "type.googleapis.com/meshd.v1.PrefixDigest"
+POOL_DEMAND_TYPE = "type.googleapis.com/meshd.v1.PoolDemand"
 SCHEMA_VERSION = 1
 # A digest of a 1M-block KV cache is 8 MiB; anything larger is a bug or an attack.
 MAX_RESOURCE_BYTES = 16 * 2**20
@@ -439,11 +445,97 @@ def decode_prefix_digest(body: bytes) -> PrefixDigest:
     )
 
 
+# -- PoolDemandReport ---------------------------------------------------------------------
+
+# Demand figures are rates, depths and token counts: finite, non-negative, and below this.
+_MAX_FIGURE = 1e15
+_DEMAND_INTS = frozenset({"ttft_samples", "replicas"})
+_DEMAND_FIELDS = tuple(f.name for f in fields(PoolDemand))
+
+
+@dataclass(frozen=True, slots=True)
+class PoolDemandReport:
+    """One sidecar's demand for one pool (filters/autoscale.py PoolDemand, over its
+    window) and the pool's autoscaling policy as that sidecar is configured, published by
+    the sidecar every few seconds under "<pool>@<sidecar>"; the control plane sums the
+    pool's reports into one desired-replicas figure (docs/autoscaling.md).
+
+    msgpack map: "v" (1), "pool": str, "sidecar": str, "policy": map (slo_ttft_s: number |
+    nil, target_utilization: number in (0, 1], min_replicas, max_replicas: int >= 0,
+    scale_down_delay_s: number), "demand": map of PoolDemand's fields (numbers >= 0;
+    predicted_ttft_s may be nil; ttft_samples and replicas ints).
+    """
+
+    pool: str
+    sidecar: str
+    demand: PoolDemand
+    policy: ScalingPolicy
+
+    @property
+    def name(self) -> str:
+        return report_name(self.pool, self.sidecar)
+
+    def encode(self) -> bytes:
+        p = self.policy
+        d: dict[str, Any] = {
+            "v": SCHEMA_VERSION,
+            "pool": self.pool,
+            "sidecar": self.sidecar,
+            "policy": {
+                "slo_ttft_s": p.slo_ttft_s,
+                "target_utilization": p.target_utilization,
+                "min_replicas": p.min_replicas,
+                "max_replicas": p.max_replicas,
+                "scale_down_delay_s": p.scale_down_delay_s,
+            },
+            "demand": {k: getattr(self.demand, k) for k in _DEMAND_FIELDS},
+        }
+        out: bytes = msgpack.packb(d)
+        return out
+
+
+def report_name(pool: str, sidecar: str) -> str:
+    """The resource name of `sidecar`'s report for `pool`."""
+    return f"{pool}@{sidecar}"
+
+
+def decode_pool_demand(body: bytes) -> PoolDemandReport:
+    d = _load_map(body)
+    pool = _str(d, "pool")
+    if not pool:
+        raise ResourceError("pool: empty")
+    sidecar = _str(d, "sidecar")
+    raw_policy = d.get("policy", {})
+    raw_demand = d.get("demand", {})
+    if not isinstance(raw_policy, dict) or not isinstance(raw_demand, dict):
+        raise ResourceError("policy and demand: maps expected")
+    kw: dict[str, Any] = {}
+    for k in _DEMAND_FIELDS:
+        if k in _DEMAND_INTS:
+            kw[k] = _int(raw_demand, k)
+        else:
+            v = _float(raw_demand, k, _MAX_FIGURE)
+            if v is not None or k == "predicted_ttft_s":
+                kw[k] = v
+    try:
+        policy = ScalingPolicy(
+            slo_ttft_s=_float(raw_policy, "slo_ttft_s", _MAX_FIGURE) or None,
+            target_utilization=_float(raw_policy, "target_utilization", 1.0) or 0.0,
+            min_replicas=_int(raw_policy, "min_replicas"),
+            max_replicas=_int(raw_policy, "max_replicas"),
+            scale_down_delay_s=_float(raw_policy, "scale_down_delay_s", _MAX_FIGURE) or 0.0,
+        )
+    except ValueError as exc:
+        raise ResourceError(f"policy: {exc}") from None
+    return PoolDemandReport(pool, sidecar, PoolDemand(**kw), policy)
+
+
 # type URL -> decoder; the control plane validates publishes and the subscriber decodes
 # responses with these. A type not listed here is carried opaquely (bytes).
 DECODERS: Mapping[str, Callable[[bytes], Any]] = {
     ENDPOINT_STATE_TYPE: decode_endpoint_state,
     PREFIX_DIGEST_TYPE: decode_prefix_digest,
+    POOL_DEMAND_TYPE: decode_pool_demand,
 }
 
 

@@ -982,6 +982,12 @@ class ControlPlane:
                     raise ResourceError(f"{name}: {exc}") from None
         return values
 
+    def published_age(self, name: str) -> float | None:
+        """Seconds since a resource of this name was last published (None: never, or
+        expired): how fresh a sidecar's PoolDemandReport is."""
+        at = self._published_at.get(name)
+        return None if at is None else self._clock() - at
+
     def publish(
         self, type_url: str, resources: Mapping[str, bytes], removed: tuple[str, ...] = ()
     ) -> frozenset[str]:
