@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from filters.endpoint_state import DEFAULT_PROMPT_TOKENS, EndpointState
 from filters.gpu import GpuProfile, GpuTable
@@ -22,6 +22,7 @@ from filters.gpu import GpuProfile, GpuTable
 __all__ = [
     "DECODE_BATCH",
     "DEFAULT_DRAIN_S",
+    "FAST_WINDOW_S",
     "SCALE_DOWN_DELAY_S",
     "DemandBoard",
     "DemandMeter",
@@ -51,6 +52,8 @@ TOLERANCE = 0.1
 # How long the figure must have wanted less before it falls (HPA's own default
 # stabilisation is 300 s; meshd's is shorter, the autoscaler's adds to it).
 SCALE_DOWN_DELAY_S = 120.0
+# The short window whose rates the demand takes when they are higher (DemandMeter).
+FAST_WINDOW_S = 5.0
 # Predicted TTFT samples go into log-spaced bins (ratio 2**0.25, 1 ms to ~17 min) per time
 # bucket, so a window's p90 costs bounded memory whatever the request rate (within 19%).
 _TTFT_MIN_S = 0.001
@@ -174,14 +177,28 @@ class _Bucket:
 
 class DemandMeter:
     """One pool's demand as one sidecar sees it: a sliding window of `window_s` seconds in
-    buckets of `bucket_s`, fed as requests end. Memory: window_s / bucket_s buckets."""
+    buckets of `bucket_s`, fed as requests end. Memory: window_s / bucket_s buckets.
 
-    def __init__(self, window_s: float = 30.0, bucket_s: float = 1.0, now: float = 0.0) -> None:
+    Rates rise fast and fall slow: each is the larger of the whole window's and the last
+    `fast_window_s`'s (a load step shows within seconds, not after the window has filled;
+    a lull shows only once the whole window has seen it). 0: the window alone."""
+
+    def __init__(
+        self,
+        window_s: float = 30.0,
+        bucket_s: float = 1.0,
+        now: float = 0.0,
+        *,
+        fast_window_s: float = FAST_WINDOW_S,
+    ) -> None:
         if not (window_s > 0 and bucket_s > 0 and bucket_s <= window_s):
             raise ValueError(f"need 0 < bucket_s <= window_s, got {bucket_s}, {window_s}")
+        if not 0 <= fast_window_s <= window_s:
+            raise ValueError(f"need 0 <= fast_window_s <= window_s, got {fast_window_s}")
         self.window_s = window_s
         self.bucket_s = bucket_s
         self._n = max(1, round(window_s / bucket_s))
+        self._fast_n = round(fast_window_s / bucket_s)
         self._buckets: deque[_Bucket] = deque()
         self._since = now
         self.shed_total = 0
@@ -241,18 +258,41 @@ class DemandMeter:
 
     def demand(self, now: float) -> PoolDemand:
         """The window's rates at `now` (over the time since the meter started while that is
-        shorter than the window). Queue, KV and capacity are the driver's to add
-        (dataclasses.replace)."""
+        shorter than the window; each the larger of the window's and the fast window's).
+        Queue, KV and capacity are the driver's to add (dataclasses.replace)."""
         i = math.floor(now / self.bucket_s)
         self._trim(i)
-        # The buckets kept cover the n - 1 whole ones before the current and the current's
-        # part so far (or the time since the meter started, when shorter).
-        covered = (self._n - 1) * self.bucket_s + (now - i * self.bucket_s)
+        whole = self._rates(now, i, self._n)
+        if self._fast_n <= 0 or self._fast_n >= self._n:
+            return whole
+        fast = self._rates(now, i, self._fast_n)
+        return replace(
+            whole,
+            prefill_tokens_per_s=max(whole.prefill_tokens_per_s, fast.prefill_tokens_per_s),
+            decode_tokens_per_s=max(whole.decode_tokens_per_s, fast.decode_tokens_per_s),
+            requests_per_s=max(whole.requests_per_s, fast.requests_per_s),
+            shed_per_s=max(whole.shed_per_s, fast.shed_per_s),
+            fallbacks_per_s=max(whole.fallbacks_per_s, fast.fallbacks_per_s),
+            unmet_prefill_tokens_per_s=max(
+                whole.unmet_prefill_tokens_per_s, fast.unmet_prefill_tokens_per_s
+            ),
+            unmet_decode_tokens_per_s=max(
+                whole.unmet_decode_tokens_per_s, fast.unmet_decode_tokens_per_s
+            ),
+        )
+
+    def _rates(self, now: float, i: int, n: int) -> PoolDemand:
+        """Rates over the last n buckets (the current one partly)."""
+        # The n - 1 whole buckets before the current and the current's part so far (or
+        # the time since the meter started, when shorter).
+        covered = (n - 1) * self.bucket_s + (now - i * self.bucket_s)
         span = max(self.bucket_s, min(covered, now - self._since))
         prefill = decode = unmet_prefill = 0.0
         requests = shed = fallbacks = unmet_requests = 0
         bins: dict[int, int] = {}
         for b in self._buckets:
+            if b.index <= i - n:
+                continue
             prefill += b.prefill
             decode += b.decode
             requests += b.requests

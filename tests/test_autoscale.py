@@ -280,3 +280,23 @@ def test_without_the_delay_that_load_would_flap() -> None:
         wobble = 1.0 + 0.03 * ((-1) ** i) * ((i * 7) % 5) / 4
         seen.add(pl.plan(demand(4.0 * 0.7 * CP * wobble / (1 + TOLERANCE)), float(i)).desired)
     assert seen == {4, 5}
+
+
+def test_a_load_step_shows_within_the_fast_window_and_fades_over_the_whole() -> None:
+    def feed(m: DemandMeter) -> list[float]:
+        seen = []
+        for t in range(60):
+            rate = 10 if 30 <= t < 40 else 1
+            for k in range(rate):
+                m.finished(t + k / rate, prefill_tokens=100, decode_tokens=10)
+            seen.append(m.demand(t + 1.0).requests_per_s)
+        return seen
+
+    fast = feed(DemandMeter(window_s=30.0, now=0.0))
+    slow = feed(DemandMeter(window_s=30.0, now=0.0, fast_window_s=0.0))
+    # 5 s into the step: the fast window's 10/s; the whole window alone is still near 2.5.
+    assert fast[34] == pytest.approx(10.0)
+    assert slow[34] == pytest.approx((24 + 50) / 29)  # buckets 6..34, 29 s of them
+    # After the step: the whole window's rate, which remembers it for 30 s.
+    assert fast[45] == pytest.approx(slow[45]) and fast[45] > 3
+    assert all(f >= s for f, s in zip(fast, slow, strict=True))
