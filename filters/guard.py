@@ -360,12 +360,18 @@ class PoolGuard:
             verdict = None if cancelled or overloaded else not failed
             self.breaker.finish(rid, now, ok=verdict, completion_tokens=completion_tokens)
         # The pool accepted it if it answered with anything but an overload refusal, even
-        # if the client left afterwards (a client's timeout is not the pool's refusal).
+        # if the client left afterwards (a client's timeout is not the pool's refusal); it
+        # refused it with an overload status (a 503 storm too) or no connection. A client
+        # that left before any answer gives no verdict.
         early = rid in self._accepted
         if early:
             self._accepted.discard(rid)
-        elif self.throttle is not None and status is not None and not overloaded:
-            self.throttle.accepted(now)
+        elif self.throttle is not None:
+            refusal = status in OVERLOAD_STATUSES and not local_failure
+            if status is not None and not refusal:
+                self.throttle.accepted(now)
+            elif refusal or (local_failure and not cancelled):
+                self.throttle.refused(now)
         flight = self._flights.pop(rid, None)
         if cancelled:
             if flight is not None and status is not None and not overloaded:

@@ -38,9 +38,16 @@ class AdaptiveThrottleConfig:
 
 
 class AdaptiveThrottle:
-    """One per pool (or per endpoint): `allow` before each request, `accepted` when the
-    backend took it (any answer that is not an overload rejection: a 200, a 400, even a
-    500 means it was accepted for processing).
+    """One per pool (or per endpoint): `allow` before each request, then the pool's verdict
+    on each try: `accepted` when the backend took it (any answer that is not an overload
+    rejection: a 200, a 400, even a 500 means it was accepted for processing), `refused`
+    when it did not (429/503, no connection).
+
+    Departure from the book, for requests that last seconds: a request counts when its
+    verdict comes, not when it is sent. Counted when sent, every request in flight reads as
+    a refusal until it ends: a burst of long requests at a fresh pool (40 in flight, none
+    answered yet) would be throttled at p = 40/41. A request the throttle rejects counts at
+    once (its verdict is that rejection), as the book says.
 
     Counters: `requests`, `accepts`, `throttled` (rejected locally).
     """
@@ -64,17 +71,25 @@ class AdaptiveThrottle:
         return max(0.0, (requests - self.config.k * accepts) / (requests + 1))
 
     def allow(self, now: float, rng: RandomSource) -> bool:
-        """Count a request and decide: True send it, False reject it here (answer 429/503
-        without contacting the pool). The probability is computed before this request is
-        counted, so a fresh throttle always allows."""
+        """Decide: True send it (counted when the pool's verdict comes), False reject it here
+        (answer 429/503 without contacting the pool; counted now). A fresh throttle always
+        allows."""
         p = self.p_reject(now)
-        self._requests.add(now, 1)
-        self.requests += 1
         if p > 0 and rng.random() < p:
+            self._requests.add(now, 1)
+            self.requests += 1
             self.throttled += 1
             return False
         return True
 
     def accepted(self, now: float) -> None:
+        """The pool took a request."""
+        self._requests.add(now, 1)
+        self.requests += 1
         self._accepts.add(now, 1)
         self.accepts += 1
+
+    def refused(self, now: float) -> None:
+        """The pool turned a request away (an overload status, or no connection)."""
+        self._requests.add(now, 1)
+        self.requests += 1

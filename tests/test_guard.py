@@ -236,6 +236,24 @@ def test_streams_in_flight_and_client_timeouts_are_not_refusals_to_the_throttle(
     assert g.throttle.accepts == 60
 
 
+def test_a_burst_of_whole_requests_in_flight_is_not_throttled() -> None:
+    # Found with the fallback tests: 24 requests moved at once onto a fresh pool, non-
+    # streamed, none answered yet, read as 24 refusals (p = 24/25) and 4 were throttled.
+    g = guard(
+        throttle=AdaptiveThrottleConfig(min_requests=10), admission=None, breaker=None, outlier=None
+    )
+    for i in range(40):
+        assert not isinstance(g.gate(AdmissionItem(i), 0.0, Rng(0.0)), Throttled)
+        g.started("a", i, 10, 0.0)
+    for i in range(40):
+        g.finished("a", i, 20.0, status=200)
+    assert g.throttle is not None and g.throttle.p_reject(20.0) == 0.0
+    for i in range(40, 140):  # then the pool sheds everything: the throttle sees it
+        g.gate(AdmissionItem(i), 21.0, Rng(1.0))
+        g.finished("a", i, 21.0, status=503)
+    assert g.throttle.p_reject(22.0) > 0
+
+
 def test_an_endpoint_whose_streams_clients_abandon_far_too_slow_is_ejected() -> None:
     g = PoolGuard(
         GuardConfig(

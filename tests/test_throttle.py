@@ -23,6 +23,8 @@ def _load(t: AdaptiveThrottle, now: float, requests: int, accepts: int) -> None:
         assert t.allow(now, never)
         if i < accepts:
             t.accepted(now)
+        else:
+            t.refused(now)
 
 
 def test_fresh_throttle_allows() -> None:
@@ -61,7 +63,7 @@ def test_the_rng_decides_against_p() -> None:
     assert p == pytest.approx(200 / 1001)
     assert not t.allow(1.0, FixedRng(p - 0.01))
     assert t.allow(1.0, FixedRng(p + 0.01))
-    assert t.throttled == 1 and t.requests == 1002
+    assert t.throttled == 1 and t.requests == 1001  # the one allowed awaits its verdict
 
 
 def test_local_rejections_count_as_requests() -> None:
@@ -77,8 +79,22 @@ def test_local_rejections_count_as_requests() -> None:
 def test_a_dead_backend_gets_a_trickle_not_a_flood() -> None:
     t = AdaptiveThrottle()
     rng = random.Random(7)
-    sent = sum(t.allow(i * 0.01, rng) for i in range(5000))  # 50 s, nothing accepted
+    sent = 0
+    for i in range(5000):  # 50 s, every request sent is refused
+        if t.allow(i * 0.01, rng):
+            sent += 1
+            t.refused(i * 0.01)
     assert sent < 5000 * 0.05
+
+
+def test_requests_in_flight_are_not_refusals() -> None:
+    t = AdaptiveThrottle()
+    rng = random.Random(3)
+    assert all(t.allow(0.0, rng) for _ in range(200))  # a burst, none answered yet
+    assert t.p_reject(1.0) == 0.0 and t.requests == 0
+    for _ in range(200):
+        t.accepted(30.0)  # they all end well, late
+    assert t.p_reject(31.0) == 0.0 and t.requests == t.accepts == 200
 
 
 def test_counts_expire_after_the_window() -> None:
