@@ -121,6 +121,8 @@ class AccessRecord:
     predicted_cached_tokens: int | None = None
     pick_reason: str | None = None  # why the picker chose the first endpoint tried
     affinity_departure: str | None = None  # why it left the prefix's holder, if it did
+    fallback_from: str | None = None  # the pool it left for its fallback (`pool` served it)
+    fallback_reason: str | None = None  # why: no_healthy_upstream, overloaded, over_cost_cap...
     response_cache: str | None = None  # hit | coalesced | miss | refresh (null: not cacheable)
     avoided_gpu_seconds: float | None = None  # a hit: what the engine spent on the answer
     avoided_usd: float | None = None
@@ -190,6 +192,8 @@ class AccessRecord:
             predicted_cached_tokens=_opt_int(obj, "predicted_cached_tokens"),
             pick_reason=_opt_str(obj, "pick_reason"),
             affinity_departure=_opt_str(obj, "affinity_departure"),
+            fallback_from=_opt_str(obj, "fallback_from"),
+            fallback_reason=_opt_str(obj, "fallback_reason"),
             response_cache=_opt_str(obj, "response_cache"),
             avoided_gpu_seconds=_opt_float(obj, "avoided_gpu_seconds"),
             avoided_usd=_opt_float(obj, "avoided_usd"),

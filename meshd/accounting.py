@@ -73,7 +73,12 @@ class Accounting:
         return error_reply(status, message, code, **kw)
 
     def refuse(self, ctx: RequestContext, status: int, message: str, code: str, **kw: Any) -> Reply:
-        """A begun request refused: its trace ends with the code, and the client is told."""
+        """A begun request refused: its trace ends with the code, and the client is told.
+        While the request may still go to a fallback pool the refusal is only held (not
+        counted, the trace goes on): meshd/fallback.py decides."""
+        if ctx.hold_refusal:
+            ctx.refused = (status, message, code, kw)
+            return error_reply(status, message, code, **kw)
         self.finish(ctx, code, status)
         return self.reject(status, message, code, **kw)
 

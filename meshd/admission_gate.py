@@ -79,6 +79,7 @@ class AdmissionGate:
 
     def shed(self, ctx: RequestContext) -> None:
         """A request turned away for want of capacity: unmet demand for the autoscaler."""
+        ctx.shed = True
         demand = self.plane.observer.demand
         if demand is not None:
             prompt = ctx.inference.estimated_prompt_tokens if ctx.inference is not None else 0

@@ -20,6 +20,7 @@ from filters.retry_budget import parse_retry_after
 from meshd.accounting import Accounting
 from meshd.admission_gate import AdmissionGate
 from meshd.context import Attempt, Plane, RequestContext
+from meshd.fallback import move_before_trying
 from meshd.http_message import HttpRequest, Reply
 from meshd.upstream import UpstreamClosedError, UpstreamConnectError, UpstreamError
 
@@ -66,6 +67,8 @@ class Attempts:
         if routes and routes[0].departure is not None:
             plane.metrics.affinity_departures.labels(ctx.pool, routes[0].departure).inc()
         ctx.trace.picked(routes, asyncio.get_running_loop().time())
+        if ctx.hold_refusal and routes and (move := move_before_trying(ctx, routes[0])):
+            return self.acct.refuse(ctx, 503, move[1], move[0], retry_after_s=1)
         plane.retry_budgets[ctx.pool].deposit(now)
         tries = _Tries(routes)
         while tries.made < plane.config.upstream.max_attempts:
@@ -177,12 +180,14 @@ class Attempts:
                 # serve it, within the retry budget; otherwise the answer goes through.
                 after = parse_retry_after(upstream.header("retry-after") or "")
                 delay = self.retry_delay(ctx, tries.made, len(tries.routes), after, str(status))
-                if delay is not None:
+                if delay is not None or ctx.hold_refusal:
                     attempt.ok = False
                     upstream.close()
                     self.settle(attempt, f"http_{status}")
                     tries.failures.append(f"{url}: HTTP {status}")
                     tries.reason = f"http_{status}"
+                    if delay is None:  # the pool is shedding it: its fallback may not
+                        return _STOP
                     await asyncio.sleep(delay)
                     return _NEXT
             return await self.relay.relay(req, ctx, attempt, upstream)

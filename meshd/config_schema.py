@@ -376,6 +376,9 @@ class TenantSettings(_Strict):
     max_priority: int = Field(default=9, ge=0, le=9)
     max_queued: int | None = Field(default=None, ge=0)
     max_in_flight: int | None = Field(default=None, ge=1)
+    # Predicted dollars a request of this tenant may cost on its pool before it goes to the
+    # pool's first fallback (over pools[].max_cost_usd; x-meshd-max-cost-usd wins).
+    max_cost_usd: float | None = Field(default=None, gt=0)
 
 
 # Admission slots per endpoint when reliability.admission.max_in_flight is null: vLLM's

@@ -8,7 +8,7 @@ import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from filters.hotpath import RoutingHeaders
 from filters.picker import PickRequest
@@ -103,6 +103,13 @@ class RequestContext:
     item_id: int | None = None  # admission item while admitted
     tried: set[str] = field(default_factory=set)
     cache: CachePlan | None = None  # a cacheable request: its key, rule and flight
+    # Fallback (meshd/fallback.py): while the pool has a fallback left, a refusal is held
+    # here instead of answered, so the request can go on to the next pool.
+    hold_refusal: bool = False
+    refused: tuple[int, str, str, dict[str, Any]] | None = None
+    max_cost_usd: float | None = None  # the cost cap that sends it to a cheaper pool
+    fallback: tuple[str, str, str] | None = None  # (from pool, to pool, why) once moved
+    shed: bool = False  # admission or the throttle refused it (counted as unmet demand)
 
     @property
     def trace(self) -> RequestTrace:

@@ -25,6 +25,7 @@ from meshd.accounting import CACHE_LIMIT, Accounting
 from meshd.admission_gate import AdmissionGate
 from meshd.attempts import Attempts
 from meshd.context import Plane, RequestContext
+from meshd.fallback import Fallbacks
 from meshd.http_message import BodyError, HttpRequest, Reply, json_reply
 from meshd.relay import HOP_BY_HOP
 from meshd.response_cache import MISS
@@ -63,6 +64,7 @@ class Intake:
         self._pool_cache: dict[str | None, str | None] = {}
         self.active = 0
         self.session: aiohttp.ClientSession | None = None  # for /v1/models
+        self.fallbacks = Fallbacks(plane, accounting, self._hash_prompt)
 
     async def inference(self, req: HttpRequest) -> Reply | None:
         """POST to an inference path: parsed, admitted, routed, relayed."""
@@ -108,6 +110,9 @@ class Intake:
             ctx = RequestContext(
                 kind, pool, started, trusted, req.method, req.target, inference, routing
             )
+            bad_cap = self.fallbacks.cost_cap(ctx, headers)
+            if bad_cap is not None:
+                return acct.reject(400, bad_cap, "bad_routing_header")
             self._hash_prompt(ctx)
             return await self._forward(req, ctx, headers, body)
         finally:
@@ -229,7 +234,7 @@ class Intake:
                 served = await cache.lookup(req, ctx, plan)
                 if served is not MISS:
                     return served
-            return await self._admit_and_try(req, ctx)
+            return await self.fallbacks.serve(req, ctx, self._admit_and_try)
         except asyncio.CancelledError:
             # The client left, or a drain ran out of time, before the answer was over
             # (queued, waiting for the engine's head, relaying): the trace ends as what it

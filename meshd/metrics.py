@@ -198,6 +198,13 @@ class DataPlaneMetrics:
             ["reason"],
             registry=r,
         )
+        self.fallbacks = Counter(
+            "meshd_fallbacks",
+            "Requests moved to a fallback pool (pools[].fallbacks), by the pool they left, "
+            "the pool they went to and why",
+            ["pool", "to", "reason"],
+            registry=r,
+        )
         self.stripped_headers = Counter(
             "meshd_stripped_routing_headers",
             "x-meshd-* headers removed because the client is outside the trust boundary",

@@ -167,6 +167,9 @@ class Relay:
             out.append((name, value))
         if ctx.trusted:
             out.append(("x-meshd-endpoint", url))
+        if ctx.fallback is not None:
+            source, pool, why = ctx.fallback
+            out.append(("x-meshd-fallback", f"{pool}; from={source}; reason={why}"))
         if ctx.cache is not None:  # RFC 9211: this answer came from the engine
             out.append(("cache-status", f"meshd; fwd={_FORWARDED[ctx.cache.result]}"))
         return out

@@ -54,6 +54,8 @@ class RequestTrace:
         "cost_usd",
         "e2e_s",
         "endpoint",
+        "fallback_from",
+        "fallback_reason",
         "final",
         "finished",
         "gpu",
@@ -126,6 +128,9 @@ class RequestTrace:
         # The response cache (meshd/response_cache.py): hit, coalesced, miss or refresh;
         # a replay's avoided figures are what the engine spent on the stored answer.
         self.response_cache: str | None = None
+        # A fallback (meshd/fallback.py): the pool it left (the last one, in a chain) and why.
+        self.fallback_from: str | None = None
+        self.fallback_reason: str | None = None
         self.avoided_gpu_seconds: float | None = None
         self.avoided_usd: float | None = None
 
@@ -280,6 +285,24 @@ class RequestTrace:
             attrs[t.ATTR_ENDPOINT] = self._attempts[-1].endpoint
         span.add_event(t.EVENT_RESUME, attrs, timestamp=self.observer.wall_ns(now))
 
+    def fell_back(self, source: str, pool: str, model: str | None, why: str, now: float) -> None:
+        """The request left pool `source` for its fallback `pool` (asking it for `model`):
+        its record names the pool that served it and the one it left; an event on the span."""
+        self.pool = pool
+        self.fallback_from = source
+        self.fallback_reason = why
+        span = self.span
+        if span is None or not span.is_recording():
+            return
+        attrs: dict[str, Any] = {
+            t.ATTR_FALLBACK_FROM: source,
+            t.ATTR_FALLBACK_TO: pool,
+            t.ATTR_FALLBACK_REASON: why,
+        }
+        if model is not None:
+            attrs[t.GEN_AI_REQUEST_MODEL] = model
+        span.add_event(t.EVENT_FALLBACK, attrs, timestamp=self.observer.wall_ns(now))
+
     def finish(
         self,
         outcome: str,
@@ -430,6 +453,8 @@ class RequestTrace:
             pick_reason=self.pick_reason,
             affinity_departure=self.affinity_departure,
             response_cache=self.response_cache,
+            fallback_from=self.fallback_from,
+            fallback_reason=self.fallback_reason,
             avoided_gpu_seconds=self.avoided_gpu_seconds,
             avoided_usd=self.avoided_usd,
         )
