@@ -22,6 +22,7 @@ from filters.gpu import GpuProfile, GpuTable
 __all__ = [
     "DECODE_BATCH",
     "DEFAULT_DRAIN_S",
+    "FAST_RISE",
     "FAST_WINDOW_S",
     "SCALE_DOWN_DELAY_S",
     "DemandBoard",
@@ -52,8 +53,11 @@ TOLERANCE = 0.1
 # How long the figure must have wanted less before it falls (HPA's own default
 # stabilisation is 300 s; meshd's is shorter, the autoscaler's adds to it).
 SCALE_DOWN_DELAY_S = 120.0
-# The short window whose rates the demand takes when they are higher (DemandMeter).
+# The short window whose rates the demand takes when they are clearly higher (by FAST_RISE:
+# a step, not the noise of a steady load, which moved the figure 7 -> 6 -> 7 within 20 s
+# on the load-step bench at 120 req/s when any excess counted).
 FAST_WINDOW_S = 5.0
+FAST_RISE = 1.25
 # Predicted TTFT samples go into log-spaced bins (ratio 2**0.25, 1 ms to ~17 min) per time
 # bucket, so a window's p90 costs bounded memory whatever the request rate (within 19%).
 _TTFT_MIN_S = 0.001
@@ -179,9 +183,10 @@ class DemandMeter:
     """One pool's demand as one sidecar sees it: a sliding window of `window_s` seconds in
     buckets of `bucket_s`, fed as requests end. Memory: window_s / bucket_s buckets.
 
-    Rates rise fast and fall slow: each is the larger of the whole window's and the last
-    `fast_window_s`'s (a load step shows within seconds, not after the window has filled;
-    a lull shows only once the whole window has seen it). 0: the window alone."""
+    Rates rise fast and fall slow: each is the last `fast_window_s`'s where that is over
+    FAST_RISE x the whole window's, else the window's (a load step shows within seconds, not
+    after the window has filled; a lull shows only once the whole window has seen it; the
+    noise of a steady load does not count). 0: the window alone."""
 
     def __init__(
         self,
@@ -266,19 +271,20 @@ class DemandMeter:
         if self._fast_n <= 0 or self._fast_n >= self._n:
             return whole
         fast = self._rates(now, i, self._fast_n)
+
+        def rise(name: str) -> float:
+            w, f = getattr(whole, name), getattr(fast, name)
+            return float(f if f > FAST_RISE * w else w)
+
         return replace(
             whole,
-            prefill_tokens_per_s=max(whole.prefill_tokens_per_s, fast.prefill_tokens_per_s),
-            decode_tokens_per_s=max(whole.decode_tokens_per_s, fast.decode_tokens_per_s),
-            requests_per_s=max(whole.requests_per_s, fast.requests_per_s),
-            shed_per_s=max(whole.shed_per_s, fast.shed_per_s),
-            fallbacks_per_s=max(whole.fallbacks_per_s, fast.fallbacks_per_s),
-            unmet_prefill_tokens_per_s=max(
-                whole.unmet_prefill_tokens_per_s, fast.unmet_prefill_tokens_per_s
-            ),
-            unmet_decode_tokens_per_s=max(
-                whole.unmet_decode_tokens_per_s, fast.unmet_decode_tokens_per_s
-            ),
+            prefill_tokens_per_s=rise("prefill_tokens_per_s"),
+            decode_tokens_per_s=rise("decode_tokens_per_s"),
+            requests_per_s=rise("requests_per_s"),
+            shed_per_s=rise("shed_per_s"),
+            fallbacks_per_s=rise("fallbacks_per_s"),
+            unmet_prefill_tokens_per_s=rise("unmet_prefill_tokens_per_s"),
+            unmet_decode_tokens_per_s=rise("unmet_decode_tokens_per_s"),
         )
 
     def _rates(self, now: float, i: int, n: int) -> PoolDemand:

@@ -300,3 +300,15 @@ def test_a_load_step_shows_within_the_fast_window_and_fades_over_the_whole() -> 
     # After the step: the whole window's rate, which remembers it for 30 s.
     assert fast[45] == pytest.approx(slow[45]) and fast[45] > 3
     assert all(f >= s for f, s in zip(fast, slow, strict=True))
+
+
+def test_the_noise_of_a_steady_load_is_not_a_step() -> None:
+    """+-20% from second to second: the window's rate, as without the fast window."""
+    a = DemandMeter(window_s=30.0, now=0.0)
+    b = DemandMeter(window_s=30.0, now=0.0, fast_window_s=0.0)
+    for t in range(90):
+        n = (12, 8, 10)[t % 3]
+        for m in (a, b):
+            for k in range(n):
+                m.finished(t + k / n, prefill_tokens=100, decode_tokens=10)
+        assert a.demand(t + 1.0) == b.demand(t + 1.0)
