@@ -8,10 +8,11 @@ how it ended."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from filters.chars_per_token import CharsPerToken, utf8_length
 from filters.guard import Screened
@@ -20,6 +21,7 @@ from filters.retry_budget import parse_retry_after
 from meshd.accounting import Accounting
 from meshd.admission_gate import AdmissionGate
 from meshd.context import Attempt, Plane, RequestContext
+from meshd.disagg import Disaggregator, kv_fetch_failed, whole_body
 from meshd.fallback import move_before_trying
 from meshd.http_message import HttpRequest, Reply
 from meshd.upstream import UpstreamClosedError, UpstreamConnectError, UpstreamError
@@ -56,6 +58,11 @@ class Attempts:
         self.gate = gate
         self.chars_per_token = chars_per_token
         self.relay: Relay  # set by the Relay that answers for these attempts
+        self.pd = (
+            Disaggregator(plane, self)
+            if any(p.disaggregation for p in plane.config.pools)
+            else None
+        )
 
     async def run(self, req: HttpRequest, ctx: RequestContext) -> Reply | None:
         """Try the request until an endpoint answers; the relayed answer (None: streamed)
@@ -70,6 +77,8 @@ class Attempts:
         if ctx.hold_refusal and routes and (move := move_before_trying(ctx, routes[0])):
             return self.acct.refuse(ctx, 503, move[1], move[0], retry_after_s=1)
         plane.retry_budgets[ctx.pool].deposit(now)
+        if self.pd is not None and self.pd.applies(ctx):
+            await self.pd.prefill(ctx)
         tries = _Tries(routes)
         while tries.made < plane.config.upstream.max_attempts:
             route = await self._next_route(ctx, tries)
@@ -174,6 +183,19 @@ class Attempts:
                 self.settle(attempt, "upstream_error", str(exc))
                 return self.acct.refuse(ctx, 502, f"upstream failed: {exc}", "upstream_error")
             status = attempt.status = upstream.status
+            if ctx.pd_params is not None and status != 200 and await self._kv_lost(ctx, upstream):
+                # The decode step could not fetch its KV: the retry is the whole request.
+                attempt.local_failure = True
+                self.settle(attempt, f"http_{status}", "the decode step could not fetch its KV")
+                tries.failures.append(f"{url}: HTTP {status} (KV not fetched)")
+                tries.reason = "kv_fetch_failed"
+                ctx.body, ctx.pd_params = whole_body(ctx), None
+                ctx.tried.discard(url)  # it can serve the whole request
+                delay = self.retry_delay(ctx, tries.made, len(tries.routes) + 1, None, "kv_fetch")
+                if delay is None:
+                    return _STOP
+                await asyncio.sleep(delay)
+                return _NEXT
             attempt.ok = status < 500
             if plane.retry_budgets[ctx.pool].retryable(status, False, False):
                 # Refused before the first byte (429/502/503/504): another endpoint may
@@ -199,14 +221,28 @@ class Attempts:
             if not attempt.settled:
                 self.settle(attempt, attempt.outcome or "ok")
 
-    def start(self, ctx: RequestContext, route: Route, reason: str) -> Attempt:
-        """An attempt begins: the router and the guard count it in flight."""
+    async def _kv_lost(self, ctx: RequestContext, upstream: Any) -> bool:
+        """Read a refused decode step's (small) body: does it say the KV was not fetched?
+        The bytes are put back for whoever relays the answer."""
+        data = b""
+        with contextlib.suppress(UpstreamError, ConnectionError):
+            while len(data) < 65536 and (chunk := await upstream.read()):
+                data += chunk
+        upstream.unread(data)
+        return kv_fetch_failed(upstream.status, data)
+
+    def start(
+        self, ctx: RequestContext, route: Route, reason: str, *, pool: str | None = None
+    ) -> Attempt:
+        """An attempt begins: the router and the guard count it in flight. `pool`: the
+        pool the route is of, when not the request's (a prefill step)."""
         plane = self.plane
         assert ctx.pick is not None
-        router = plane.routers[ctx.pool]
-        guard = plane.guards[ctx.pool] if ctx.inference is not None else None
+        pool = pool or ctx.pool
+        router = plane.routers[pool]
+        guard = plane.guards[pool] if ctx.inference is not None else None
         trace = ctx.trace.attempt(route.url, None, asyncio.get_running_loop().time(), reason=reason)
-        attempt = Attempt(router, route, next(plane.ids), ctx.pool, ctx.pick, guard, trace)
+        attempt = Attempt(router, route, next(plane.ids), pool, ctx.pick, guard, trace)
         if reason != "resume":  # a continuation's prompt is not the text the pick estimated
             attempt.inference = ctx.inference
         now = time.monotonic()
@@ -277,17 +313,24 @@ class Attempts:
         )
 
     def screen(
-        self, ctx: RequestContext, routes: list[Route], *, continuation: bool = False
+        self,
+        ctx: RequestContext,
+        routes: list[Route],
+        *,
+        continuation: bool = False,
+        pool: str | None = None,
     ) -> Screened[Route]:
         """The routes the guard lets through now (`continuation`: a resumed stream, which
-        in-flight limits do not hold back); the skipped ones are counted."""
-        guard = self.plane.guards[ctx.pool]
+        in-flight limits do not hold back; `pool`: another pool's routes, a prefill step's);
+        the skipped ones are counted."""
+        pool = pool or ctx.pool
+        guard = self.plane.guards[pool]
         assert ctx.pick is not None
         screened = guard.screen(
             routes, ctx.tokens, ctx.pick.priority, time.monotonic(), continuation=continuation
         )
         for _, why in screened.skipped:
-            self.plane.metrics.breaker_rejections.labels(ctx.pool, why).inc()
+            self.plane.metrics.breaker_rejections.labels(pool, why).inc()
         return screened
 
     def retry_delay(

@@ -23,6 +23,9 @@ pools:
     fallbacks: []              # e.g. [{pool: small, model: llama-8b}, eu-west]: when this
                                # pool cannot serve a request in time, the next one does
     max_cost_usd: null         # predicted $ over which a request goes to the first fallback
+    role: both                 # or prefill (runs decode pools' prefill steps), or decode:
+    disaggregation: null       # {prefill_pool: p, min_prefill_tokens: 256, kv_link_gbps: 25,
+                               #  kv_bytes_per_token: 131072} for a decode pool
     autoscaling:               # meshd_pool_desired_replicas (docs/autoscaling.md)
       slo_ttft_s: null         # the TTFT p90 to keep (null: demand and queue alone)
       target_utilization: 0.7  # busy share of a replica's capacity aimed at

@@ -116,6 +116,20 @@ class PoolAutoscaling(_Strict):
         return self
 
 
+class Disaggregation(_Strict):
+    """A decode pool's prefill side (meshd/disagg.py): where a request's prefill step runs,
+    and when a request is worth splitting at all."""
+
+    prefill_pool: str = Field(min_length=1)  # a pool of role prefill (or both)
+    # Uncached prompt tokens (the prefill pool's predicted prefix hit taken off) under which
+    # a request is served whole on the decode pool: a short prefill is not worth a transfer.
+    min_prefill_tokens: int = Field(default=256, ge=0)
+    # The KV link between the two pools' engines (NIXL over RDMA: tens of GB/s).
+    kv_link_gbps: float = Field(default=25.0, gt=0)
+    # KV bytes one token occupies (Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 x 2 x 2).
+    kv_bytes_per_token: int = Field(default=131_072, ge=1)
+
+
 class Pool(_Strict):
     """A set of interchangeable engines serving the same models."""
 
@@ -130,6 +144,19 @@ class Pool(_Strict):
     # (a request's x-meshd-max-cost-usd, from a trusted peer, wins); unset: no cap.
     max_cost_usd: float | None = Field(default=None, gt=0)
     autoscaling: PoolAutoscaling = PoolAutoscaling()
+    # Prefill/decode disaggregation: `both` serves whole requests (the default); a
+    # `prefill` pool only runs decode pools' prefill steps (no model is routed to it); a
+    # `decode` pool names its prefill pool in `disaggregation`.
+    role: Literal["both", "prefill", "decode"] = "both"
+    disaggregation: Disaggregation | None = None
+
+    @model_validator(mode="after")
+    def _role(self) -> Pool:
+        if self.role == "decode" and self.disaggregation is None:
+            raise ValueError("role decode: set disaggregation.prefill_pool")
+        if self.role != "decode" and self.disaggregation is not None:
+            raise ValueError("disaggregation is for a pool of role decode")
+        return self
 
     @field_validator("fallbacks", mode="before")
     @classmethod
@@ -594,6 +621,19 @@ class Config(_Strict):
                     raise ValueError(
                         f"{where}: unknown pool {fb.pool!r} (pools are: {', '.join(names)})"
                     )
+        for i, pool in enumerate(self.pools):
+            pd = pool.disaggregation
+            if pd is None:
+                continue
+            where = f"pools[{i}].disaggregation.prefill_pool"
+            other = next((p for p in self.pools if p.name == pd.prefill_pool), None)
+            if other is None or other is pool:
+                raise ValueError(
+                    f"{where}: {pd.prefill_pool!r} is not another pool (pools are: "
+                    f"{', '.join(names)})"
+                )
+            if other.role == "decode":
+                raise ValueError(f"{where}: {pd.prefill_pool!r} is a decode pool")
         for i, svc in enumerate(self.transparent.services):
             if svc.pool not in names:
                 raise ValueError(

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from filters.disagg import Split
 from filters.hotpath import RoutingHeaders
 from filters.picker import PickRequest
 from filters.pool_router import PoolRouter, Route
@@ -110,6 +111,10 @@ class RequestContext:
     max_cost_usd: float | None = None  # the cost cap that sends it to a cheaper pool
     fallback: tuple[str, str, str] | None = None  # (from pool, to pool, why) once moved
     shed: bool = False  # admission or the throttle refused it (counted as unmet demand)
+    # Prefill/decode (meshd/disagg.py): the decider's answer, and the prefill's transfer
+    # params while the body is the decode step's.
+    pd: Split | None = None
+    pd_params: dict[str, Any] | None = None
 
     @property
     def trace(self) -> RequestTrace:

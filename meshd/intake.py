@@ -346,9 +346,9 @@ class Intake:
         cache = self._pool_cache
         if model in cache:
             return cache[model]
-        pools = self.plane.config.pools
+        pools = [p for p in self.plane.config.pools if p.role != "prefill"]
         if model is None:
-            pool = pools[0].name
+            pool = pools[0].name if pools else None
         else:
             pool = next((p.name for p in pools if p.serves(model)), None)
         if len(cache) >= CACHE_LIMIT:

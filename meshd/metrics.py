@@ -198,6 +198,14 @@ class DataPlaneMetrics:
             ["reason"],
             registry=r,
         )
+        self.pd_requests = Counter(
+            "meshd_pd_requests",
+            "Requests to a decode pool (prefill/decode disaggregation), by path (split: a "
+            "prefill step on the prefill pool, then the decode; whole: served on the decode "
+            "pool) and why",
+            ["pool", "path", "reason"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "meshd_fallbacks",
             "Requests moved to a fallback pool (pools[].fallbacks), by the pool they left, "

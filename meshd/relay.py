@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from filters.disagg import KV_PARAMS
 from filters.failover import (
     FailoverUnsupported,
     StreamKind,
@@ -194,6 +195,7 @@ class Relay:
             doc = json.loads(ctx.body)
         except ValueError:
             return "the request body is not JSON"
+        doc.pop(KV_PARAMS, None)  # a decode step's continuation is served whole
         recorder = StreamRecorder(kind)
         recorder.feed(b"".join(sent))
         if recorder.refusal is not None:

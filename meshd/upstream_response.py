@@ -121,6 +121,13 @@ class UpstreamResponse:
             finally:
                 self._waiter = None
 
+    def unread(self, data: bytes) -> None:
+        """Put bytes read back at the front of the body (a layer that looked at an error
+        body before deciding who relays it)."""
+        if data:
+            self._chunks.insert(0, data)
+            self._buffered += len(data)
+
     def release(self) -> None:
         """Done with a fully read body: the connection goes back to the pool if it can be
         reused (HTTP/1.1 keep-alive, body complete, nothing after it), else it closes."""

@@ -1,0 +1,266 @@
+"""Prefill/decode disaggregation through a real sidecar (meshd/disagg.py): vLLM's protocol
+(the prefill step, then the decode step with the prefill's kv_transfer_params), the
+decider, and every failure path: a prefill engine down, every one down, a decode engine
+that cannot fetch the KV, a decode engine that dies mid-stream."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from backends import TestBackend as Backend
+from backends import sse_events
+from harness import sidecar_config, url
+
+from meshd.access_log import read_access_log
+from meshd.config import ConfigError, load_config
+from meshd.sidecar import Sidecar
+
+LONG = "tell me " * 200  # ~400 tokens by meshd's estimate
+
+
+class PDEngine(Backend):
+    """The test backend speaking vLLM's disaggregated protocol: a prefill step answers one
+    token and `kv_transfer_params` naming its held KV; a decode step must find that KV in
+    `fabric` (the engines' shared KV transfer) or is refused as vLLM's NIXL connector fails a
+    load; a request without params is served whole."""
+
+    fabric: dict[str, str]
+    lose_kv: bool = False  # the held KV expires at once (the decode step cannot fetch it)
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = json.loads(raw) if raw else {}
+        params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_decode"):
+            self.requests.append(_seen(request, body))
+            held = f"{self.name}-{len(self.requests)}"
+            if not self.lose_kv:
+                self.fabric[held] = self.name
+            answer = {
+                "id": "cmpl-p",
+                "object": "chat.completion",
+                "model": body.get("model"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "w0"},
+                        "finish_reason": "length",
+                    }
+                ],
+                "usage": {"prompt_tokens": 400, "completion_tokens": 1, "total_tokens": 401},
+                "kv_transfer_params": {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_engine_id": self.name,
+                    "remote_block_ids": [held],
+                    "remote_host": "127.0.0.1",
+                    "remote_port": 1,
+                },
+            }
+            return web.json_response(answer)
+        if params.get("do_remote_prefill"):
+            held = (params.get("remote_block_ids") or [""])[0]
+            if self.fabric.pop(held, None) is None:
+                self.requests.append(_seen(request, body))
+                return web.json_response(
+                    {
+                        "error": {
+                            "message": f"KV transfer failed: blocks {held} not found",
+                            "type": "KVTransferError",
+                            "code": 503,
+                        }
+                    },
+                    status=503,
+                )
+        return await self._replay(request, raw)
+
+    async def _replay(self, request: web.Request, raw: bytes) -> web.StreamResponse:
+        # TestBackend._generate reads the body again: hand it the bytes already read.
+        request._read_bytes = raw
+        return await super()._generate(request)
+
+
+def _seen(request: web.Request, body: dict[str, Any]) -> Any:
+    from backends import Seen
+
+    return Seen(request.path, {k.lower(): v for k, v in request.headers.items()}, body)
+
+
+@pytest.fixture
+async def engines() -> Any:
+    fabric: dict[str, str] = {}
+    started: list[PDEngine] = []
+
+    async def make(name: str) -> PDEngine:
+        e = PDEngine(name)
+        e.fabric = fabric
+        await e.start()
+        started.append(e)
+        return e
+
+    yield make
+    for e in started:
+        await e.stop()
+
+
+def dead_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def pd_config(
+    prefill: list[str], decode: list[str], tmp_path: Path | None = None, **kw: Any
+) -> Any:
+    pools = [
+        {"name": "prefill", "role": "prefill", "endpoints": prefill},
+        {
+            "name": "decode",
+            "role": "decode",
+            "endpoints": decode,
+            "disaggregation": {"prefill_pool": "prefill", "min_prefill_tokens": 64, **kw},
+        },
+    ]
+    sections: dict[str, Any] = {"pools": pools}
+    if tmp_path is not None:
+        sections["telemetry"] = {"access_log": {"path": str(tmp_path / "access.jsonl")}}
+    return sidecar_config(decode, **sections)
+
+
+def ask(content: str = LONG, **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4,
+            **extra}  # fmt: skip
+
+
+async def post(s: Sidecar, body: dict[str, Any]) -> tuple[int, bytes]:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url(s, "/v1/chat/completions"), json=body) as r,
+    ):
+        return r.status, await r.read()
+
+
+def count(s: Sidecar, name: str, **labels: str) -> float:
+    return s.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_a_long_prompt_is_prefilled_on_the_prefill_pool_then_decoded(
+    engines: Callable[[str], Awaitable[PDEngine]],
+    sidecar: Callable[..., Awaitable[Sidecar]],
+    tmp_path: Path,
+) -> None:
+    p, d = await engines("p0"), await engines("d0")
+    s = await sidecar(pd_config([p.url], [d.url], tmp_path))
+    status, raw = await post(s, ask(stream=True, stream_options={"include_usage": True}))
+    assert status == 200 and sse_events(raw)[-1] == "[DONE]"
+    (step,) = p.requests
+    assert step.body is not None
+    assert step.body["max_tokens"] == 1 and step.body["stream"] is False
+    assert "stream_options" not in step.body
+    assert step.body["kv_transfer_params"]["do_remote_decode"] is True
+    (dec,) = d.requests
+    assert dec.body is not None and dec.body["stream"] is True and dec.body["max_tokens"] == 4
+    assert dec.body["kv_transfer_params"]["remote_engine_id"] == "p0"
+    assert step.headers["x-request-id"] == dec.headers["x-request-id"]
+    assert count(s, "meshd_pd_requests_total", pool="decode", path="split", reason="split") == 1
+    s.accounting.flush()
+    await s.observer.aclose()
+    (record,) = read_access_log(tmp_path / "access.jsonl")
+    assert [(a.endpoint, a.reason, a.outcome) for a in record.attempts] == [
+        (p.url, "prefill", "ok"),
+        (d.url, "", "ok"),
+    ]
+    assert record.pool == "decode" and record.outcome == "ok"
+
+
+async def test_a_short_prompt_is_served_whole_on_the_decode_pool(
+    engines: Callable[[str], Awaitable[PDEngine]], sidecar: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    p, d = await engines("p0"), await engines("d0")
+    s = await sidecar(pd_config([p.url], [d.url]))
+    status, _ = await post(s, ask("hi"))
+    assert status == 200 and p.requests == []
+    assert d.requests[0].body is not None and "kv_transfer_params" not in d.requests[0].body
+    labels = {"pool": "decode", "path": "whole", "reason": "short-prefill"}
+    assert count(s, "meshd_pd_requests_total", **labels) == 1
+
+
+async def test_a_dead_prefill_engine_is_passed_over_and_none_at_all_means_whole(
+    engines: Callable[[str], Awaitable[PDEngine]], sidecar: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    p, d = await engines("p1"), await engines("d0")
+    s = await sidecar(pd_config([dead_url(), p.url], [d.url]))
+    for _ in range(2):
+        status, _ = await post(s, ask())
+        assert status == 200
+    assert len(p.requests) == 2  # each prefill step found the live engine
+    assert all(r.body and "kv_transfer_params" in r.body for r in d.requests)
+
+    alone = await sidecar(pd_config([dead_url()], [d.url]))
+    status, _ = await post(alone, ask())
+    assert status == 200 and "kv_transfer_params" not in (d.requests[-1].body or {})
+    labels = {"pool": "decode", "path": "whole", "reason": "prefill-failed"}
+    assert count(alone, "meshd_pd_requests_total", **labels) == 1
+
+
+async def test_a_decode_step_that_cannot_fetch_its_kv_is_retried_whole(
+    engines: Callable[[str], Awaitable[PDEngine]], sidecar: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    p, d = await engines("p0"), await engines("d0")
+    s = await sidecar(pd_config([p.url], [d.url]))
+    p.lose_kv = True
+    status, raw = await post(s, ask())
+    assert status == 200, raw
+    bodies = [r.body or {} for r in d.requests]
+    assert [("kv_transfer_params" in b) for b in bodies] == [True, False]
+    assert count(s, "meshd_retries_total", pool="decode", reason="kv_fetch") == 1
+
+
+async def test_a_decode_engine_dying_mid_stream_is_resumed_whole_on_another(
+    engines: Callable[[str], Awaitable[PDEngine]], sidecar: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    p, d0, d1 = await engines("p0"), await engines("d0"), await engines("d1")
+    # "crash" (the test backend breaks after two tokens) is short: split it anyway.
+    s = await sidecar(pd_config([p.url], [d0.url, d1.url], min_prefill_tokens=0))
+    status, raw = await post(s, ask("crash", stream=True))
+    assert status == 200 and sse_events(raw)[-1] == "[DONE]"
+    sent = [r.body for r in d0.requests + d1.requests if r.body]
+    steps = [b for b in sent if "kv_transfer_params" in b]
+    continuations = [b for b in sent if "kv_transfer_params" not in b]
+    assert len(steps) == 1 and len(continuations) == 1  # the decode step, then its rest whole
+    assert continuations[0]["continue_final_message"] is True
+    assert continuations[0]["messages"][-1] == {"role": "assistant", "content": "w0 w1"}
+
+
+def test_the_roles_are_checked_where_they_are_configured() -> None:
+    def load(*pools: dict[str, Any]) -> Any:
+        base = {"listeners": {"outbound": {"port": 0}, "admin": {"port": 0}}}
+        return load_config(None, base={**base, "pools": list(pools)}, env={})
+
+    ep = ["http://a:1"]
+    with pytest.raises(ConfigError, match=r"disaggregation\.prefill_pool"):
+        load({"name": "d", "role": "decode", "endpoints": ep})
+    with pytest.raises(ConfigError, match="is not another pool"):
+        load({"name": "d", "role": "decode", "endpoints": ep,
+              "disaggregation": {"prefill_pool": "nope"}})  # fmt: skip
+    with pytest.raises(ConfigError, match="a pool of role decode"):
+        load({"name": "b", "endpoints": ep, "disaggregation": {"prefill_pool": "b"}})
+
+
+async def test_no_model_is_routed_to_a_prefill_pool(
+    engines: Callable[[str], Awaitable[PDEngine]], sidecar: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    p = await engines("p0")
+    cfg = sidecar_config(
+        [p.url], pools=[{"name": "prefill", "role": "prefill", "endpoints": [p.url]}]
+    )
+    s = await sidecar(cfg)
+    status, raw = await post(s, ask("hi"))
+    assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found"
