@@ -123,6 +123,7 @@ class AccessRecord:
     affinity_departure: str | None = None  # why it left the prefix's holder, if it did
     fallback_from: str | None = None  # the pool it left for its fallback (`pool` served it)
     fallback_reason: str | None = None  # why: no_healthy_upstream, overloaded, over_cost_cap...
+    pd: str | None = None  # decode pool: split (prefill step elsewhere) or whole:<why>
     response_cache: str | None = None  # hit | coalesced | miss | refresh (null: not cacheable)
     avoided_gpu_seconds: float | None = None  # a hit: what the engine spent on the answer
     avoided_usd: float | None = None
@@ -194,6 +195,7 @@ class AccessRecord:
             affinity_departure=_opt_str(obj, "affinity_departure"),
             fallback_from=_opt_str(obj, "fallback_from"),
             fallback_reason=_opt_str(obj, "fallback_reason"),
+            pd=_opt_str(obj, "pd"),
             response_cache=_opt_str(obj, "response_cache"),
             avoided_gpu_seconds=_opt_float(obj, "avoided_gpu_seconds"),
             avoided_usd=_opt_float(obj, "avoided_usd"),

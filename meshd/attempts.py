@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -79,6 +80,11 @@ class Attempts:
         plane.retry_budgets[ctx.pool].deposit(now)
         if self.pd is not None and self.pd.applies(ctx):
             await self.pd.prefill(ctx)
+            if ctx.pd_params is not None:
+                # The decode engine gets the prompt's KV by transfer: where the prefix is
+                # cached does not matter, its load, KV room and speed do.
+                bare = dataclasses.replace(ctx.pick, block_hashes=(), context_key=None)
+                routes = plane.routers[ctx.pool].order(bare, time.monotonic())
         tries = _Tries(routes)
         while tries.made < plane.config.upstream.max_attempts:
             route = await self._next_route(ctx, tries)

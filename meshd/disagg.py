@@ -73,6 +73,7 @@ class Disaggregator:
         ctx.pd = split
         if not split.split:
             plane.metrics.pd_requests.labels(ctx.pool, "whole", split.reason).inc()
+            ctx.trace.pd = f"whole:{split.reason}"
             return
         body = _encoder.encode(prefill_body(doc))
         budget = plane.retry_budgets[source]
@@ -86,8 +87,10 @@ class Disaggregator:
                 ctx.body = _encoder.encode(decode_body(doc, params))
                 ctx.pd_params = params
                 plane.metrics.pd_requests.labels(ctx.pool, "split", "split").inc()
+                ctx.trace.pd = "split"
                 return
         plane.metrics.pd_requests.labels(ctx.pool, "whole", "prefill-failed").inc()
+        ctx.trace.pd = "whole:prefill-failed"
 
     async def _prefill_on(
         self, ctx: RequestContext, pool: str, route: Route, body: bytes

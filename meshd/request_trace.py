@@ -65,6 +65,7 @@ class RequestTrace:
         "kind",
         "observer",
         "outcome",
+        "pd",
         "pick_reason",
         "pool",
         "predicted_ttft_s",
@@ -131,6 +132,8 @@ class RequestTrace:
         # A fallback (meshd/fallback.py): the pool it left (the last one, in a chain) and why.
         self.fallback_from: str | None = None
         self.fallback_reason: str | None = None
+        # Prefill/decode (meshd/disagg.py): "split", or "whole:<why>" on a decode pool.
+        self.pd: str | None = None
         self.avoided_gpu_seconds: float | None = None
         self.avoided_usd: float | None = None
 
@@ -455,6 +458,7 @@ class RequestTrace:
             response_cache=self.response_cache,
             fallback_from=self.fallback_from,
             fallback_reason=self.fallback_reason,
+            pd=self.pd,
             avoided_gpu_seconds=self.avoided_gpu_seconds,
             avoided_usd=self.avoided_usd,
         )

@@ -177,7 +177,7 @@ async def test_a_long_prompt_is_prefilled_on_the_prefill_pool_then_decoded(
         (p.url, "prefill", "ok"),
         (d.url, "", "ok"),
     ]
-    assert record.pool == "decode" and record.outcome == "ok"
+    assert record.pool == "decode" and record.outcome == "ok" and record.pd == "split"
 
 
 async def test_a_short_prompt_is_served_whole_on_the_decode_pool(
