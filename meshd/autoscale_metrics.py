@@ -105,12 +105,15 @@ class PoolSignals:
         ]
         live = [c for c in caps if c.eligible] or caps
         guard = self.guards.get(pool)
+        # A balancer's endpoints count nothing of their own: their queue and KV are unknown
+        # here (no headroom series), not empty.
+        counted = pool not in self._static
         return dataclasses.replace(
             d,
             queue_depth=float(guard.queued) if guard is not None else 0.0,
-            engine_queue_depth=float(sum(c.queued for c in caps)),
-            kv_used_tokens=sum(c.kv_used_tokens for c in caps),
-            kv_capacity_tokens=sum(c.kv_capacity_tokens for c in caps),
+            engine_queue_depth=float(sum(c.queued for c in caps)) if counted else 0.0,
+            kv_used_tokens=sum(c.kv_used_tokens for c in caps) if counted else 0.0,
+            kv_capacity_tokens=sum(c.kv_capacity_tokens for c in caps) if counted else 0.0,
             replica_prefill_tokens_per_s=_mean(c.prefill_tokens_per_s for c in live),
             replica_decode_tokens_per_s=_mean(c.decode_tokens_per_s for c in live),
             replicas=sum(1 for c in caps if c.eligible),

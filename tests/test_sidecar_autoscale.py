@@ -107,3 +107,15 @@ async def test_shed_requests_are_counted_and_raise_unmet_demand(backends, sideca
     s.autoscale.evaluate(asyncio.get_running_loop().time(), force=True)
     m = await scrape(s)
     assert get(m, "meshd_pool_fallbacks_total") == 1
+
+
+async def test_a_balancer_pool_has_demand_and_a_figure_but_no_kv_headroom(backends, sidecar):
+    b = await backends()
+    s = await sidecar(sidecar_config([b.url], routing={"policy": "round-robin"}))
+    async with aiohttp.ClientSession() as http:
+        assert await complete(http, s, "x" * 40, 5) == 200
+    s.accounting.flush()
+    m = await scrape(s)
+    assert get(m, "meshd_pool_demand_tokens_per_second", phase="decode") > 0
+    assert get(m, "meshd_pool_desired_replicas") >= 1
+    assert not any(k[0] == "meshd_pool_kv_headroom_ratio" for k in m)  # unknown, not 100%
