@@ -39,6 +39,9 @@ def redact(doc: Any, key: str = "") -> Any:
     return doc
 
 
+PROBES_APP: web.AppKey[web.Application] = web.AppKey("probes", web.Application)
+
+
 def build_admin_app(sidecar: Sidecar) -> web.Application:
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -91,4 +94,10 @@ def build_admin_app(sidecar: Sidecar) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/config", config)
     app.router.add_get("/endpoints", endpoints)
+    probes = web.Application()  # listeners.probes: the same handlers, fewer of them
+    probes.router.add_get("/healthz", healthz)
+    probes.router.add_get("/readyz", readyz)
+    if sidecar.config.listeners.probes.metrics:
+        probes.router.add_get("/metrics", metrics)
+    app[PROBES_APP] = probes
     return app

@@ -8,6 +8,8 @@ listeners:
   outbound: {host: 127.0.0.1, port: 15001}     # explicit proxy port for apps
   transparent: {enabled: false, host: 0.0.0.0, port: 15006}  # iptables REDIRECT target
   admin: {host: 127.0.0.1, port: 15000}        # /healthz /readyz /metrics /config /endpoints
+  probes: {enabled: false, host: 0.0.0.0, port: 15021, metrics: false}  # /healthz /readyz
+                                               # (+ /metrics) for probes of the pod IP
   yield_after_first_byte: true  # let a client on meshd's CPU read its first token at once
 pools:
   - name: default

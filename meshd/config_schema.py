@@ -38,6 +38,16 @@ class TransparentListener(Listener):
     port: int = Field(default=15006, ge=0, le=65535)
 
 
+class ProbeListener(Listener):
+    """Health probes only (`/healthz`, `/readyz`; `/metrics` when `metrics`), for a kubelet
+    that probes the pod IP while the admin listener stays on loopback."""
+
+    enabled: StrictBool = False
+    host: str = "0.0.0.0"
+    port: int = Field(default=15021, ge=0, le=65535)
+    metrics: StrictBool = False  # also /metrics here (a Prometheus that scrapes pod IPs)
+
+
 class Listeners(_Strict):
     """Where meshd listens. Admin (health, metrics, config) stays on loopback
     unless configured otherwise: it exposes the effective configuration."""
@@ -45,6 +55,7 @@ class Listeners(_Strict):
     outbound: Listener = Listener(host="127.0.0.1", port=15001)
     transparent: TransparentListener = TransparentListener()
     admin: Listener = Listener(host="127.0.0.1", port=15000)
+    probes: ProbeListener = ProbeListener()
     # Once per streamed response, right after its first bytes go to the client, give the
     # CPU up (sched_yield): a client that shares meshd's CPU (an app in the same pod) then
     # reads its first token before meshd relays the rest of what the engine sent. Costs a

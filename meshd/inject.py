@@ -11,7 +11,8 @@ Kubernetes native sidecars (KEP-753, `restartPolicy: Always` on an init containe
   own UID excluded (see meshd/iptables.py).
 - `meshd-proxy`, second init container, a native sidecar: starts before the app's own init
   containers (its startup probe gates them, so they can already reach engines through it),
-  runs as the dedicated UID, probes on the admin port, config mounted read-only.
+  runs as the dedicated UID, its admin listener on loopback and the kubelet's probes on a
+  port of their own (/healthz, /readyz; /metrics opt-in), config mounted read-only.
 - engine pods (`meshd.io/role: engine`) get `meshd-agent` (`meshd agent`) instead and no
   iptables: the agent serves the engine's state, it does not intercept the app's traffic.
 
@@ -228,7 +229,7 @@ def inject(
 
     annotations: Mapping[str, Any] = meta.get("annotations") or {}
     if decision.role == "client":
-        ours = [init_container(cfg, annotations), proxy_container(cfg)]
+        ours = [init_container(cfg, annotations), proxy_container(cfg, annotations)]
     else:
         ours = [agent_container(cfg)]
     new_annotations = {ANNOTATION_STATUS: _status(decision.role, cfg)}

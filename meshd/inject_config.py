@@ -53,7 +53,12 @@ class InjectionConfig:
     image_pull_policy: str = "IfNotPresent"
     proxy_uid: int = 1337
     proxy_gid: int = 1337
-    admin_port: int = 15000
+    admin_port: int = 15000  # the admin listener, on the pod's loopback
+    # The kubelet's probes (/healthz, /readyz) on the pod IP; /metrics there too when
+    # expose_metrics (or the pod's meshd.io/expose-metrics: "true"): a Prometheus that
+    # scrapes pod IPs. /config and /endpoints stay on loopback.
+    probe_port: int = 15021
+    expose_metrics: bool = False
     outbound_port: int = 15001
     transparent_port: int = 15006
     include_ports: tuple[int, ...] | Wildcard = (8000, 30000)
@@ -84,13 +89,18 @@ class InjectionConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 # UID 0 would make the owner exclusion exclude root, i.e. most apps.
                 raise InjectionError(f"{name} must be a positive integer, got {value!r}")
-        ports = [self.admin_port, self.outbound_port, self.transparent_port]
+        ports = [self.admin_port, self.outbound_port, self.transparent_port, self.probe_port]
         for port in ports:
             if not isinstance(port, int) or not 0 < port < 65536:
                 raise InjectionError(f"ports must be integers in 1..65535, got {port!r}")
-        if len(set(ports)) != 3:
+        if len(set(ports)) != len(ports):
             raise InjectionError(
-                f"admin_port, outbound_port and transparent_port must differ, got {ports}"
+                "admin_port, outbound_port, transparent_port and probe_port must differ, "
+                f"got {ports}"
+            )
+        if not isinstance(self.expose_metrics, bool):
+            raise InjectionError(
+                f"expose_metrics must be true or false, got {self.expose_metrics!r}"
             )
         if not self.image:
             raise InjectionError("image must not be empty")

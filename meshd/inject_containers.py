@@ -11,6 +11,7 @@ from meshd.inject_config import InjectionConfig, InjectionError
 from meshd.iptables import Wildcard, parse_cidrs, parse_ports
 
 ANNOTATION_INCLUDE_PORTS = "meshd.io/include-ports"
+ANNOTATION_EXPOSE_METRICS = "meshd.io/expose-metrics"
 ANNOTATION_EXCLUDE_PORTS = "meshd.io/exclude-ports"
 ANNOTATION_EXCLUDE_CIDRS = "meshd.io/exclude-cidrs"
 # Holds the sidecar config when it is delivered inline (downward API), see InjectionConfig.
@@ -75,7 +76,7 @@ def iptables_args(cfg: InjectionConfig, annotations: Mapping[str, Any]) -> list[
 
 def _probes(cfg: InjectionConfig) -> dict[str, Any]:
     def get(path: str, **timing: int) -> dict[str, Any]:
-        return {"httpGet": {"path": path, "port": cfg.admin_port}, **timing}
+        return {"httpGet": {"path": path, "port": cfg.probe_port}, **timing}
 
     # The startup probe gates the next init container, so it polls fast.
     return {
@@ -130,7 +131,24 @@ def init_container(cfg: InjectionConfig, annotations: Mapping[str, Any]) -> dict
     }
 
 
-def proxy_container(cfg: InjectionConfig) -> dict[str, Any]:
+def expose_metrics(cfg: InjectionConfig, annotations: Mapping[str, Any]) -> bool:
+    value = annotations.get(ANNOTATION_EXPOSE_METRICS)
+    if value is None:
+        return cfg.expose_metrics
+    text = str(value).strip().lower()
+    if text not in ("true", "false"):
+        raise InjectionError(
+            f'{ANNOTATION_EXPOSE_METRICS} must be "true" or "false", got {value!r}'
+        )
+    return text == "true"
+
+
+def proxy_container(cfg: InjectionConfig, annotations: Mapping[str, Any]) -> dict[str, Any]:
+    ports = [{"name": "meshd-probes", "containerPort": cfg.probe_port, "protocol": "TCP"}]
+    probe_args = ["--set", "listeners.probes.enabled=true", "--set",
+                  f"listeners.probes.port={cfg.probe_port}"]  # fmt: skip
+    if expose_metrics(cfg, annotations):
+        probe_args += ["--set", "listeners.probes.metrics=true"]
     return {
         "name": PROXY_NAME,
         "image": cfg.image,
@@ -141,9 +159,11 @@ def proxy_container(cfg: InjectionConfig) -> dict[str, Any]:
             "sidecar",
             "--config",
             _config_path(cfg),
-            # The kubelet probes the pod IP, so the admin listener cannot stay on loopback.
+            # The admin listener (/config, /endpoints) stays on loopback; the kubelet probes
+            # the pod IP on the probe listener, which serves /healthz and /readyz only.
             "--admin",
-            f"0.0.0.0:{cfg.admin_port}",
+            f"127.0.0.1:{cfg.admin_port}",
+            *probe_args,
             "--listen",
             f"127.0.0.1:{cfg.outbound_port}",
             "--set",
@@ -151,7 +171,7 @@ def proxy_container(cfg: InjectionConfig) -> dict[str, Any]:
             "--set",
             f"listeners.transparent.port={cfg.transparent_port}",
         ],
-        "ports": [{"name": "meshd-admin", "containerPort": cfg.admin_port, "protocol": "TCP"}],
+        "ports": ports,
         **_env(cfg),
         "resources": cfg.proxy_resources.to_k8s(),
         "securityContext": _nonroot(cfg),

@@ -33,7 +33,7 @@ from filters.hotpath import IMPLEMENTATION
 from filters.request import PATH_KINDS
 from meshd import __version__
 from meshd.accounting import Accounting
-from meshd.admin import build_admin_app
+from meshd.admin import PROBES_APP, build_admin_app
 from meshd.admission_gate import AdmissionGate
 from meshd.attempts import Attempts
 from meshd.autoscale_metrics import PoolSignals
@@ -123,6 +123,7 @@ class Sidecar:
         self.draining = False
         self._listener: asyncio.Server | None = None
         self._admin_runner: web.AppRunner | None = None
+        self._probe_runner: web.AppRunner | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._transparent: Any = None
         self._feed: Any = None  # meshd.control_feed.ControlFeed when control_plane is set
@@ -207,7 +208,8 @@ class Sidecar:
         self.addresses["outbound"] = f"{host}:{port}"
         if cfg.listeners.transparent.enabled:
             await self._start_transparent()
-        self._admin_runner = web.AppRunner(build_admin_app(self), access_log=None)
+        admin_app = build_admin_app(self)
+        self._admin_runner = web.AppRunner(admin_app, access_log=None)
         await self._admin_runner.setup()
         adm = cfg.listeners.admin
         admin_site = web.TCPSite(self._admin_runner, adm.host, adm.port)
@@ -215,6 +217,8 @@ class Sidecar:
         sockets = getattr(admin_site._server, "sockets", None) or []
         host, port = sockets[0].getsockname()[:2]
         self.addresses["admin"] = f"{host}:{port}"
+        if cfg.listeners.probes.enabled:
+            await self._start_probes(admin_app[PROBES_APP])
         self._reaper = asyncio.create_task(self._reap())
         if self._feed is not None:
             await self._feed.start()
@@ -243,6 +247,18 @@ class Sidecar:
             **extra,
         )
         self.addresses["transparent"] = f"{tl.host}:{self._transparent.port}"
+
+    async def _start_probes(self, app: web.Application) -> None:
+        """listeners.probes: /healthz and /readyz (and /metrics if asked) on their own port,
+        so a kubelet can probe the pod IP while the admin listener stays on loopback."""
+        probes = self.config.listeners.probes
+        self._probe_runner = web.AppRunner(app, access_log=None)
+        await self._probe_runner.setup()
+        site = web.TCPSite(self._probe_runner, probes.host, probes.port)
+        await site.start()
+        sockets = getattr(site._server, "sockets", None) or []
+        host, port = sockets[0].getsockname()[:2]
+        self.addresses["probes"] = f"{host}:{port}"
 
     async def drain_and_stop(self, on_closed: Callable[[], None] | None = None) -> None:
         """Stop accepting, let requests finish up to the grace period, then close.
@@ -275,6 +291,8 @@ class Sidecar:
             await self.plane.upstream.close()
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
+        if self._probe_runner is not None:
+            await self._probe_runner.cleanup()
         self.accounting.flush()
         if self.plane.cache is not None:
             await self.plane.cache.aclose()

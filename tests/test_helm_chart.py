@@ -786,3 +786,16 @@ def test_scaled_object_bounds_are_checked(chart: Any) -> None:
     engines = [{"pool": "p", "deployment": "d", "minReplicas": 5, "maxReplicas": 2}]
     with pytest.raises(Exception, match="minReplicas 5 over maxReplicas 2"):
         render(chart, {"autoscaling": {"enabled": True, "engines": engines}})
+
+
+def test_sidecars_are_probed_on_their_probe_port_and_scraped_only_when_asked(
+    rendered: dict[str, list[dict[str, Any]]], chart: Any, tmp_path: Path
+) -> None:
+    sidecar, injection = _sidecar_and_injection(rendered["defaults"], tmp_path)
+    assert sidecar.listeners.admin.host == "127.0.0.1"  # /config never on the pod IP
+    assert (injection.probe_port, injection.expose_metrics) == (15021, False)
+    docs = render(chart, {"telemetry": {"serviceMonitor": {"enabled": True}}})
+    _, injection = _sidecar_and_injection(docs, tmp_path)
+    assert injection.expose_metrics  # the PodMonitor scrapes the probe port's /metrics
+    (monitor,) = find(docs, "PodMonitor")
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["meshd-probes"]

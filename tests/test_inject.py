@@ -203,8 +203,12 @@ def test_proxy_is_a_native_sidecar_with_its_own_uid_probes_and_config() -> None:
         ("readinessProbe", "/readyz"),
         ("livenessProbe", "/healthz"),
     ):
-        assert proxy[probe]["httpGet"] == {"path": path, "port": 15000}
-    assert "0.0.0.0:15000" in proxy["args"], "the kubelet probes the pod IP, not loopback"
+        assert proxy[probe]["httpGet"] == {"path": path, "port": 15021}
+    # The kubelet probes the pod IP on the probe listener; the admin one stays on loopback.
+    assert "127.0.0.1:15000" in proxy["args"] and "0.0.0.0:15000" not in proxy["args"]
+    assert "listeners.probes.enabled=true" in proxy["args"]
+    assert "listeners.probes.metrics=true" not in proxy["args"]
+    assert proxy["ports"] == [{"name": "meshd-probes", "containerPort": 15021, "protocol": "TCP"}]
     assert proxy["volumeMounts"] == [
         {"name": "meshd-config", "mountPath": "/etc/meshd", "readOnly": True}
     ]
@@ -415,3 +419,18 @@ def test_cli_reports_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str
     rc, out, err = run_cli(["inject", "-f", str(bad)], capsys)
     assert rc == 1 and out == ""
     assert "meshd.io/exclude-ports" in err
+
+
+def test_metrics_on_the_pod_ip_are_opt_in() -> None:
+    opted = inject(pod({"meshd.io/inject": "true", "meshd.io/expose-metrics": "true"}), CFG)
+    proxy = opted.obj["spec"]["initContainers"][1]
+    assert "listeners.probes.metrics=true" in proxy["args"]
+    everywhere = InjectionConfig(expose_metrics=True)
+    declined = inject(
+        pod({"meshd.io/inject": "true", "meshd.io/expose-metrics": "false"}), everywhere
+    )
+    assert "listeners.probes.metrics=true" not in declined.obj["spec"]["initContainers"][1]["args"]
+    with pytest.raises(InjectionError, match="expose-metrics"):
+        inject(pod({"meshd.io/inject": "true", "meshd.io/expose-metrics": "yes"}), CFG)
+    with pytest.raises(InjectionError, match="probe_port"):
+        InjectionConfig(probe_port=15000)
