@@ -21,6 +21,7 @@ from loadtest.engine.core import (
 )
 from loadtest.engine.faults import FaultError, FaultSpec, parse_fault
 from loadtest.engine.fleet import EngineFleet
+from loadtest.engine.kv_transfer import DEFAULT_FABRIC, KVTransferFabric
 from loadtest.engine.profiles import GPUS, EngineProfile, get_profile
 from loadtest.engine.replica import EngineReplica
 from loadtest.engine.server import SimEngine
@@ -28,6 +29,7 @@ from loadtest.engine.tokenizer import TokenGenerator, WordTokenizer, render_chat
 from loadtest.engine.virtual import VirtualEngine, VirtualFleet
 
 __all__ = [
+    "DEFAULT_FABRIC",
     "DEFAULT_MODEL",
     "GPUS",
     "ConfigError",
@@ -40,6 +42,7 @@ __all__ = [
     "FaultError",
     "FaultSpec",
     "FleetConfig",
+    "KVTransferFabric",
     "RequestRejected",
     "SimEngine",
     "SimRequest",

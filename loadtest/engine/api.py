@@ -8,6 +8,8 @@ of (prompt, seed). Errors use vLLM's ErrorResponse shape
 `{"error": {"message", "type", "param", "code"}}` with `code` the HTTP status
 (vllm/entrypoints/openai/protocol.py: ErrorInfo). Ids are `cmpl-<id>` and `chatcmpl-<id>`,
 the id taken from an `X-Request-Id` header when there is one, as vLLM does.
+`kv_transfer_params` (prefill/decode disaggregation, kv_transfer.py) is parsed into
+`KVTransferParams`; a prefill step's answer carries its own at the top level.
 """
 
 from __future__ import annotations
@@ -35,29 +37,105 @@ ERROR_TYPES: dict[int, str] = {
 
 
 class ApiError(Exception):
-    """A client-visible error with vLLM's ErrorResponse body."""
+    """A client-visible error with vLLM's ErrorResponse body (`err_type`: its `type`
+    when not the one the status implies)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        *,
+        err_type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.err_type = err_type
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.param)
+        return error_body(self.status, self.message, self.param, self.err_type)
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, param: str | None = None, err_type: str | None = None
+) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
-            "type": ERROR_TYPES.get(
+            "type": err_type
+            or ERROR_TYPES.get(
                 status, "InternalServerError" if status >= 500 else "BadRequestError"
             ),
             "param": param,
             "code": status,
         }
     }
+
+
+KV_PARAMS = "kv_transfer_params"
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferParams:
+    """A request's `kv_transfer_params` (vLLM's NIXL connector): a prefill step asks for
+    `do_remote_decode`, a decode step for `do_remote_prefill` and names the KV's engine,
+    blocks and (NIXL connector version 2) request id."""
+
+    do_remote_decode: bool
+    do_remote_prefill: bool
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_block_ids: tuple[int, ...] = ()
+    remote_host: str | None = None
+    remote_port: int | None = None
+
+
+def _kv_transfer(body: Mapping[str, Any]) -> KVTransferParams | None:
+    raw = body.get(KV_PARAMS)
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ApiError(400, f"{KV_PARAMS} must be an object", KV_PARAMS)
+    decode = _bool(raw, "do_remote_decode", False)
+    prefill = _bool(raw, "do_remote_prefill", False)
+    if decode and prefill:
+        raise ApiError(
+            400,
+            f"{KV_PARAMS}: do_remote_decode and do_remote_prefill cannot both be true",
+            KV_PARAMS,
+        )
+    if not prefill:
+        return KVTransferParams(decode, False)
+    # vLLM logs a warning and prefills locally on incomplete params; the simulator
+    # refuses them, so a router that builds them wrong finds out.
+    engine = raw.get("remote_engine_id")
+    if not isinstance(engine, str) or not engine:
+        raise ApiError(400, f"{KV_PARAMS}.remote_engine_id must be a non-empty string", KV_PARAMS)
+    blocks = raw.get("remote_block_ids")
+    if (
+        not isinstance(blocks, list)
+        or not blocks
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks)
+    ):
+        raise ApiError(
+            400, f"{KV_PARAMS}.remote_block_ids must be a non-empty list of block ids", KV_PARAMS
+        )
+    rid = raw.get("remote_request_id")
+    if rid is not None and not isinstance(rid, str):
+        raise ApiError(400, f"{KV_PARAMS}.remote_request_id must be a string", KV_PARAMS)
+    host = raw.get("remote_host")
+    port = raw.get("remote_port")
+    return KVTransferParams(
+        False,
+        True,
+        remote_engine_id=engine,
+        remote_request_id=rid,
+        remote_block_ids=tuple(blocks),
+        remote_host=host if isinstance(host, str) else None,
+        remote_port=port if isinstance(port, int) and not isinstance(port, bool) else None,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +151,7 @@ class ParsedRequest:
     ignore_eos: bool
     stop: tuple[str, ...]
     min_tokens: int
+    kv_transfer: KVTransferParams | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +259,7 @@ def _finish_parse(
         ignore_eos=_bool(body, "ignore_eos", False),
         stop=_stop(body),
         min_tokens=_int(body, "min_tokens", minimum=0) or 0,
+        kv_transfer=_kv_transfer(body),
     )
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from loadtest.engine.config import (
     DEFAULT_MODEL,
+    KV_LOAD_FAILURE_POLICIES,
+    ROLES,
     ConfigError,
     EngineSpec,
     load_fleet_config,
@@ -28,11 +30,15 @@ Run simulated vLLM engines: vLLM's OpenAI-compatible HTTP API (/v1/completions,
 over ZMQ in vLLM's wire format, and a timing model of continuous batching on an
 A100/H100/H200/B200 serving Llama-3-8B. Output text is a pure function of (prompt, seed).
 Faults can be injected with POST /admin/fault (see loadtest/engine/faults.py).
+Prefill/decode disaggregation (vLLM's NIXL protocol, loadtest/engine/kv_transfer.py):
+--roles gives each engine a role, prefill steps pin their KV for --kv-hold seconds, and
+decode steps fetch it over a --kv-link-gbps link.
 
 examples:
   meshd sim-engine --port 8001 --gpu H100
   meshd sim-engine --fleet 16 --gpus H100,A100,H200,B200 --port 8100 \\
       --kv-events-endpoint 'tcp://*:5600' --time-scale 0.25
+  meshd sim-engine --fleet 4 --roles prefill,decode --port 8200 --kv-hold 60
   meshd sim-engine --config fleet.yaml
 """
 
@@ -135,6 +141,38 @@ def register(subparsers: Any) -> None:
         help="chance per token of ending the answer (requests without ignore_eos)",
     )
     p.add_argument(
+        "--role",
+        default="both",
+        choices=sorted(ROLES),
+        help="prefill/decode role: both (default, vLLM's kv_both), prefill or decode",
+    )
+    p.add_argument(
+        "--roles",
+        default=None,
+        help="comma-separated roles a fleet cycles through, e.g. prefill,prefill,decode",
+    )
+    p.add_argument(
+        "--kv-hold",
+        type=float,
+        default=480.0,
+        metavar="SECONDS",
+        help="how long a prefill step's KV stays pinned for its decode step "
+        "(vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, default 480)",
+    )
+    p.add_argument(
+        "--kv-link-gbps",
+        type=float,
+        default=50.0,
+        metavar="GB/S",
+        help="KV transfer link, gigabytes per second (default 50: a 400 Gb/s RDMA NIC)",
+    )
+    p.add_argument(
+        "--kv-load-failure-policy",
+        default="fail",
+        choices=KV_LOAD_FAILURE_POLICIES,
+        help="a decode step whose KV cannot be fetched: fail (410, default) or recompute",
+    )
+    p.add_argument(
         "--fault",
         action="append",
         default=[],
@@ -179,9 +217,16 @@ def specs_from_args(args: argparse.Namespace) -> tuple[str, tuple[EngineSpec, ..
         tokenizer=args.tokenizer,
         eos_rate=args.eos_rate,
         faults=faults,
+        role=args.role,
+        kv_hold_s=args.kv_hold,
+        kv_link_gbps=args.kv_link_gbps,
+        kv_load_failure_policy=args.kv_load_failure_policy,
     )
     gpus = [g.strip().upper() for g in args.gpus.split(",")] if args.gpus else [base.gpu]
-    specs = mixed_fleet(args.fleet, gpus, base=replace(base, port=args.port), port=args.port)
+    roles = [r.strip().lower() for r in args.roles.split(",")] if args.roles else None
+    specs = mixed_fleet(
+        args.fleet, gpus, base=replace(base, port=args.port), port=args.port, roles=roles
+    )
     return args.host or "127.0.0.1", specs
 
 
@@ -192,7 +237,10 @@ async def serve(host: str, specs: tuple[EngineSpec, ...]) -> None:
         loop.add_signal_handler(sig, stop.set)
     async with EngineFleet(specs, host=host) as fleet:
         for e in fleet:
-            line = f"{e.name} gpu={e.profile.gpu} kv_blocks={e.core.pool.num_blocks} url={e.url}"
+            line = (
+                f"{e.name} gpu={e.profile.gpu} role={e.replica.role} "
+                f"kv_blocks={e.core.pool.num_blocks} url={e.url}"
+            )
             if e.publisher is not None:
                 line += f" kv_events={e.publisher.bound_endpoint()}"
             print(line, flush=True)

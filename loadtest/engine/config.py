@@ -11,6 +11,8 @@ A config file (YAML or JSON) lists engines; `count` repeats one on consecutive p
       - gpu: H200
         port: 8005
         faults: [{kind: slowdown, factor: 4, at: 30}]
+      - {gpu: H100, port: 8006, role: prefill, kv_hold_s: 60}
+      - {gpu: H100, port: 8007, role: decode, kv_link_gbps: 25}
 
 Keys are EngineSpec's field names; unknown keys are an error that names them.
 """
@@ -30,6 +32,9 @@ from loadtest.engine.kv_events import offset_endpoint
 from loadtest.engine.profiles import GPUS
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+# Prefill/decode roles (kv_transfer.py has the protocol) and vLLM's kv_role for each.
+ROLES = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 
 class ConfigError(ValueError):
@@ -63,6 +68,18 @@ class EngineSpec:
     hash_seed: str = "0"
     eos_rate: float = 0.0
     faults: tuple[FaultSpec, ...] = field(default_factory=tuple)
+    # Prefill/decode disaggregation (kv_transfer.py): which steps the engine serves
+    # (ROLES), how long a prefill step's KV stays pinned for its decode step (vLLM's
+    # VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s), the KV link's bandwidth in gigaBYTES per
+    # second (50: one 400 Gb/s RDMA NIC per GPU, as on a DGX H100), what a decode step
+    # whose KV cannot be fetched gets (vLLM's kv_load_failure_policy: "fail", its
+    # default, or "recompute"), and the engine id its prefill answers name (vLLM's
+    # kv_transfer_config.engine_id; None: a fresh uuid, as vLLM picks).
+    role: str = "both"
+    kv_hold_s: float = 480.0
+    kv_link_gbps: float = 50.0
+    kv_load_failure_policy: str = "fail"
+    kv_engine_id: str | None = None
 
     def validate(self) -> EngineSpec:
         if self.gpu.upper() not in GPUS:
@@ -83,6 +100,16 @@ class EngineSpec:
             raise ConfigError("kv_events_format: 'map' or 'array'")
         if not 0 <= self.eos_rate < 1:
             raise ConfigError("eos_rate: must be in [0, 1)")
+        if self.role not in ROLES:
+            raise ConfigError(f"role: one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.kv_hold_s > 0:
+            raise ConfigError("kv_hold_s: must be positive")
+        if not self.kv_link_gbps > 0:
+            raise ConfigError("kv_link_gbps: must be positive")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ConfigError("kv_load_failure_policy: 'fail' or 'recompute'")
+        if self.kv_engine_id is not None and not self.kv_engine_id:
+            raise ConfigError("kv_engine_id: must not be empty")
         return self
 
     def for_index(self, offset: int) -> EngineSpec:
@@ -93,6 +120,7 @@ class EngineSpec:
             self,
             port=self.port + offset if self.port else 0,
             name=f"{self.name}-{offset}" if self.name else None,
+            kv_engine_id=f"{self.kv_engine_id}-{offset}" if self.kv_engine_id else None,
             kv_events_endpoint=offset_endpoint(self.kv_events_endpoint, offset),
             kv_events_replay_endpoint=offset_endpoint(self.kv_events_replay_endpoint, offset),
         )
@@ -162,14 +190,26 @@ def load_fleet_config(path: str | Path) -> FleetConfig:
 
 
 def mixed_fleet(
-    n: int, gpus: Sequence[str], *, base: EngineSpec | None = None, port: int = 0
+    n: int,
+    gpus: Sequence[str],
+    *,
+    base: EngineSpec | None = None,
+    port: int = 0,
+    roles: Sequence[str] | None = None,
 ) -> tuple[EngineSpec, ...]:
-    """n engines cycling through `gpus` (H100, A100, ...), on consecutive ports from `port`."""
+    """n engines cycling through `gpus` (H100, A100, ...) and `roles` (prefill, decode,
+    both; default the base's), on consecutive ports from `port`."""
     if n < 1 or not gpus:
         raise ConfigError("a fleet needs n >= 1 and at least one GPU")
+    if roles is not None:
+        bad = [r for r in roles if r not in ROLES]
+        if not roles or bad:
+            raise ConfigError(f"roles: each one of {', '.join(ROLES)}, got {list(roles)}")
     template = base or EngineSpec()
     out = []
     for i in range(n):
         spec = replace(template, gpu=gpus[i % len(gpus)], port=port)
+        if roles:
+            spec = replace(spec, role=roles[i % len(roles)])
         out.append(spec.for_index(i).validate())
     return tuple(out)

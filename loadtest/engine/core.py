@@ -18,14 +18,27 @@ is free, the most recently admitted running request is preempted (its blocks fre
 progress recomputed later, usually from its own cached prefix) and nothing new is
 admitted that step. A step's duration comes from the GPU profile (profiles.py) times the
 slowdown factor; its tokens appear when it ends.
+
+Prefill/decode disaggregation (kv_transfer.py has the protocol) as vLLM's NIXL connector
+does it (vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py): a prefill step
+(`SimRequest.kv_hold`) that ends length-capped keeps its blocks pinned (`HeldKV`) until a
+decode step fetched them or `kv_hold_s` passed (request_finished's delay_free_blocks and
+VLLM_NIXL_ABORT_REQUEST_TIMEOUT); a decode step (`SimRequest.remote`, a claimed hold) is
+admitted like any request but, instead of computing its prompt, allocates the blocks its
+local prefix cache lacks and waits off the GPU for the transfer (vLLM's
+WAITING_FOR_REMOTE_KVS) of the missing tokens' KV over the link; then its prompt counts as
+computed but for the last token (vLLM recomputes it for the logits), the producer's pinned
+copy is released, and it queues at the head of the waiting line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-from collections import deque
-from collections.abc import Sequence
+import heapq
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,12 +50,39 @@ from loadtest.engine.tokenizer import TokenGenerator
 
 # Llama 3's <|eot_id|>: the id an answer ends with when the generator picks EOS.
 EOS_TOKEN_ID = 128_009
+# How many released or expired hold ids a producer remembers, to tell a decode step
+# "expired" or "already fetched" rather than "unknown".
+GONE_HOLDS_MAX = 8192
 
 
 class Status(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
+    # A decode step whose remote KV is on the wire (vLLM's WAITING_FOR_REMOTE_KVS).
+    TRANSFERRING = 3
+
+
+@dataclass(slots=True, eq=False)
+class HeldKV:
+    """A prefill step's KV, pinned on its engine for the decode step to fetch."""
+
+    request_id: str
+    block_ids: list[int]
+    prompt_ids: list[int]
+    expires_at: float
+    claimed: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class KVClaim:
+    """A decode step's hold on a remote prefill's KV. `release(now, fetched)` unpins the
+    producer's copy (after the transfer, or when the decode step ends without one)."""
+
+    engine_id: str
+    request_id: str
+    release: Callable[[float, bool], None]
+    done: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -78,6 +118,14 @@ class SimRequest:
     tail: tuple[int, int, int] = (-1, -1, -1)
     position: int = 0
     stop_window: str = ""
+    # Prefill/decode disaggregation (module docstring): pin the KV at a length-capped
+    # end (a prefill step), the blocks pinned, the remote KV a decode step fetches, and
+    # its transfer's size and landing time.
+    kv_hold: bool = False
+    held_block_ids: list[int] | None = None
+    remote: KVClaim | None = None
+    kv_transfer_bytes: int = 0
+    kv_ready_at: float | None = None
     # The driver's handle (e.g. an asyncio future to wake the HTTP handler).
     waiter: Any = None
 
@@ -109,6 +157,9 @@ class CoreConfig:
     # its end, so the simulated GPU keeps its pace; later than that, the next step starts
     # at `now`.
     max_lag_s: float = 0.05
+    # How long a prefill step's KV stays pinned, and the KV link's bytes per second.
+    kv_hold_s: float = 480.0
+    kv_link_bytes_per_s: float = 50e9
 
 
 @dataclass(slots=True)
@@ -152,6 +203,14 @@ class EngineCore:
         self._paused_until = 0.0
         self._prune = False
         self._events: list[KVEvent] = []
+        # Disaggregation: pinned prefill KV by request id, its expiry heap, ids lately
+        # released (-> why a fetch fails), and decode steps whose KV is on the wire.
+        self._holds: dict[str, HeldKV] = {}
+        self._hold_heap: list[tuple[float, int, str]] = []
+        self._gone: OrderedDict[str, str] = OrderedDict()
+        self._transfers: list[tuple[float, int, SimRequest]] = []
+        self._num_transferring = 0
+        self._seq = itertools.count()
         self.steps = 0
         self.busy_time = 0.0
 
@@ -162,7 +221,20 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        # vLLM counts a request waiting for its remote KV as waiting.
+        return len(self._waiting) + self._num_transferring
+
+    @property
+    def num_transferring(self) -> int:
+        return self._num_transferring
+
+    @property
+    def num_held_requests(self) -> int:
+        return len(self._holds)
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(h.block_ids) for h in self._holds.values())
 
     @property
     def paused(self) -> bool:
@@ -179,7 +251,10 @@ class EngineCore:
 
     def requests(self) -> list[SimRequest]:
         live = [r for r in self._running if r.status is Status.RUNNING]
-        return live + list(self._waiting)
+        return live + list(self._waiting) + self._in_transfer()
+
+    def _in_transfer(self) -> list[SimRequest]:
+        return [r for _, _, r in sorted(self._transfers) if r.status is Status.TRANSFERRING]
 
     # ---- inputs ------------------------------------------------------------------
     def submit(self, req: SimRequest, now: float) -> None:
@@ -242,10 +317,18 @@ class EngineCore:
         """The engine process dies and comes back empty; returns the requests it dropped."""
         dropped = [r for r in self._running if r.status is Status.RUNNING]
         dropped += list(self._waiting)
+        dropped += self._in_transfer()
         self._waiting.clear()
         for r in dropped:
             r.reset = True
             self._finish(r, "abort", now, record=False)
+        self._transfers = []
+        # Pinned prefill KV dies with the process: a decode step asking for it is refused.
+        for held in self._holds.values():
+            self.pool.free(held.block_ids)
+        self._holds.clear()
+        self._hold_heap = []
+        self._gone.clear()
         self._running = []
         self._batch = []
         self._batch_tokens = []
@@ -263,13 +346,190 @@ class EngineCore:
         self._events = []
         return events
 
+    # ---- disaggregation: the producer's side -------------------------------------
+    def held(self, request_id: str) -> HeldKV | None:
+        return self._holds.get(request_id)
+
+    def claim_hold(
+        self, request_id: str, block_ids: Sequence[int], prompt_ids: Sequence[int], now: float
+    ) -> HeldKV | str:
+        """A decode step asks for the KV of prefill `request_id`: the hold (now claimed:
+        it no longer expires) or why not: "unknown_request", "expired", "already_fetched",
+        "released" (its decode step ended before fetching) or "mismatch" (other blocks or
+        another prompt than the prefill's)."""
+        if self._expire_holds(now):
+            self._nudge(now)
+        held = self._holds.get(request_id)
+        if held is None:
+            return self._gone.get(request_id, "unknown_request")
+        if held.claimed:
+            return "already_fetched"
+        if held.block_ids != list(block_ids) or held.prompt_ids != list(prompt_ids):
+            return "mismatch"
+        held.claimed = True
+        return held
+
+    def release_hold(self, held: HeldKV, now: float, *, fetched: bool) -> None:
+        """Unpin a claimed hold: its blocks stay in the prefix cache as ordinary free ones."""
+        if self._holds.get(held.request_id) is not held:
+            return
+        del self._holds[held.request_id]
+        self.pool.free(held.block_ids)
+        self._remember(held.request_id, "already_fetched" if fetched else "released")
+        if fetched:
+            self.stats.kv_holds_fetched += 1
+        self._nudge(now)
+
+    def _hold(self, req: SimRequest, t: float) -> None:
+        old = self._holds.pop(req.request_id, None)
+        if old is not None:
+            # A second prefill step under the same id replaces the first.
+            self.pool.free(old.block_ids)
+        held = HeldKV(req.request_id, req.block_ids, req.prompt_ids, t + self.config.kv_hold_s)
+        self._holds[req.request_id] = held
+        self._gone.pop(req.request_id, None)
+        heapq.heappush(self._hold_heap, (held.expires_at, next(self._seq), req.request_id))
+        req.held_block_ids = list(req.block_ids)
+        self.stats.kv_prefill_steps += 1
+
+    def _remember(self, request_id: str, reason: str) -> None:
+        gone = self._gone
+        gone[request_id] = reason
+        gone.move_to_end(request_id)
+        if len(gone) > GONE_HOLDS_MAX:
+            gone.popitem(last=False)
+
+    def _expire_holds(self, now: float) -> bool:
+        """Unpin every unclaimed hold whose time is up; True when any was."""
+        heap = self._hold_heap
+        freed = False
+        while heap and heap[0][0] <= now:
+            at, _, rid = heapq.heappop(heap)
+            held = self._holds.get(rid)
+            if held is None or held.claimed or held.expires_at != at:
+                continue
+            del self._holds[rid]
+            self.pool.free(held.block_ids)
+            self._remember(rid, "expired")
+            self.stats.kv_holds_expired += 1
+            freed = True
+        return freed
+
+    def _next_hold_expiry(self) -> float | None:
+        heap = self._hold_heap
+        while heap:
+            at, _, rid = heap[0]
+            held = self._holds.get(rid)
+            if held is not None and not held.claimed and held.expires_at == at:
+                return at
+            heapq.heappop(heap)
+        return None
+
+    def _nudge(self, now: float) -> None:
+        """Blocks came free outside a step: an idle GPU with work waiting starts again."""
+        if (
+            self._finish_at is None
+            and self._wake_at is None
+            and self._paused_since is None
+            and self._waiting
+        ):
+            self._wake_at = now
+
+    # ---- disaggregation: the consumer's side -------------------------------------
+    def _start_transfer(self, req: SimRequest, start: float) -> bool:
+        """Admit decode step `req`: allocate the blocks its local prefix cache lacks and
+        put the missing tokens' KV on the wire. False when the blocks are not free."""
+        pool = self.pool
+        bs = self.block_size
+        n = len(req.token_ids)
+        hit: list[int] = []
+        if pool.caching:
+            max_hit = (n - 1) // bs
+            if len(req.block_hashes) < max_hit:
+                self._extend_hashes(req, max_hit)
+            hit = pool.cached_prefix(req.block_hashes[:max_hit])
+        need = (n + bs - 1) // bs - len(hit)
+        if need > pool.free_after_touch(hit):
+            return False
+        pool.touch(hit)
+        req.block_ids = hit + (pool.allocate(need) or [])
+        req.num_cached_blocks = len(hit)
+        local = len(hit) * bs
+        nbytes = (n - local) * self.profile.kv_bytes_per_token
+        req.kv_transfer_bytes = nbytes
+        req.kv_ready_at = start + nbytes / self.config.kv_link_bytes_per_s
+        req.status = Status.TRANSFERRING
+        self._num_transferring += 1
+        heapq.heappush(self._transfers, (req.kv_ready_at, next(self._seq), req))
+        stats = self.stats
+        stats.prefix_cache_queries += n
+        stats.prefix_cache_hits += local
+        if req.first_scheduled is None:
+            req.first_scheduled = start
+            stats.prompt_tokens_cached += local
+        return True
+
+    def _next_transfer(self) -> float | None:
+        heap = self._transfers
+        while heap:
+            if heap[0][2].status is Status.TRANSFERRING:
+                return heap[0][0]
+            heapq.heappop(heap)
+        return None
+
+    def _land_transfers(self, now: float) -> None:
+        """Transfers done by `now`: the prompt's KV is in place but for its last token."""
+        heap = self._transfers
+        landed: list[SimRequest] = []
+        bs = self.block_size
+        stats = self.stats
+        while heap and heap[0][0] <= now:
+            ready, _, req = heapq.heappop(heap)
+            if req.status is not Status.TRANSFERRING:
+                continue
+            self._num_transferring -= 1
+            n = len(req.token_ids)
+            req.num_computed = n - 1
+            if self.pool.caching:
+                full = (n - 1) // bs
+                if full > req.num_cached_blocks:
+                    if len(req.block_hashes) < full:
+                        self._extend_hashes(req, full)
+                    self.pool.cache_blocks(
+                        req.block_ids, req.block_hashes, req.token_ids, req.num_cached_blocks, full
+                    )
+                    req.num_cached_blocks = full
+            req.cached_tokens = n - 1
+            req.status = Status.WAITING
+            claim = req.remote
+            if claim is not None and not claim.done:
+                claim.done = True
+                claim.release(ready, True)
+            seconds = req.kv_transfer_bytes / self.config.kv_link_bytes_per_s
+            stats.kv_remote_decode_steps += 1
+            stats.kv_transfer_bytes += req.kv_transfer_bytes
+            stats.kv_transfer_seconds += seconds
+            stats.nixl_xfer_time.observe(seconds)
+            stats.nixl_bytes_transferred.observe(req.kv_transfer_bytes)
+            landed.append(req)
+        self._waiting.extendleft(reversed(landed))
+
     # ---- time --------------------------------------------------------------------
     def next_event_time(self) -> float | None:
         if self._paused_since is not None:
             return self._paused_until if self._paused_until != float("inf") else None
         if self._finish_at is not None:
             return self._finish_at
-        return self._wake_at
+        t = self._wake_at
+        if self._transfers:
+            r = self._next_transfer()
+            if r is not None and (t is None or r < t):
+                t = r
+        if self._hold_heap:
+            e = self._next_hold_expiry()
+            if e is not None and (t is None or e < t):
+                t = e
+        return t
 
     def step(self, now: float) -> StepResult:
         updated: list[SimRequest] = []
@@ -292,6 +552,10 @@ class EngineCore:
             self._last_finish = finish
             start = finish if now - finish <= self.config.max_lag_s else now
         self._wake_at = None
+        if self._hold_heap:
+            self._expire_holds(now)
+        if self._transfers:
+            self._land_transfers(start)
         started = False
         if self._waiting or self._running:
             started = self._schedule(start)
@@ -362,6 +626,33 @@ class EngineCore:
             stats = self.stats
             while waiting and budget > 0 and len(running) < self.max_num_seqs:
                 req = waiting[0]
+                if req.remote is not None and req.kv_ready_at is None:
+                    # A decode step: its prompt's KV comes over the wire, off the GPU.
+                    if not self._start_transfer(req, start):
+                        break
+                    waiting.popleft()
+                    continue
+                if req.block_ids:
+                    # Its remote KV landed: only the prompt's last token is left to compute.
+                    computed = req.num_computed
+                    n = len(req.token_ids) - computed
+                    if n > budget:
+                        n = budget
+                    need = (computed + n + bs - 1) // bs - len(req.block_ids)
+                    if need > pool.num_free:
+                        break
+                    waiting.popleft()
+                    if need > 0:
+                        req.block_ids.extend(pool.allocate(need) or ())
+                    req.status = Status.RUNNING
+                    running.append(req)
+                    batch.append(req)
+                    batch_tokens.append(n)
+                    budget -= n
+                    tokens += n
+                    kv_read += computed + n
+                    pairs += n * computed + n * (n + 1) / 2
+                    continue
                 num_tokens = len(req.token_ids)
                 hit: list[int] = []
                 if caching:
@@ -397,7 +688,9 @@ class EngineCore:
                 pairs += n * cached + n * (n + 1) / 2
         if not batch:
             # Everything running was preempted this step; admit again on the next call.
-            self._wake_at = start if self._waiting else None
+            # (Otherwise the head of the line waits for blocks pinned by KV holds or
+            # transfers: their expiry, release or landing wakes the core.)
+            self._wake_at = start if self._waiting and preempted else None
             return False
         duration = self.profile.step_time(len(batch), tokens, pairs, kv_read) * self.slowdown
         self._batch = batch
@@ -478,12 +771,23 @@ class EngineCore:
 
     def _finish(self, req: SimRequest, reason: str, t: float, *, record: bool = True) -> None:
         was_running = req.status is Status.RUNNING
+        if req.status is Status.TRANSFERRING:
+            self._num_transferring -= 1
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finish_time = t
         if req.block_ids:
-            self.pool.free(req.block_ids)
+            if req.kv_hold and reason == "length" and record:
+                # vLLM pins a prefill step's blocks only when it ended length-capped.
+                self._hold(req, t)
+            else:
+                self.pool.free(req.block_ids)
             req.block_ids = []
+        claim = req.remote
+        if claim is not None and not claim.done:
+            # Ended before its KV landed: the producer need not keep it (vLLM notifies it).
+            claim.done = True
+            claim.release(t, False)
         if was_running:
             self._prune = True
         if not record:

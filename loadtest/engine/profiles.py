@@ -143,6 +143,8 @@ class EngineProfile:
     price_per_gpu_hour: float
     max_num_batched_tokens: int
     max_num_seqs: int
+    # KV bytes one token occupies (K and V, every layer): what a KV transfer moves.
+    kv_bytes_per_token: int = LLAMA_3_8B.kv_bytes_per_token
 
     def step_time(
         self, num_seqs: int, tokens: int, attn_pairs: float, kv_tokens_read: int
@@ -195,6 +197,7 @@ def derive_profile(
         price_per_gpu_hour=gpu.price_per_gpu_hour,
         max_num_batched_tokens=gpu.max_num_batched_tokens,
         max_num_seqs=gpu.max_num_seqs,
+        kv_bytes_per_token=model.kv_bytes_per_token,
     )
 
 

@@ -4,18 +4,29 @@ request parsing, scheduler core (core.py's timing model) and fault state.
 The two drivers build their engines here, so they run one implementation: `SimEngine`
 (server.py) in real time behind an HTTP socket, `VirtualEngine` (virtual.py) on a virtual
 clock with no socket. Neither copies the step model, the request parsing or the way a
-fault reaches the GPU; each only supplies time and I/O.
+fault reaches the GPU; each only supplies time and I/O. Prefill/decode roles and the KV
+fetch of a decode step (kv_transfer.py) are decided here too, at the door.
 """
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from loadtest.engine import api
-from loadtest.engine.config import EngineSpec
-from loadtest.engine.core import CoreConfig, EngineCore, SimRequest
+from loadtest.engine.config import ROLES, EngineSpec
+from loadtest.engine.core import CoreConfig, EngineCore, KVClaim, RequestRejected, SimRequest
 from loadtest.engine.faults import FaultSpec, FaultState
+from loadtest.engine.kv_transfer import (
+    FETCH_FAILED_STATUS,
+    FETCH_FAILED_TYPE,
+    ROLE_REFUSED_STATUS,
+    FetchRefused,
+    KVTransferFabric,
+    prefill_answer_params,
+)
 from loadtest.engine.profiles import EngineProfile, get_profile
 from loadtest.engine.tokenizer import TokenGenerator, Tokenizer, load_tokenizer
 
@@ -62,11 +73,96 @@ class EngineReplica:
                 enable_prefix_caching=spec.enable_prefix_caching,
                 hash_seed=spec.hash_seed,
                 max_lag_s=max_lag_s,
+                kv_hold_s=spec.kv_hold_s,
+                kv_link_bytes_per_s=spec.kv_link_gbps * 1e9,
             ),
             self.generator,
         )
         self.faults = FaultState()
         self.ctx = api.ApiContext(spec.model, self.tokenizer, spec.max_model_len, spec.seed)
+        self.role = spec.role
+        self.kv_role = ROLES[spec.role]
+        self.kv_engine_id = spec.kv_engine_id or str(uuid.uuid4())
+        self.fabric: KVTransferFabric | None = None
+
+    # ---- disaggregation ------------------------------------------------------------
+    def connect(
+        self,
+        fabric: KVTransferFabric,
+        *,
+        clock: Callable[[], float] | None = None,
+        wake: Callable[[], None] | None = None,
+    ) -> None:
+        """Join `fabric`: decode steps anywhere on it can fetch this engine's pinned KV,
+        and this engine's decode steps fetch from its engines."""
+        self.fabric = fabric
+        fabric.register(self.kv_engine_id, self.core, clock=clock, wake=wake)
+
+    def disconnect(self) -> None:
+        if self.fabric is not None:
+            self.fabric.unregister(self.kv_engine_id, self.core)
+
+    def submit(self, parsed: api.ParsedRequest, request_id: str, now: float) -> SimRequest:
+        """The request into the scheduler at `now`, or api.ApiError (a step the role does
+        not serve, a KV fetch refused) or core.RequestRejected."""
+        req = self.new_request(parsed, request_id)
+        kv = parsed.kv_transfer
+        if kv is not None and kv.do_remote_decode:
+            if self.role == "decode":
+                raise self._role_refusal("prefill", "do_remote_decode")
+            req.kv_hold = True
+        elif kv is not None and kv.do_remote_prefill:
+            if self.role == "prefill":
+                raise self._role_refusal("decode", "do_remote_prefill")
+            self._claim(req, kv, now)
+        try:
+            self.core.submit(req, now)
+        except RequestRejected:
+            claim = req.remote
+            if claim is not None:
+                claim.done = True
+                claim.release(now, False)
+            raise
+        return req
+
+    def _role_refusal(self, step: str, flag: str) -> api.ApiError:
+        return api.ApiError(
+            ROLE_REFUSED_STATUS,
+            f"This engine's kv_role is {self.kv_role} (role {self.role}): it does not serve "
+            f"{step} steps (kv_transfer_params.{flag}). Send it to a {step} or both engine.",
+            api.KV_PARAMS,
+        )
+
+    def _claim(self, req: SimRequest, kv: api.KVTransferParams, now: float) -> None:
+        engine_id = kv.remote_engine_id or ""
+        # NIXL connector version 1 had no remote_request_id: both steps share an id.
+        rid = kv.remote_request_id or req.request_id
+        try:
+            if self.fabric is None:
+                raise FetchRefused("unknown_engine", engine_id, rid)
+            held = self.fabric.claim(engine_id, rid, kv.remote_block_ids, req.prompt_ids, now)
+        except FetchRefused as exc:
+            refused = self.core.stats.kv_fetch_refused
+            refused[exc.reason] = refused.get(exc.reason, 0) + 1
+            if self.spec.kv_load_failure_policy == "recompute":
+                return  # served whole: the prompt is computed here
+            raise api.ApiError(
+                FETCH_FAILED_STATUS, str(exc), api.KV_PARAMS, err_type=FETCH_FAILED_TYPE
+            ) from None
+        fabric = self.fabric
+
+        def release(t: float, fetched: bool) -> None:
+            fabric.release(engine_id, held, t, fetched)
+
+        req.remote = KVClaim(engine_id, rid, release)
+
+    def transfer_params(self, req: SimRequest, host: str, port: int) -> dict[str, Any] | None:
+        """A finished prefill step's `kv_transfer_params` (None: nothing was pinned)."""
+        if req.held_block_ids is None:
+            return None
+        return prefill_answer_params(
+            req.held_block_ids, self.kv_engine_id, req.request_id, host, port
+        )
 
     def parse(self, kind: api.RequestKind, body: Any) -> api.ParsedRequest:
         """A decoded JSON body -> ParsedRequest, or api.ApiError (400/404) as vLLM answers."""

@@ -14,6 +14,9 @@ Routes (vLLM's, vllm/entrypoints/openai/api_server.py): POST /v1/completions,
 POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics, GET /version,
 POST /tokenize, POST /detokenize. Simulator-only: POST /admin/fault (a fault or a list,
 see faults.py), DELETE /admin/fault (clear all), GET /admin/state.
+
+Prefill/decode disaggregation (kv_transfer.py): the engine joins a KV transfer fabric
+(the process-wide one unless given another) while it runs, under its engine id.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from loadtest.engine.config import EngineSpec
 from loadtest.engine.core import RequestRejected, SimRequest, StepResult
 from loadtest.engine.faults import FaultError, FaultSpec, FaultState, parse_fault
 from loadtest.engine.kv_events import ZmqEventPublisher
+from loadtest.engine.kv_transfer import DEFAULT_FABRIC, KVTransferFabric
 from loadtest.engine.replica import EngineReplica
 from loadtest.engine.tokenizer import Tokenizer
 
@@ -75,6 +79,7 @@ class SimEngine:
         index: int = 0,
         host: str = "127.0.0.1",
         tokenizer: Tokenizer | None = None,
+        fabric: KVTransferFabric | None = None,
     ) -> None:
         # Tolerate 20 ms of wall-clock lateness before the GPU loses time.
         self.replica = EngineReplica(
@@ -92,6 +97,7 @@ class SimEngine:
         self.faults = self.replica.faults
         self.ctx = self.replica.ctx
         self.port = spec.port
+        self.fabric = fabric if fabric is not None else DEFAULT_FABRIC
         self.publisher: ZmqEventPublisher | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._t0 = 0.0
@@ -144,6 +150,7 @@ class SimEngine:
         await self._runner.setup()
         self._placeholder = _bind(self.host, self.port)
         self.port = self._placeholder.getsockname()[1]
+        self.replica.connect(self.fabric, clock=self.sim_now, wake=self._kick)
         spec = self.spec
         if spec.kv_events_endpoint:
             self.publisher = ZmqEventPublisher(
@@ -162,6 +169,7 @@ class SimEngine:
 
     async def stop(self) -> None:
         self._closing = True
+        self.replica.disconnect()
         for h in self._timers:
             h.cancel()
         self._timers.clear()
@@ -361,9 +369,11 @@ class SimEngine:
             return web.Response(status=500)
 
     @staticmethod
-    def _error(status: int, message: str, param: str | None = None) -> web.Response:
+    def _error(
+        status: int, message: str, param: str | None = None, err_type: str | None = None
+    ) -> web.Response:
         return web.Response(
-            text=api.dumps(api.error_body(status, message, param)),
+            text=api.dumps(api.error_body(status, message, param, err_type)),
             status=status,
             content_type="application/json",
         )
@@ -389,9 +399,10 @@ class SimEngine:
         except api.ApiError as exc:
             return self._error(exc.status, exc.message, exc.param)
         rid = api.request_id(kind, request.headers.get("X-Request-Id"))
-        req = self.replica.new_request(parsed, rid)
         try:
-            self.core.submit(req, self.sim_now())
+            req = self.replica.submit(parsed, rid, self.sim_now())
+        except api.ApiError as exc:
+            return self._error(exc.status, exc.message, exc.param, exc.err_type)
         except RequestRejected as exc:
             return self._error(400, str(exc))
         self._kick()
@@ -441,6 +452,9 @@ class SimEngine:
             req.stop_reason,
             self.usage(req),
         )
+        if parsed.kv_transfer is not None:
+            # vLLM's responses carry the field (null but for a prefill step's answer).
+            doc[api.KV_PARAMS] = self.replica.transfer_params(req, self.host, self.port)
         resp = web.Response(text=api.dumps(doc), content_type="application/json")
         fmt = request.headers.get("endpoint-load-metrics-format")
         if fmt:
@@ -505,6 +519,8 @@ class SimEngine:
             "price_per_gpu_hour": str(self.profile.price_per_gpu_hour),
             "time_scale": str(self.time_scale),
             "name": self.name,
+            "kv_role": self.replica.kv_role,
+            "kv_engine_id": self.replica.kv_engine_id,
         }
         return render_metrics(
             core.stats,
@@ -516,6 +532,8 @@ class SimEngine:
             kv_cache_usage=core.kv_usage(),
             cache_config=cache_config,
             extra_info=extra,
+            kv_held_requests=core.num_held_requests,
+            kv_held_blocks=core.num_held_blocks,
         )
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
@@ -590,6 +608,12 @@ class SimEngine:
             "loading": self.faults.loading(now),
             "listening": self._server is not None,
             "faults": self.faults.describe(),
+            "role": self.replica.role,
+            "kv_role": self.replica.kv_role,
+            "kv_engine_id": self.replica.kv_engine_id,
+            "kv_held_requests": core.num_held_requests,
+            "kv_held_blocks": core.num_held_blocks,
+            "kv_transferring": core.num_transferring,
             "kv_events": None
             if pub is None
             else {

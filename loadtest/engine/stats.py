@@ -6,6 +6,13 @@ v1's own, from vllm/v1/metrics/loggers.py (PrometheusStatLogger) as served by vL
 `_total` suffix and a `_created` sample, as prometheus_client writes them. The text is
 written by hand (Prometheus text format 0.0.4): 16 engines with a registry each would cost
 more than the few string joins here. Values are in simulated seconds.
+
+Prefill/decode disaggregation: the KV transfers a decode engine made use the NIXL
+connector's histograms (vllm:nixl_xfer_time_seconds, vllm:nixl_bytes_transferred, from
+vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py: NixlPromMetrics); what
+vLLM does not count (prefill steps whose KV was pinned, holds fetched or expired, fetches
+refused, bytes and seconds in total, the pinned blocks, the engine's kv_role) is
+simulator-only, under `meshd_sim:`.
 """
 
 from __future__ import annotations
@@ -102,6 +109,32 @@ ITERATION_TOKENS_BUCKETS: Final = (
 )
 # vllm/v1/engine/__init__.py FINISH_REASON_STRINGS; every one is pre-created as vLLM does.
 FINISH_REASONS: Final = ("stop", "length", "abort", "error", "repetition")
+# NixlPromMetrics' buckets: transfer time (its first bound dropped, as vLLM does) and
+# bytes (2 KiB to 8 GiB by factors of 4).
+NIXL_XFER_TIME_BUCKETS: Final = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    5.0,
+)
+NIXL_BYTES_BUCKETS: Final = tuple(2 ** (10 + i) for i in range(1, 25, 2))
+# Why a decode step's KV fetch was refused (kv_transfer.py), each pre-created.
+KV_FETCH_REFUSALS: Final = (
+    "unknown_engine",
+    "unknown_request",
+    "expired",
+    "already_fetched",
+    "released",
+    "mismatch",
+)
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[float, ...]:
@@ -144,7 +177,16 @@ class EngineStats:
         "inference_time",
         "iteration_tokens",
         "itl",
+        "kv_fetch_refused",
+        "kv_holds_expired",
+        "kv_holds_fetched",
+        "kv_prefill_steps",
+        "kv_remote_decode_steps",
+        "kv_transfer_bytes",
+        "kv_transfer_seconds",
         "max_tokens_param",
+        "nixl_bytes_transferred",
+        "nixl_xfer_time",
         "num_preemptions",
         "prefill_time",
         "prefix_cache_hits",
@@ -179,6 +221,15 @@ class EngineStats:
         self.request_generation_tokens = Histogram(tokens)
         self.max_tokens_param = Histogram(tokens)
         self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
+        self.kv_prefill_steps = 0
+        self.kv_holds_fetched = 0
+        self.kv_holds_expired = 0
+        self.kv_remote_decode_steps = 0
+        self.kv_transfer_bytes = 0
+        self.kv_transfer_seconds = 0.0
+        self.kv_fetch_refused = dict.fromkeys(KV_FETCH_REFUSALS, 0)
+        self.nixl_xfer_time = Histogram(NIXL_XFER_TIME_BUCKETS)
+        self.nixl_bytes_transferred = Histogram(NIXL_BYTES_BUCKETS)
 
 
 # (name without _total, help, EngineStats attribute) in vLLM's registration order.
@@ -243,6 +294,51 @@ _HISTOGRAMS: Final = (
         "decode_time",
     ),
 )
+_NIXL_HISTOGRAMS: Final = (
+    (
+        "vllm:nixl_xfer_time_seconds",
+        "Histogram of transfer duration for NIXL KV Cache transfers.",
+        "nixl_xfer_time",
+    ),
+    (
+        "vllm:nixl_bytes_transferred",
+        "Histogram of bytes transferred per NIXL KV Cache transfers.",
+        "nixl_bytes_transferred",
+    ),
+)
+# Simulator-only disaggregation counters (no vLLM twin).
+_SIM_KV_COUNTERS: Final = (
+    (
+        "meshd_sim:kv_prefill_steps",
+        "Prefill steps (kv_transfer_params.do_remote_decode) whose KV was pinned.",
+        "kv_prefill_steps",
+    ),
+    (
+        "meshd_sim:kv_holds_fetched",
+        "Pinned prefill KV fetched by a decode step and released.",
+        "kv_holds_fetched",
+    ),
+    (
+        "meshd_sim:kv_holds_expired",
+        "Pinned prefill KV released unfetched after kv_hold_s.",
+        "kv_holds_expired",
+    ),
+    (
+        "meshd_sim:kv_remote_decode_steps",
+        "Decode steps (kv_transfer_params.do_remote_prefill) whose KV came from a remote engine.",
+        "kv_remote_decode_steps",
+    ),
+    (
+        "meshd_sim:kv_transfer_bytes",
+        "KV bytes fetched from remote prefill engines.",
+        "kv_transfer_bytes",
+    ),
+    (
+        "meshd_sim:kv_transfer_seconds",
+        "Seconds spent fetching KV from remote prefill engines.",
+        "kv_transfer_seconds",
+    ),
+)
 
 
 def _escape(v: str) -> str:
@@ -265,6 +361,8 @@ def render_metrics(
     kv_cache_usage: float,
     cache_config: Mapping[str, str],
     extra_info: Mapping[str, str] | None = None,
+    kv_held_requests: int = 0,
+    kv_held_blocks: int = 0,
 ) -> str:
     """Prometheus text for one engine, laid out as prometheus_client lays it out."""
     fmt = floatToGoString
@@ -304,22 +402,44 @@ def render_metrics(
     for lab, value in zip(label_sets, stats.request_success.values(), strict=True):
         w(f"{name}_total{{{lab}}} {fmt(value)}\n")
     created_family(name, help_, label_sets)
-    for metric, help_, attr in _HISTOGRAMS:
-        h: Histogram = getattr(stats, attr)
-        family(metric, "histogram", help_)
-        acc = 0
-        for bound, n in zip(h.bounds, h.counts, strict=False):
-            acc += n
-            w(f"{metric}_bucket{{{_labels({**ident, 'le': fmt(bound)})}}} {fmt(acc)}\n")
-        w(
-            f"{metric}_bucket{{{_labels({**ident, 'le': '+Inf'})}}} {fmt(h.count)}\n"
-            f"{metric}_count{{{base}}} {fmt(h.count)}\n"
-            f"{metric}_sum{{{base}}} {fmt(h.sum)}\n"
-        )
-        created_family(metric, help_, (base,))
+
+    def histograms(table: Sequence[tuple[str, str, str]]) -> None:
+        for metric, help_, attr in table:
+            h: Histogram = getattr(stats, attr)
+            family(metric, "histogram", help_)
+            acc = 0
+            for bound, n in zip(h.bounds, h.counts, strict=False):
+                acc += n
+                w(f"{metric}_bucket{{{_labels({**ident, 'le': fmt(bound)})}}} {fmt(acc)}\n")
+            w(
+                f"{metric}_bucket{{{_labels({**ident, 'le': '+Inf'})}}} {fmt(h.count)}\n"
+                f"{metric}_count{{{base}}} {fmt(h.count)}\n"
+                f"{metric}_sum{{{base}}} {fmt(h.sum)}\n"
+            )
+            created_family(metric, help_, (base,))
+
+    histograms(_HISTOGRAMS)
     # vLLM's info gauges: labels from CacheConfig.metrics_info() plus `engine`.
     info = _labels({**cache_config, "engine": engine})
     gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1.0, info)
+    histograms(_NIXL_HISTOGRAMS)
+    for metric, help_, attr in _SIM_KV_COUNTERS:
+        family(f"{metric}_total", "counter", help_)
+        w(f"{metric}_total{{{base}}} {fmt(getattr(stats, attr))}\n")
+    name = "meshd_sim:kv_fetch_refused"
+    family(
+        f"{name}_total",
+        "counter",
+        "Decode steps refused (or recomputed) because their remote KV could not be fetched.",
+    )
+    for reason, value in stats.kv_fetch_refused.items():
+        w(f"{name}_total{{{_labels({**ident, 'reason': reason})}}} {fmt(value)}\n")
+    gauge(
+        "meshd_sim:kv_held_requests",
+        "Prefill steps whose KV is pinned for a decode step.",
+        kv_held_requests,
+    )
+    gauge("meshd_sim:kv_held_blocks", "KV blocks pinned for decode steps.", kv_held_blocks)
     if extra_info:
         gauge(
             "meshd_sim:engine_info",

@@ -16,6 +16,10 @@ would have been reset (an injected crash after N tokens, or a restart); the HTTP
 does the same through its SSE sink. A virtual clock is never late, so steps start exactly
 when the previous one ends (CoreConfig.max_lag_s = 0) and a 1,000-engine fleet costs only
 the steps it runs.
+
+Prefill/decode disaggregation (kv_transfer.py): the fleet's engines share one KV transfer
+fabric on the fleet's clock; `VirtualEngine.transfer_params(req)` is what a finished
+prefill step's answer carries.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from loadtest.engine.config import EngineSpec
 from loadtest.engine.core import EngineCore, RequestRejected, SimRequest
 from loadtest.engine.faults import ColdStartMode, FaultSpec
 from loadtest.engine.kv_events import KVEvent
+from loadtest.engine.kv_transfer import KVTransferFabric
 from loadtest.engine.replica import EngineReplica, Refusal
 from loadtest.engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -116,14 +121,20 @@ class VirtualEngine:
             return Refused(400, f"the request body is not valid JSON: {exc}")
         except api.ApiError as exc:
             return Refused(exc.status, exc.message)
-        req = rep.new_request(parsed, api.request_id(kind, request_id))
         try:
-            rep.core.submit(req, now)
+            req = rep.submit(parsed, api.request_id(kind, request_id), now)
+        except api.ApiError as exc:
+            return Refused(exc.status, exc.message)
         except RequestRejected as exc:
             return Refused(400, str(exc))
         self._streams[req] = stream
         self._fleet._reschedule(self)
         return Accepted(req)
+
+    def transfer_params(self, req: SimRequest) -> dict[str, Any] | None:
+        """A finished prefill step's `kv_transfer_params` (None: nothing was pinned); the
+        host is "virtual" and the port the engine's index."""
+        return self.replica.transfer_params(req, "virtual", self.index)
 
     def abort(self, req: SimRequest, now: float) -> None:
         """The client went away (timeout, cancel)."""
@@ -193,6 +204,7 @@ class VirtualFleet:
         self._heap: list[tuple[float, int, int, FaultSpec | None]] = []
         self._seq = itertools.count()
         self.kv_event_sink = kv_event_sink
+        self.fabric = KVTransferFabric()
         self.now = 0.0
         self.steps = 0
         for i, spec in enumerate(specs):
@@ -201,6 +213,7 @@ class VirtualFleet:
                 tok = tokenizers[spec.tokenizer] = load_tokenizer(spec.tokenizer)
             engine = VirtualEngine(EngineReplica(spec, index=i, tokenizer=tok), self)
             self.engines.append(engine)
+            engine.replica.connect(self.fabric, wake=self._waker(engine))
             if spec.cold_start_s > 0:
                 mode: ColdStartMode = (
                     "unavailable" if spec.cold_start_mode == "unavailable" else "refuse"
@@ -261,6 +274,9 @@ class VirtualFleet:
         while (t := self.next_event_time()) is not None and t <= horizon:
             self.run_next()
         self.now = max(self.now, horizon)
+
+    def _waker(self, engine: VirtualEngine) -> Callable[[], None]:
+        return lambda: self._reschedule(engine)
 
     def _reschedule(self, engine: VirtualEngine) -> None:
         t = engine.replica.core.next_event_time()
