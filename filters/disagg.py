@@ -64,13 +64,13 @@ def decide_split(
     *,
     min_prefill_tokens: int,
     kv_bytes_per_token: int,
-    kv_link_gbps: float,
+    kv_link_gb_per_s: float,
     prefill_available: bool = True,
 ) -> Split:
     """Split a request of `prompt_tokens` whose best prefill engine holds `cached_tokens` of
     it? (The module's docstring has the rule.)"""
     uncached = max(0, prompt_tokens - int(cached_tokens or 0))
-    transfer_s = prompt_tokens * kv_bytes_per_token / (kv_link_gbps * 1e9)
+    transfer_s = prompt_tokens * kv_bytes_per_token / (kv_link_gb_per_s * 1e9)
     if not prefill_available:
         return Split(False, "no-prefill-engine", uncached, transfer_s)
     if uncached < min_prefill_tokens:

@@ -26,7 +26,7 @@ pools:
                                # pool cannot serve a request in time, the next one does
     max_cost_usd: null         # predicted $ over which a request goes to the first fallback
     role: both                 # or prefill (runs decode pools' prefill steps), or decode:
-    disaggregation: null       # {prefill_pool: p, min_prefill_tokens: 256, kv_link_gbps: 25,
+    disaggregation: null       # {prefill_pool: p, min_prefill_tokens: 256, kv_link_gb_per_s: 50,
                                #  kv_bytes_per_token: 131072} for a decode pool
     autoscaling:               # meshd_pool_desired_replicas (docs/autoscaling.md)
       slo_ttft_s: null         # the TTFT p90 to keep (null: demand and queue alone)

@@ -135,8 +135,9 @@ class Disaggregation(_Strict):
     # Uncached prompt tokens (the prefill pool's predicted prefix hit taken off) under which
     # a request is served whole on the decode pool: a short prefill is not worth a transfer.
     min_prefill_tokens: int = Field(default=256, ge=0)
-    # The KV link between the two pools' engines (NIXL over RDMA: tens of GB/s).
-    kv_link_gbps: float = Field(default=25.0, gt=0)
+    # The KV link between the two pools' engines, in gigaBYTES per second (one 400 Gb/s
+    # RDMA NIC per GPU, as on a DGX H100, moves 50 GB/s).
+    kv_link_gb_per_s: float = Field(default=50.0, gt=0)
     # KV bytes one token occupies (Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 x 2 x 2).
     kv_bytes_per_token: int = Field(default=131_072, ge=1)
 

@@ -67,7 +67,7 @@ class Disaggregator:
             screened[0].cached_tokens if screened else None,
             min_prefill_tokens=cfg.min_prefill_tokens,
             kv_bytes_per_token=cfg.kv_bytes_per_token,
-            kv_link_gbps=cfg.kv_link_gbps,
+            kv_link_gb_per_s=cfg.kv_link_gb_per_s,
             prefill_available=bool(screened),
         )
         ctx.pd = split
@@ -151,12 +151,13 @@ class Disaggregator:
 
 
 def kv_fetch_failed(status: int, body: bytes) -> bool:
-    """Did a decode step fail because its KV could not be fetched? (Then the request is
-    retried whole.)"""
-    if status < 400:
-        return False
-    text = body[:4096].lower()
-    return b"kv" in text and (b"transfer" in text or b"fetch" in text or b"load" in text)
+    """Did a decode step fail because its KV could not be fetched? Then it is retried whole
+    (a fresh prefill where it decodes). The simulator says so exactly (410, error type
+    KVTransferError); a real vLLM ends such a request with an internal error, so a 5xx
+    from a decode step counts too. Other 4xx are the client's to see."""
+    if status == 410 or status >= 500:
+        return True
+    return status >= 400 and b'"kvtransfererror"' in body[:4096].lower()
 
 
 def whole_body(ctx: RequestContext) -> bytes:

@@ -69,16 +69,13 @@ class PDEngine(Backend):
             held = (params.get("remote_block_ids") or [""])[0]
             if self.fabric.pop(held, None) is None:
                 self.requests.append(_seen(request, body))
-                return web.json_response(
-                    {
-                        "error": {
-                            "message": f"KV transfer failed: blocks {held} not found",
-                            "type": "KVTransferError",
-                            "code": 503,
-                        }
-                    },
-                    status=503,
-                )
+                error = {  # the simulator's refusal (loadtest/engine: kv_transfer)
+                    "message": f"KV transfer failed (unknown_request): {held}",
+                    "type": "KVTransferError",
+                    "param": "kv_transfer_params",
+                    "code": 410,
+                }
+                return web.json_response({"error": error}, status=410)
         return await self._replay(request, raw)
 
     async def _replay(self, request: web.Request, raw: bytes) -> web.StreamResponse:
@@ -264,3 +261,22 @@ async def test_no_model_is_routed_to_a_prefill_pool(
     s = await sidecar(cfg)
     status, raw = await post(s, ask("hi"))
     assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "lost"),
+    [
+        (410, b'{"error":{"type":"KVTransferError"}}', True),  # the simulator
+        (500, b'{"error":{"message":"internal"}}', True),  # a real vLLM's failed load
+        (400, b'{"error":{"type":"KVTransferError","code":400}}', True),
+        (400, b'{"error":{"message":"bad kv_transfer_params","type":"BadRequestError"}}', False),
+        (404, b"not found", False),
+        (200, b"{}", False),
+    ],
+)
+def test_which_decode_refusals_mean_the_kv_was_not_fetched(
+    status: int, body: bytes, lost: bool
+) -> None:
+    from meshd.disagg import kv_fetch_failed
+
+    assert kv_fetch_failed(status, body) is lost
