@@ -192,6 +192,14 @@ class VllmInstance:
             "log": str(self.log_path),
         }
 
+    def kill(self) -> None:
+        """SIGKILL the API server and its processes (the engine core), as a killed pod."""
+        pids = [self.proc.pid, *_children(self.proc.pid)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+
     def stop(self, timeout_s: float = 15.0) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -200,6 +208,28 @@ class VllmInstance:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of `pid` (Linux /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces, so split after its ')'.
+        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out: list[int] = []
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == parent]
+        out += kids
+        frontier += kids
+    return out
 
 
 def start_instance(
