@@ -118,10 +118,14 @@ class Fallbacks:
             plane.metrics.retry_budget_exhausted.labels(source).inc()
             return False
         inference = ctx.inference
-        if target.model is not None and inference is not None and inference.doc is not None:
-            doc = {**inference.doc, "model": target.model}
-            ctx.body = _encoder.encode(doc)
-            ctx.inference = dataclasses.replace(inference, model=target.model, doc=doc)
+        if inference is not None and inference.doc is not None:
+            if target.model is not None:
+                doc = {**inference.doc, "model": target.model}
+                ctx.body = _encoder.encode(doc)
+                ctx.inference = dataclasses.replace(inference, model=target.model, doc=doc)
+            elif ctx.pd_params is not None:  # a decode step's body: the request as it came
+                ctx.body = _encoder.encode(inference.doc)
+        ctx.pd = ctx.pd_params = None
         ctx.pool = target.pool
         ctx.tried = set()
         ctx.cache = None  # the answer is another pool's (model's): not this key's to store

@@ -280,3 +280,20 @@ def test_which_decode_refusals_mean_the_kv_was_not_fetched(
     from meshd.disagg import kv_fetch_failed
 
     assert kv_fetch_failed(status, body) is lost
+
+
+async def test_a_decode_pool_that_fails_falls_back_with_the_request_as_it_came(
+    engines: Callable[[str], Awaitable[PDEngine]], sidecar: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    p, spare = await engines("p0"), await engines("spare")
+    cfg = pd_config([p.url], [dead_url()])
+    pools = [pool.model_dump() for pool in cfg.pools]
+    pools[1]["fallbacks"] = [{"pool": "spare"}]
+    pools[1]["models"] = ["tiny"]
+    pools.append({"name": "spare", "models": ["other"], "endpoints": [{"url": spare.url}]})
+    s = await sidecar(sidecar_config([p.url], pools=pools))
+    status, _ = await post(s, ask())
+    assert status == 200 and len(p.requests) == 1  # split, then the decode pool failed
+    (moved,) = spare.requests
+    assert moved.body is not None and "kv_transfer_params" not in moved.body
+    assert moved.body["max_tokens"] == 4 and moved.body["model"] == "tiny"
