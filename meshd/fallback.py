@@ -95,7 +95,10 @@ class Fallbacks:
         run: Callable[[HttpRequest, RequestContext], Awaitable[Reply | None]],
     ) -> Reply | None:
         """`run` on the request's pool, then on its fallbacks while each cannot serve it."""
-        chain = list(self.chains.get(ctx.pool, ()))
+        links = self.chains.get(ctx.pool)
+        if links is None:
+            return await run(req, ctx)  # no chain: nothing held, nothing to decide
+        chain = list(links)
         while True:
             ctx.hold_refusal = bool(chain)
             try:
