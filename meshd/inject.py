@@ -50,11 +50,13 @@ from meshd.inject_containers import (
     ANNOTATION_CONFIG,
     CONFIG_VOLUME,
     INIT_NAME,
+    MTLS_VOLUME,
     OUR_CONTAINERS,
     PROXY_NAME,
     agent_container,
     config_volume,
     init_container,
+    mtls_volume,
     proxy_container,
 )
 
@@ -200,8 +202,9 @@ def _at(obj: Mapping[str, Any], tokens: Sequence[str]) -> Mapping[str, Any]:
 
 def _status(role: Role, cfg: InjectionConfig) -> str:
     init = [INIT_NAME, PROXY_NAME] if role == "client" else [AGENT_NAME]
+    volumes = [CONFIG_VOLUME, *([MTLS_VOLUME] if cfg.mtls_secret is not None else [])]
     return json.dumps(
-        {"version": __version__, "role": role, "initContainers": init, "volumes": [CONFIG_VOLUME]},
+        {"version": __version__, "role": role, "initContainers": init, "volumes": volumes},
         separators=(",", ":"),
     )
 
@@ -262,13 +265,16 @@ def inject(
     else:
         path = _pointer((*spec_path, "initContainers"))
         patch.append({"op": "add", "path": path, "value": ours})
-    volume = config_volume(cfg)
-    if any(v.get("name") == CONFIG_VOLUME for v in spec.get("volumes") or []):
-        raise InjectionError(f"the pod already has a volume named {CONFIG_VOLUME!r}")
+    volumes = [v for v in (config_volume(cfg), mtls_volume(cfg)) if v is not None]
+    for volume in volumes:
+        if any(v.get("name") == volume["name"] for v in spec.get("volumes") or []):
+            raise InjectionError(f"the pod already has a volume named {volume['name']!r}")
     if spec.get("volumes"):
-        patch.append({"op": "add", "path": _pointer((*spec_path, "volumes", "-")), "value": volume})
+        for volume in volumes:
+            path = _pointer((*spec_path, "volumes", "-"))
+            patch.append({"op": "add", "path": path, "value": volume})
     else:
-        patch.append({"op": "add", "path": _pointer((*spec_path, "volumes")), "value": [volume]})
+        patch.append({"op": "add", "path": _pointer((*spec_path, "volumes")), "value": volumes})
 
     mutated = copy.deepcopy(dict(obj))
     _apply_adds(mutated, patch)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -12,6 +13,10 @@ import yaml
 
 from meshd import __version__
 from meshd.iptables import Wildcard
+
+# A Secret's name: lowercase RFC 1123 subdomain, at most 253 characters.
+_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN = re.compile(rf"(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*")
 
 
 class InjectionError(ValueError):
@@ -47,6 +52,15 @@ class InjectionConfig:
     `sidecar_config` (YAML text) inline, projected from an annotation by the downward API, so
     no per-namespace ConfigMap is needed (what the webhook does); or else the ConfigMap named
     `config_map`, which must exist in the pod's namespace.
+
+    mtls_secret: the control plane requires client certificates (the chart's mtls.enabled):
+    every injected pod mounts this Secret of its own namespace (keys tls.crt, tls.key and
+    ca.crt: a client certificate of the mesh CA, the CA) read-only at `mtls_mount_path`, in
+    the proxy and the agent; the agent gets --tls-ca/--tls-cert/--tls-key on those files, the
+    sidecar reads them from its config (control_plane.tls, filled in by the chart). The
+    Secret is a required volume: a pod whose namespace lacks it does not start (the
+    kubelet's FailedMount event names the Secret) rather than run a sidecar that cannot
+    reach the control plane.
     """
 
     image: str = f"ghcr.io/meshd/meshd:{__version__}"
@@ -82,6 +96,8 @@ class InjectionConfig:
     engine_port: int = 8000
     # Extra environment of the injected containers (e.g. OTEL_EXPORTER_OTLP_ENDPOINT).
     env: tuple[tuple[str, str], ...] = ()
+    mtls_secret: str | None = None
+    mtls_mount_path: str = "/var/run/secrets/meshd.io/mtls"
 
     def __post_init__(self) -> None:
         for name in ("proxy_uid", "proxy_gid"):
@@ -110,6 +126,19 @@ class InjectionConfig:
                 raise InjectionError(f"include/exclude ports must be 1..65535, got {port!r}")
         if self.include_ports != "*" and not self.include_ports:
             raise InjectionError("include_ports is empty: nothing would be redirected (use '*')")
+        if self.mtls_secret is not None and not _DNS_SUBDOMAIN.fullmatch(str(self.mtls_secret)):
+            raise InjectionError(
+                f"mtls_secret must name a Secret (a DNS subdomain), got {self.mtls_secret!r}"
+            )
+        if not str(self.mtls_mount_path).startswith("/"):
+            raise InjectionError(f"mtls_mount_path must be absolute, got {self.mtls_mount_path!r}")
+        a, b = (p.rstrip("/") + "/" for p in (self.mtls_mount_path, self.config_mount_path))
+        if a.startswith(b) or b.startswith(a):
+            # A mount inside a read-only one needs a mount point the runtime cannot make.
+            raise InjectionError(
+                f"mtls_mount_path {self.mtls_mount_path!r} and config_mount_path "
+                f"{self.config_mount_path!r} must not contain one another"
+            )
 
 
 def config_from_mapping(data: Mapping[str, Any]) -> InjectionConfig:

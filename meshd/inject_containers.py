@@ -21,6 +21,7 @@ INIT_NAME = "meshd-init"
 PROXY_NAME = "meshd-proxy"
 AGENT_NAME = "meshd-agent"
 CONFIG_VOLUME = "meshd-config"
+MTLS_VOLUME = "meshd-mtls"  # the Secret InjectionConfig.mtls_secret, when set
 OUR_CONTAINERS = frozenset({INIT_NAME, PROXY_NAME, AGENT_NAME})
 
 
@@ -95,7 +96,41 @@ def _config_path(cfg: InjectionConfig) -> str:
 
 
 def _mount(cfg: InjectionConfig) -> list[dict[str, Any]]:
-    return [{"name": CONFIG_VOLUME, "mountPath": cfg.config_mount_path, "readOnly": True}]
+    return [
+        {"name": CONFIG_VOLUME, "mountPath": cfg.config_mount_path, "readOnly": True},
+        *_mtls_mount(cfg),
+    ]
+
+
+def _mtls_mount(cfg: InjectionConfig) -> list[dict[str, Any]]:
+    if cfg.mtls_secret is None:
+        return []
+    return [{"name": MTLS_VOLUME, "mountPath": cfg.mtls_mount_path, "readOnly": True}]
+
+
+def mtls_files(cfg: InjectionConfig) -> dict[str, str]:
+    """Where the mounted client certificate's files are in the pod (the Secret's keys
+    ca.crt, tls.crt, tls.key), as the sidecar's control_plane.tls keys."""
+    base = cfg.mtls_mount_path.rstrip("/")
+    return {
+        "ca_file": f"{base}/ca.crt",
+        "cert_file": f"{base}/tls.crt",
+        "key_file": f"{base}/tls.key",
+    }
+
+
+def _agent_tls_args(cfg: InjectionConfig) -> list[str]:
+    if cfg.mtls_secret is None:
+        return []
+    files = mtls_files(cfg)
+    return [
+        "--tls-ca",
+        files["ca_file"],
+        "--tls-cert",
+        files["cert_file"],
+        "--tls-key",
+        files["key_file"],
+    ]
 
 
 def _nonroot(cfg: InjectionConfig) -> dict[str, Any]:
@@ -207,11 +242,21 @@ def agent_container(cfg: InjectionConfig) -> dict[str, Any]:
                 if cfg.control_plane_shards
                 else ["--control-plane", cfg.control_plane]
             ),
+            *_agent_tls_args(cfg),
         ],
         "env": downward + _env(cfg).get("env", []),
         "resources": cfg.agent_resources.to_k8s(),
         "securityContext": _nonroot(cfg),
+        **({"volumeMounts": _mtls_mount(cfg)} if cfg.mtls_secret is not None else {}),
     }
+
+
+def mtls_volume(cfg: InjectionConfig) -> dict[str, Any] | None:
+    """The client certificate's Secret, from the pod's own namespace; not optional, so a
+    namespace without it shows as the pod's FailedMount event naming the Secret."""
+    if cfg.mtls_secret is None:
+        return None
+    return {"name": MTLS_VOLUME, "secret": {"secretName": cfg.mtls_secret}}
 
 
 def config_volume(cfg: InjectionConfig) -> dict[str, Any]:

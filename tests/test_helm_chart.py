@@ -39,7 +39,14 @@ REVIEW = Path(__file__).parent / "k8s" / "admission_review_pod.json"
 ENGINE_REVIEW = Path(__file__).parent / "k8s" / "admission_review_engine_pod.json"
 NAMESPACE = "meshd-system"
 # Custom resources (cert-manager, Prometheus Operator): no schema in kubernetes-validate.
-CRD_KINDS = {"Certificate", "Issuer", "ServiceMonitor", "PodMonitor", "ScaledObject"}
+CRD_KINDS = {
+    "Certificate",
+    "Issuer",
+    "ClusterIssuer",
+    "ServiceMonitor",
+    "PodMonitor",
+    "ScaledObject",
+}
 # KEDA's ScaledObject schema (its CRD's openAPIV3Schema, vendored: source and license there).
 KEDA_SCHEMA = Path(__file__).parent / "data" / "keda" / "scaledobject-v1alpha1.schema.yaml"
 AUTOSCALED_ENGINES = [
@@ -47,20 +54,8 @@ AUTOSCALED_ENGINES = [
     {"pool": "small.v2", "deployment": "vllm-small", "minReplicas": 0, "maxReplicas": 4},
 ]
 
-# With mTLS the sidecars need a client certificate for the control plane (files in the pod).
-SIDECAR_TLS = {
-    "sidecar": {
-        "config": {
-            "control_plane": {
-                "tls": {
-                    "ca_file": "/etc/meshd/mtls/ca.crt",
-                    "cert_file": "/etc/meshd/mtls/tls.crt",
-                    "key_file": "/etc/meshd/mtls/tls.key",
-                }
-            }
-        }
-    }
-}
+# Namespaces whose injected pods get the mesh client certificate (mtls.namespaces).
+MESH_NAMESPACES = ["apps", "models"]
 OTLP = "http://otel-collector.observability.svc:4317"
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
@@ -73,14 +68,16 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "picker": {"picker": {"enabled": True, "endpoints": ["10.0.0.5:8000", "10.0.0.6:8000=A100"]}},
     "mtls": {
-        "mtls": {"enabled": True},
+        "mtls": {"enabled": True, "namespaces": MESH_NAMESPACES},
         "picker": {"enabled": True, "endpoints": ["10.0.0.5:8000"]},
-        **SIDECAR_TLS,
+    },
+    "mtls-sharded": {
+        "mtls": {"enabled": True, "namespaces": ["apps"], "extraDNSNames": ["cp.example.com"]},
+        "controlPlane": {"shards": 2},
     },
     "cert-manager": {
         "webhook": {"tls": {"mode": "certManager"}},
-        "mtls": {"enabled": True, "mode": "certManager"},
-        **SIDECAR_TLS,
+        "mtls": {"enabled": True, "mode": "certManager", "namespaces": MESH_NAMESPACES},
         "telemetry": {
             "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
             "otlp": {"endpoint": OTLP},
@@ -188,7 +185,16 @@ def test_every_manifest_validates_against_kubernetes(
 
 
 @pytest.mark.parametrize(
-    "name", ["defaults", "ha", "mtls", "cert-manager", "all-flags", "autoscaling-prometheus"]
+    "name",
+    [
+        "defaults",
+        "ha",
+        "mtls",
+        "mtls-sharded",
+        "cert-manager",
+        "all-flags",
+        "autoscaling-prometheus",
+    ],
 )
 def test_helm_lint_is_clean(name: str) -> None:
     report = helm.lint(str(CHART), VALUE_SETS[name], namespace=NAMESPACE, kube_version="v1.29.0")
@@ -227,6 +233,11 @@ def test_helm_lint_is_clean(name: str) -> None:
             {"sidecar": {"config": {"control_plane": {"addresses": ["http://cp:15010"]}}}},
             "/sidecar/config/control_plane/addresses/0",
         ),
+        ({"mtls": {"namespaces": ["Apps"]}}, "/mtls/namespaces/0"),
+        ({"mtls": {"namespaces": ["a", "a"]}}, "/mtls/namespaces"),
+        ({"mtls": {"clientSecretName": "Bad_Name"}}, "/mtls/clientSecretName"),
+        ({"mtls": {"certManager": {"issuerRef": {"kind": "Vault"}}}}, "kind"),
+        ({"mtls": {"certManager": {"issureRef": {}}}}, "issureRef"),
     ],
 )
 def test_bad_values_are_rejected_by_the_schema(
@@ -266,6 +277,7 @@ def test_picker_is_optional(rendered: dict[str, list[dict[str, Any]]]) -> None:
         ("picker", "Deployment", "meshd-picker", "picker"),
         ("all-flags", "Deployment", "meshd-picker", "picker"),
         ("mtls", "Deployment", "meshd-control-plane", "control-plane"),
+        ("mtls-sharded", "StatefulSet", "meshd-control-plane", "control-plane"),
         ("all-flags", "Deployment", "meshd-control-plane", "control-plane"),
         ("defaults", "Deployment", "meshd-webhook", "webhook"),
     ],
@@ -352,7 +364,7 @@ def test_sidecars_and_agents_reach_the_releases_control_plane(
     sidecar, _ = _sidecar_and_injection(rendered["mtls"], tmp_path)
     assert sidecar.control_plane.addresses == (address,)
     assert sidecar.control_plane.tls is not None
-    assert sidecar.control_plane.tls.ca_file == "/etc/meshd/mtls/ca.crt"
+    assert sidecar.control_plane.tls.ca_file == "/var/run/secrets/meshd.io/mtls/ca.crt"
     # Addresses the user names are kept; connect=false leaves the sidecars on their own.
     own = {"sidecar": {"config": {"control_plane": {"addresses": ["cp-a:1", "cp-b:2"]}}}}
     sidecar, _ = _sidecar_and_injection(render(chart, own), tmp_path)
@@ -361,13 +373,37 @@ def test_sidecars_and_agents_reach_the_releases_control_plane(
     assert sidecar.control_plane.addresses == ()
 
 
-def test_mtls_without_a_sidecar_certificate_fails_the_install(chart: Any) -> None:
-    with pytest.raises(helm.HelmRenderError) as info:
-        chart.render({"mtls": {"enabled": True}}, name="meshd", namespace=NAMESPACE)
-    assert "sidecar.config.control_plane.tls" in str(info.value)
-    assert "sidecar.controlPlane.connect=false" in str(info.value)
+def test_mtls_points_the_sidecars_and_agents_at_the_mounted_certificate(
+    rendered: dict[str, list[dict[str, Any]]], chart: Any, tmp_path: Path
+) -> None:
+    from meshd.inject_containers import mtls_files
+
+    sidecar, injection = _sidecar_and_injection(rendered["mtls"], tmp_path)
+    assert (injection.mtls_secret, injection.mtls_mount_path) == (
+        "meshd-mesh-client",
+        "/var/run/secrets/meshd.io/mtls",
+    )
+    tls = sidecar.control_plane.tls
+    assert tls is not None
+    assert {"ca_file": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file} == (
+        mtls_files(injection)
+    )
+    _, plain = _sidecar_and_injection(rendered["defaults"], tmp_path)
+    assert plain.mtls_secret is None
+    # A tls the user gives is kept; connect=false still mounts it for the engine agents.
+    own = {"ca_file": "/own/ca.pem", "cert_file": "/own/c.pem", "key_file": "/own/k.pem"}
+    values = {
+        "mtls": {"enabled": True, "clientSecretName": "mine"},
+        "sidecar": {"config": {"control_plane": {"tls": own}}},
+    }
+    sidecar, injection = _sidecar_and_injection(render(chart, values), tmp_path)
+    assert sidecar.control_plane.tls is not None and sidecar.control_plane.tls.ca_file == (
+        "/own/ca.pem"
+    )
+    assert injection.mtls_secret == "mine"
     off = {"mtls": {"enabled": True}, "sidecar": {"controlPlane": {"connect": False}}}
-    assert find(render(chart, off), "Secret", "meshd-control-plane-tls")
+    sidecar, injection = _sidecar_and_injection(render(chart, off), tmp_path)
+    assert sidecar.control_plane.tls is None and injection.mtls_secret == "meshd-mesh-client"
 
 
 def test_otlp_endpoint_reaches_the_sidecars(
@@ -487,6 +523,16 @@ def _certs(secret: dict[str, Any]) -> tuple[Any, Any]:
     return leaf, ca
 
 
+def _dns_names(cert: Any) -> list[str]:
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    names: list[str] = sans.get_values_for_type(x509.DNSName)
+    return names
+
+
+def _usages(cert: Any) -> set[Any]:
+    return set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+
+
 def test_mtls_gives_the_control_plane_a_ca_signed_certificate(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
@@ -494,14 +540,233 @@ def test_mtls_gives_the_control_plane_a_ca_signed_certificate(
     (secret,) = find(docs, "Secret", "meshd-control-plane-tls")
     leaf, ca = _certs(secret)
     leaf.verify_directly_issued_by(ca)
-    sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert f"meshd-control-plane.{NAMESPACE}.svc" in sans.get_values_for_type(x509.DNSName)
+    assert f"meshd-control-plane.{NAMESPACE}.svc" in _dns_names(leaf)
+    assert x509.oid.ExtendedKeyUsageOID.SERVER_AUTH in _usages(leaf)
     args = find(docs, "Deployment", "meshd-control-plane")[0]["spec"]["template"]["spec"][
         "containers"
     ][0]["args"]
-    assert "--tls-cert" in args
+    assert "--tls-cert" in args and "--client-ca" in args
     (root,) = find(docs, "ConfigMap", "meshd-ca-root")
     assert x509.load_pem_x509_certificate(root["data"]["ca.crt"].encode()) == ca
+    # The CA, key included, stays in the release namespace for upgrades to sign with.
+    (ca_secret,) = find(docs, "Secret", "meshd-mesh-ca")
+    assert ca_secret["metadata"]["namespace"] == NAMESPACE
+    assert x509.load_pem_x509_certificate(base64.b64decode(ca_secret["data"]["tls.crt"])) == ca
+    assert b"PRIVATE KEY" in base64.b64decode(ca_secret["data"]["tls.key"])
+
+
+def test_mtls_gives_every_mesh_namespace_a_client_certificate_of_the_same_ca(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["mtls"]
+    _, ca = _certs(find(docs, "Secret", "meshd-control-plane-tls")[0])
+    clients = find(docs, "Secret", "meshd-mesh-client")
+    assert sorted(c["metadata"]["namespace"] for c in clients) == MESH_NAMESPACES
+    keys = set()
+    for secret in clients:
+        assert secret["type"] == "kubernetes.io/tls"
+        assert set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
+        leaf, client_ca = _certs(secret)
+        assert client_ca == ca
+        leaf.verify_directly_issued_by(ca)
+        assert x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH in _usages(leaf)
+        ns = secret["metadata"]["namespace"]
+        cn = leaf.subject.get_attributes_for_oid(x509.oid.NameOID.COMMON_NAME)[0].value
+        assert cn == f"meshd-mesh-client.{ns}"
+        assert int(secret["metadata"]["annotations"]["meshd.io/renew-after"]) > 0
+        keys.add(secret["data"]["tls.key"])
+    assert len(keys) == len(clients)  # a key of its own for each namespace
+    assert not find(rendered["defaults"], "Secret", "meshd-mesh-client")
+
+
+def test_mtls_certificate_names_each_control_plane_pod_when_there_are_several(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    docs = rendered["mtls-sharded"]
+    leaf, _ = _certs(find(docs, "Secret", "meshd-control-plane-tls")[0])
+    names = set(_dns_names(leaf))
+    sidecar, injection = _sidecar_and_injection(docs, tmp_path)
+    dialled = {a.rsplit(":", 1)[0] for shard in sidecar.control_plane.shards for a in shard}
+    dialled |= {a.rsplit(":", 1)[0] for a in injection.control_plane_shards}
+    assert len(dialled) == 2 and dialled <= names
+    assert "cp.example.com" in names
+
+
+# What the chart writes of cert-manager.io/v1 (Certificate, ClusterIssuer), as its API
+# reference documents those fields; strict: a field it does not name is an error.
+_ISSUER_REF = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string"},
+        "kind": {"type": "string"},
+        "group": {"type": "string"},
+    },
+}
+_USAGES = ["digital signature", "key encipherment", "server auth", "client auth", "cert sign"]
+CERT_MANAGER_SPECS: dict[str, dict[str, Any]] = {
+    "Certificate": {
+        "type": "object",
+        "required": ["secretName", "issuerRef"],
+        "properties": {
+            "secretName": {"type": "string"},
+            "commonName": {"type": "string", "maxLength": 64},
+            "dnsNames": {"type": "array", "items": {"type": "string"}},
+            "ipAddresses": {"type": "array", "items": {"type": "string"}},
+            "duration": {"type": "string", "pattern": "^[0-9]+h$"},
+            "isCA": {"type": "boolean"},
+            "usages": {"type": "array", "items": {"enum": _USAGES}},
+            "privateKey": {
+                "type": "object",
+                "properties": {
+                    "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]},
+                    "size": {"type": "integer"},
+                },
+            },
+            "issuerRef": _ISSUER_REF,
+        },
+    },
+    "ClusterIssuer": {
+        "type": "object",
+        "minProperties": 1,
+        "maxProperties": 1,
+        "properties": {
+            "selfSigned": {"type": "object"},
+            "ca": {
+                "type": "object",
+                "required": ["secretName"],
+                "properties": {"secretName": {"type": "string"}},
+            },
+        },
+    },
+}
+
+
+def test_cert_manager_mtls_issues_every_certificate_from_one_cluster_issuer(
+    rendered: dict[str, list[dict[str, Any]]], chart: Any
+) -> None:
+    import jsonschema
+
+    docs = rendered["cert-manager"]
+    for doc in docs:
+        if doc["kind"] in CERT_MANAGER_SPECS:
+            assert doc["apiVersion"] == "cert-manager.io/v1"
+            jsonschema.validate(doc["spec"], _strict(CERT_MANAGER_SPECS[doc["kind"]]))
+    issuers = {d["metadata"]["name"]: d for d in find(docs, "ClusterIssuer")}
+    assert issuers["meshd-mesh-selfsigned"]["spec"] == {"selfSigned": {}}
+    assert issuers["meshd-mesh-ca"]["spec"] == {"ca": {"secretName": "meshd-mesh-ca"}}
+    certs = find(docs, "Certificate")
+    (root,) = [c for c in certs if c["spec"].get("isCA")]
+    # A CA ClusterIssuer reads its Secret in cert-manager's cluster resource namespace.
+    assert root["metadata"]["namespace"] == "cert-manager"
+    assert root["spec"]["secretName"] == "meshd-mesh-ca"
+    assert root["spec"]["issuerRef"]["name"] == "meshd-mesh-selfsigned"
+    ca_ref = {"name": "meshd-mesh-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+    (server,) = find(docs, "Certificate", "meshd-control-plane")
+    assert server["spec"]["secretName"] == "meshd-control-plane-tls"
+    assert server["spec"]["issuerRef"] == ca_ref
+    assert f"meshd-control-plane.{NAMESPACE}.svc" in server["spec"]["dnsNames"]
+    clients = find(docs, "Certificate", "meshd-mesh-client")
+    assert sorted(c["metadata"]["namespace"] for c in clients) == MESH_NAMESPACES
+    for c in clients:
+        assert c["spec"]["secretName"] == "meshd-mesh-client"
+        assert c["spec"]["issuerRef"] == ca_ref and "client auth" in c["spec"]["usages"]
+    # The webhook's own certificate keeps its namespaced self-signed Issuer.
+    assert [i["metadata"]["name"] for i in find(docs, "Issuer")] == ["meshd-selfsigned"]
+
+    # The user's ClusterIssuer signs them all, and the chart makes no CA of its own.
+    theirs = {"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+    values = {
+        "mtls": {
+            "enabled": True,
+            "mode": "certManager",
+            "namespaces": ["apps"],
+            "certManager": {"issuerRef": theirs},
+        }
+    }
+    docs = render(chart, values)
+    assert find(docs, "ClusterIssuer") == [] and find(docs, "Issuer") == []
+    assert {c["metadata"]["name"] for c in find(docs, "Certificate")} == {
+        "meshd-control-plane",
+        "meshd-mesh-client",
+    }
+    assert all(c["spec"]["issuerRef"] == theirs for c in find(docs, "Certificate"))
+    # A namespaced Issuer cannot sign in other namespaces: the install says so.
+    values["mtls"]["certManager"] = {"issuerRef": {"name": "mine", "kind": "Issuer"}}
+    with pytest.raises(helm.HelmRenderError, match="kind Issuer cannot sign"):
+        render(chart, values)
+
+
+def test_chart_injected_pods_mount_the_client_certificate_and_pass_its_flags(
+    rendered: dict[str, list[dict[str, Any]]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`meshd inject` with the chart's inject.yaml and sidecar.yaml: a client Deployment and
+    an engine Deployment of a mesh namespace, each validated against the Kubernetes schemas;
+    the Secret mounted where the sidecar's config and the agent's flags look."""
+    from meshd.cli import build_parser
+    from meshd.inject import _run
+
+    docs = rendered["mtls"]
+    (cm,) = find(docs, "ConfigMap", "meshd-config")
+    for key in ("inject.yaml", "sidecar.yaml"):
+        (tmp_path / key).write_text(cm["data"][key])
+
+    def deployment(name: str, labels: dict[str, str]) -> dict[str, Any]:
+        meta = {"labels": {"app": name, **labels}}
+        return {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": name, "namespace": "apps"},
+            "spec": {
+                "selector": {"matchLabels": {"app": name}},
+                "template": {
+                    "metadata": meta,
+                    "spec": {"containers": [{"name": name, "image": "busybox"}]},
+                },
+            },
+        }
+
+    manifests = [deployment("client", {}), deployment("vllm", {"meshd.io/role": "engine"})]
+    (tmp_path / "in.yaml").write_text(yaml.safe_dump_all(manifests))
+    argv = ["inject", "-f", str(tmp_path / "in.yaml"), "--config", str(tmp_path / "inject.yaml")]
+    argv += ["--sidecar-config", str(tmp_path / "sidecar.yaml")]
+    assert _run(build_parser().parse_args(argv)) == 0
+    client, engine = list(yaml.safe_load_all(capsys.readouterr().out))
+    for obj in (client, engine):
+        kv.validate(obj, kv.latest_version(), strict=True)
+        pod = obj["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["meshd-mtls"] == {
+            "name": "meshd-mtls",
+            "secret": {"secretName": "meshd-mesh-client"},  # not optional
+        }
+    (proxy,) = [
+        c
+        for c in client["spec"]["template"]["spec"]["initContainers"]
+        if c["name"] == "meshd-proxy"
+    ]
+    mounts = {m["name"]: m for m in proxy["volumeMounts"]}
+    assert mounts["meshd-mtls"] == {
+        "name": "meshd-mtls",
+        "mountPath": "/var/run/secrets/meshd.io/mtls",
+        "readOnly": True,
+    }
+    config = client["spec"]["template"]["metadata"]["annotations"]["meshd.io/config"]
+    (tmp_path / "pod.yaml").write_text(config)
+    tls = load_config(str(tmp_path / "pod.yaml")).control_plane.tls
+    assert tls is not None
+    for path in (tls.ca_file, tls.cert_file, tls.key_file):
+        assert path is not None and path.startswith("/var/run/secrets/meshd.io/mtls/")
+    (agent,) = engine["spec"]["template"]["spec"]["initContainers"]
+    assert agent["volumeMounts"] == [mounts["meshd-mtls"]]
+    args = build_parser().parse_args(agent["args"])
+    assert (args.tls_ca, args.tls_cert, args.tls_key) == (
+        "/var/run/secrets/meshd.io/mtls/ca.crt",
+        "/var/run/secrets/meshd.io/mtls/tls.crt",
+        "/var/run/secrets/meshd.io/mtls/tls.key",
+    )
 
 
 def test_dashboard_has_the_panels_and_meshd_metrics(

@@ -282,6 +282,69 @@ def test_existing_volume_named_like_ours_is_an_error() -> None:
         inject(clash, CFG)
 
 
+MTLS_CFG = InjectionConfig(mtls_secret="meshd-mesh-client")
+MTLS_DIR = "/var/run/secrets/meshd.io/mtls"
+TLS_FILES = [f"{MTLS_DIR}/ca.crt", f"{MTLS_DIR}/tls.crt", f"{MTLS_DIR}/tls.key"]
+
+
+@pytest.mark.parametrize("existing", [0, 2])
+def test_mtls_secret_is_mounted_in_the_proxy_and_the_agent(existing: int) -> None:
+    from meshd.cli import build_parser
+    from meshd.inject_containers import mtls_files
+
+    volumes = [{"name": f"v{i}", "emptyDir": {}} for i in range(existing)]
+    client = pod({"meshd.io/inject": "true"}, volumes=volumes or None)
+    engine = pod({"meshd.io/inject": "true"}, {"meshd.io/role": "engine"})
+    mount = {"name": "meshd-mtls", "mountPath": MTLS_DIR, "readOnly": True}
+    for obj in (client, engine):
+        if not obj["spec"].get("volumes"):
+            obj["spec"].pop("volumes", None)
+        result = inject(obj, MTLS_CFG)
+        patched = apply(obj, result.patch)
+        assert patched == result.obj
+        validate(patched)
+        spec = patched["spec"]
+        assert spec["volumes"][-1] == {
+            "name": "meshd-mtls",
+            "secret": {"secretName": "meshd-mesh-client"},
+        }
+        assert len(spec["volumes"]) == (existing if obj is client else 0) + 2
+        status = json.loads(patched["metadata"]["annotations"]["meshd.io/status"])
+        assert status["volumes"] == ["meshd-config", "meshd-mtls"]
+        assert inject(patched, MTLS_CFG).patch == []  # injected once
+    proxy = inject(client, MTLS_CFG).obj["spec"]["initContainers"][1]
+    assert mount in proxy["volumeMounts"]
+    (agent,) = inject(engine, MTLS_CFG).obj["spec"]["initContainers"]
+    assert agent["volumeMounts"] == [mount]
+    args = build_parser().parse_args(agent["args"])
+    assert [args.tls_ca, args.tls_cert, args.tls_key] == TLS_FILES
+    assert sorted(mtls_files(MTLS_CFG).values()) == TLS_FILES
+    # Without a Secret: no volume, no mount, no TLS flags.
+    (agent,) = inject(engine, CFG).obj["spec"]["initContainers"]
+    assert "volumeMounts" not in agent and "--tls-ca" not in agent["args"]
+    assert [v["name"] for v in inject(engine, CFG).obj["spec"]["volumes"]] == ["meshd-config"]
+
+
+def test_mtls_settings_are_checked() -> None:
+    clash = pod({"meshd.io/inject": "true"}, volumes=[{"name": "meshd-mtls", "emptyDir": {}}])
+    with pytest.raises(InjectionError, match="meshd-mtls"):
+        inject(clash, MTLS_CFG)
+    inject(clash, CFG)  # the name is ours only when we mount it
+    with pytest.raises(InjectionError, match="mtls_secret"):
+        InjectionConfig(mtls_secret="Not_A_Name")
+    with pytest.raises(InjectionError, match="mtls_mount_path"):
+        InjectionConfig(mtls_secret="s", mtls_mount_path="relative")
+    for inside in ("/etc/meshd/", "/etc/meshd/mtls", "/etc"):
+        with pytest.raises(InjectionError, match="must not contain one another"):
+            InjectionConfig(mtls_secret="s", mtls_mount_path=inside)
+    moved = InjectionConfig(mtls_secret="s", mtls_mount_path="/var/run/meshd-tls")
+    assert config_from_mapping(config_to_mapping(moved)) == moved
+    (agent,) = inject(pod({"meshd.io/role": "engine"}), moved, force=True).obj["spec"][
+        "initContainers"
+    ]
+    assert agent["args"][agent["args"].index("--tls-ca") + 1] == "/var/run/meshd-tls/ca.crt"
+
+
 def test_not_a_workload_is_an_error() -> None:
     with pytest.raises(InjectionError, match="cannot inject kind 'Service'"):
         inject({"kind": "Service", "metadata": {}}, CFG)

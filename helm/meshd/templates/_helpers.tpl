@@ -155,3 +155,64 @@ list: <release>-control-plane-<i>.<release>-control-plane-headless.<ns>.svc:<por
 {{- end -}}
 {{- toJson $out -}}
 {{- end -}}
+
+{{/*
+The names the control plane's certificate carries, as a JSON list: its Service's DNS names,
+each pod's name behind the headless Service when there are several (what agents and sidecars
+dial then), and mtls.extraDNSNames. Clients check the name they dial against these.
+*/}}
+{{- define "meshd.controlPlaneDNS" -}}
+{{- $fullname := include "meshd.fullname" . -}}
+{{- $svc := printf "%s-control-plane" $fullname -}}
+{{- $names := include "meshd.serviceDNS" (list . $svc) | fromJsonArray -}}
+{{- $pods := int (include "meshd.controlPlanePods" .) -}}
+{{- if gt $pods 1 -}}
+{{- $headless := printf "%s-control-plane-headless.%s.svc" $fullname .Release.Namespace -}}
+{{- range $i := until $pods -}}
+{{- $names = append $names (printf "%s-%d.%s" $svc $i $headless) -}}
+{{- $names = append $names (printf "%s-%d.%s.cluster.local" $svc $i $headless) -}}
+{{- end -}}
+{{- end -}}
+{{- concat $names (.Values.mtls.extraDNSNames | default list) | uniq | toJson -}}
+{{- end -}}
+
+{{/*
+The ClusterIssuer every mesh certificate comes from with mtls.mode certManager, as JSON
+(an issuerRef): mtls.certManager.issuerRef, or the CA ClusterIssuer the chart makes.
+*/}}
+{{- define "meshd.meshIssuer" -}}
+{{- $ref := .Values.mtls.certManager.issuerRef | default dict -}}
+{{- if $ref.name -}}
+{{- toJson $ref -}}
+{{- else -}}
+{{- toJson (dict "name" (printf "%s-mesh-ca" (include "meshd.fullname" .)) "kind" "ClusterIssuer" "group" "cert-manager.io") -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+One certificate of the mesh CA (mtls.mode generate) as JSON {data, annotations} for a
+kubernetes.io/tls Secret (tls.crt, tls.key, ca.crt). The Secret already in the cluster is
+kept (lookup) while it holds the same CA's certificate, was made for the same names, and is
+not in the last third of its validity (meshd.io/renew-after: a helm upgrade after that date
+signs a new one); else a new certificate is signed by the CA.
+Call: include "meshd.meshCert" (dict "ca" CA "namespace" NS "secret" NAME "cn" CN
+"dns" LIST "ips" LIST "days" N)
+*/}}
+{{- define "meshd.meshCert" -}}
+{{- $days := int .days -}}
+{{- $caCrt := .ca.Cert | b64enc -}}
+{{- $spec := dict "cn" .cn "dns" .dns "ips" .ips | toJson | sha256sum | trunc 16 -}}
+{{- $now := now | unixEpoch | int64 -}}
+{{- $existing := lookup "v1" "Secret" .namespace .secret | default dict -}}
+{{- $data := $existing.data | default dict -}}
+{{- $ann := ($existing.metadata | default dict).annotations | default dict -}}
+{{- $renewAfter := index $ann "meshd.io/renew-after" | default "0" | int64 -}}
+{{- if and (eq (index $data "ca.crt" | default "") $caCrt) (eq (index $ann "meshd.io/cert-spec" | default "") $spec) (lt $now $renewAfter) (hasKey $data "tls.key") -}}
+{{- toJson (dict "data" $data "annotations" (dict "meshd.io/cert-spec" $spec "meshd.io/renew-after" (toString $renewAfter))) -}}
+{{- else -}}
+{{- $cert := genSignedCert .cn .ips .dns $days .ca -}}
+{{- $renew := add $now (div (mul $days 86400 2) 3) -}}
+{{- $out := dict "tls.crt" ($cert.Cert | b64enc) "tls.key" ($cert.Key | b64enc) "ca.crt" $caCrt -}}
+{{- toJson (dict "data" $out "annotations" (dict "meshd.io/cert-spec" $spec "meshd.io/renew-after" (toString $renew))) -}}
+{{- end -}}
+{{- end -}}
