@@ -579,6 +579,98 @@ def test_mtls_gives_every_mesh_namespace_a_client_certificate_of_the_same_ca(
     assert not find(rendered["defaults"], "Secret", "meshd-mesh-client")
 
 
+LOOKUP = '{{- lookup "v1" "Secret" (index . 1) (index . 2) | default dict | toJson -}}'
+# The chart with lookup answered from .Values.cluster ("namespace/name" -> Secret), and no
+# schema (which would refuse that key): upgrades played offline.
+PLAYED_LOOKUP = (
+    "{{- index ((index . 0).Values.cluster | default dict) "
+    '(printf "%s/%s" (index . 1) (index . 2)) | default dict | toJson -}}'
+)
+
+
+@pytest.fixture(scope="module")
+def upgradable_chart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    import shutil
+
+    where = tmp_path_factory.mktemp("chart") / "meshd"
+    shutil.copytree(CHART, where)
+    (where / "values.schema.json").unlink()
+    helpers = where / "templates" / "_helpers.tpl"
+    text = helpers.read_text()
+    assert text.count(LOOKUP) == 1
+    helpers.write_text(text.replace(LOOKUP, PLAYED_LOOKUP))
+    with helm.Chart.load(str(where)) as loaded:
+        yield loaded
+
+
+def _upgrade(chart: Any, values: dict[str, Any], cluster: list[dict[str, Any]]) -> Any:
+    held = {f"{d['metadata']['namespace']}/{d['metadata']['name']}": d for d in cluster}
+    manifests = chart.render(
+        {**values, "cluster": held}, name="meshd", namespace=NAMESPACE, is_upgrade=True
+    )
+    docs = [
+        d
+        for p, t in manifests.items()
+        if not p.endswith("NOTES.txt")
+        for d in yaml.safe_load_all(t)
+        if d
+    ]
+    return [d for d in docs if d["kind"] == "Secret"]
+
+
+def _by_name(secrets: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {f"{d['metadata']['namespace']}/{d['metadata']['name']}": d for d in secrets}
+
+
+def test_mtls_upgrades_keep_the_ca_and_sign_what_changed(upgradable_chart: Any) -> None:
+    """The lookup path, played with the Secrets of an install as the cluster: an upgrade
+    keeps the CA and every certificate; a namespace added later gets one of the same CA; a
+    certificate whose names changed, or that reached meshd.io/renew-after, is signed anew
+    by the same CA; a CA Secret gone means a new CA and everything signed again."""
+    values: dict[str, Any] = {"mtls": {"enabled": True, "namespaces": ["apps"]}}
+    first = _upgrade(upgradable_chart, values, [])
+    installed = _by_name(first)
+    ca_key = f"{NAMESPACE}/meshd-mesh-ca"
+    server_key, apps_key = f"{NAMESPACE}/meshd-control-plane-tls", "apps/meshd-mesh-client"
+
+    again = _by_name(_upgrade(upgradable_chart, values, first))
+    for key in (ca_key, server_key, apps_key):
+        assert again[key]["data"] == installed[key]["data"], key
+
+    grown = {"mtls": {"enabled": True, "namespaces": ["apps", "models"], "extraIPs": ["10.9.9.9"]}}
+    after = _by_name(_upgrade(upgradable_chart, grown, first))
+    assert after[ca_key]["data"] == installed[ca_key]["data"]
+    assert after[apps_key]["data"] == installed[apps_key]["data"]
+    ca = x509.load_pem_x509_certificate(base64.b64decode(installed[ca_key]["data"]["tls.crt"]))
+    models, _ = _certs(after["models/meshd-mesh-client"])
+    models.verify_directly_issued_by(ca)
+    server, _ = _certs(after[server_key])  # its names changed: signed again, same CA
+    assert after[server_key]["data"]["tls.crt"] != installed[server_key]["data"]["tls.crt"]
+    server.verify_directly_issued_by(ca)
+    sans = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["10.9.9.9"]
+
+    due = copy.deepcopy(first)
+    for d in due:
+        if d["metadata"]["name"] == "meshd-mesh-client":
+            d["metadata"]["annotations"]["meshd.io/renew-after"] = "1"
+    after = _by_name(_upgrade(upgradable_chart, values, due))
+    assert after[apps_key]["data"]["tls.crt"] != installed[apps_key]["data"]["tls.crt"]
+    assert after[server_key]["data"] == installed[server_key]["data"]
+    renewed, _ = _certs(after[apps_key])
+    renewed.verify_directly_issued_by(ca)
+    assert int(after[apps_key]["metadata"]["annotations"]["meshd.io/renew-after"]) > 10**9
+
+    lost = [d for d in first if d["metadata"]["name"] != "meshd-mesh-ca"]
+    after = _by_name(_upgrade(upgradable_chart, values, lost))
+    assert after[ca_key]["data"]["tls.crt"] != installed[ca_key]["data"]["tls.crt"]
+    new_ca = x509.load_pem_x509_certificate(base64.b64decode(after[ca_key]["data"]["tls.crt"]))
+    for key in (server_key, apps_key):
+        leaf, leaf_ca = _certs(after[key])
+        assert leaf_ca == new_ca
+        leaf.verify_directly_issued_by(new_ca)
+
+
 def test_mtls_certificate_names_each_control_plane_pod_when_there_are_several(
     rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
