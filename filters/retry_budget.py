@@ -15,6 +15,20 @@ rate). meshd follows Finagle/tower: over any `window_s` the retries withdrawn ar
 Withdrawals are recorded as negative amounts in the same ring as deposits, so both expire
 together, exactly as in tower's TpsBucket.
 
+The floor is for rare failures: it lets a quiet client retry its odd refusal, which the
+ratio of a few requests could not fund. It is not for a pool where most requests fail:
+there a rate floor (or Envoy's concurrency floor, since a refused attempt is over in
+milliseconds) funds every retry of every request at any rate under the floor's, so a 503
+storm at 2 req/s went upstream 3.0x (issue #21). So the floor counts only while at most
+STORM_SHARE of the window's requests have asked for a retry (or fewer asks than one request
+can make alone: a lone request still gets its attempts); past that, only the ratio
+funds retries and attempts stay within (1 + retry_ratio) x requests once the window has
+turned over. One endpoint of three refusing asks for a third of the requests: the floor
+keeps funding those retries (each succeeds elsewhere). Measured on every request failing
+(tests/test_retry_budget.py, 300 s at the defaults): attempts / requests 3.0 -> 1.2 at
+0.5-5 req/s, 1.7 -> 1.2 at 20 req/s; below max_attempts requests a window (0.3 req/s) a
+storm still gets the floor, at under one attempt a second.
+
 Backoff is "full jitter" (Brooker, "Exponential Backoff And Jitter", AWS Architecture Blog,
 2015): sleep = uniform(0, min(max, base x 2^(attempt-1))), and never less than a
 `Retry-After` the upstream sent (RFC 9110 section 10.2.3).
@@ -127,6 +141,10 @@ class RetryBudgetConfig:
             raise ValueError("need 0 <= backoff_base_s <= backoff_max_s")
 
 
+# The share of the window's requests that asked for a retry past which the failures are a
+# storm, not rare: the floor stops counting (module docstring).
+STORM_SHARE = 0.5
+
 # Amounts in thousandths of a retry: a ratio like 0.3 is exact, where tower's
 # withdraw = int(1 / 0.3) = 3 would allow 33%.
 _SCALE = 1000
@@ -143,7 +161,9 @@ class RetryBudget:
     """
 
     __slots__ = (
+        "_asks",
         "_deposit",
+        "_recent_requests",
         "_reserve",
         "_window",
         "_withdraw",
@@ -159,6 +179,9 @@ class RetryBudget:
         cfg = config or RetryBudgetConfig()
         self.config = cfg
         self._window = WindowedSum(cfg.window_s, cfg.slots)
+        # Requests and retry asks (granted or not) over the same window: the storm test.
+        self._recent_requests = WindowedSum(cfg.window_s, cfg.slots)
+        self._asks = WindowedSum(cfg.window_s, cfg.slots)
         self._deposit = round(cfg.retry_ratio * _SCALE)
         self._withdraw = _SCALE
         self._reserve = round(cfg.min_retries_per_s * cfg.window_s * _SCALE)
@@ -176,12 +199,21 @@ class RetryBudget:
         """A new request (its first attempt) was sent."""
         self.requests += 1
         self.attempts += 1
+        self._recent_requests.add(now, 1)
         if self._deposit:
             self._window.add(now, self._deposit)
 
+    def _floor(self, now: float) -> int:
+        """The floor's reserve, or 0 while the window's retry asks are a storm: more than
+        one request alone can make, and more than STORM_SHARE of the requests."""
+        asks = self._asks.total(now)
+        if asks < self.config.max_attempts:
+            return self._reserve
+        return 0 if asks > STORM_SHARE * self._recent_requests.total(now) else self._reserve
+
     def balance(self, now: float) -> float:
         """Retries that could be withdrawn now."""
-        return (self._window.total(now) + self._reserve) / _SCALE
+        return (self._window.total(now) + self._floor(now)) / _SCALE
 
     def withdraw(self, now: float, attempts_made: int = 1) -> bool:
         """May this request, which has made `attempts_made` attempts, try once more?
@@ -189,7 +221,9 @@ class RetryBudget:
         if attempts_made >= self.config.max_attempts:
             self.capped += 1
             return False
-        if self._window.total(now) + self._reserve < self._withdraw:
+        reserve = self._floor(now)  # this ask is judged on the ones before it
+        self._asks.add(now, 1)
+        if self._window.total(now) + reserve < self._withdraw:
             self.exhausted += 1
             return False
         self._window.add(now, -self._withdraw)

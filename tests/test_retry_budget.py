@@ -26,12 +26,53 @@ class FixedRng:
         return self.value
 
 
-def test_floor_allows_min_retries_per_second_times_window_without_traffic() -> None:
-    b = RetryBudget()  # 10 retries/s over 10 s
+def test_floor_allows_min_retries_per_second_times_window() -> None:
+    b = RetryBudget(RetryBudgetConfig(retry_ratio=0))  # 10 retries/s over 10 s, no ratio
+    for _ in range(300):
+        b.deposit(0.0)
     assert b.balance(0.0) == 100
-    assert all(b.withdraw(0.0) for _ in range(100))
+    assert all(b.withdraw(0.0) for _ in range(100))  # a third of the requests asked: rare
     assert not b.withdraw(0.0)
-    assert (b.retries, b.exhausted, b.attempts) == (100, 1, 100)
+    assert (b.retries, b.exhausted, b.attempts) == (100, 1, 400)
+
+
+def test_a_lone_request_gets_its_retry_from_the_floor() -> None:
+    b = RetryBudget()
+    b.deposit(0.0)
+    assert b.balance(0.0) == pytest.approx(100.2)
+    assert b.withdraw(0.0, 1) and b.withdraw(0.0, 2)  # fewer asks than one request can make
+
+
+def _storm(rate_rps: float, seconds: float, fail_every: int, retry_fails: bool) -> RetryBudget:
+    """A pool where one request in `fail_every` is refused at its first attempt (and its
+    retries too when `retry_fails`), at `rate_rps`, driven as the attempts layer does."""
+    b = RetryBudget()  # the defaults: 20%, 10/s, 10 s, 3 attempts
+    n = int(rate_rps * seconds)
+    for i in range(n):
+        now = i / rate_rps
+        b.deposit(now)
+        if i % fail_every:
+            continue
+        made = 1
+        while b.withdraw(now, made) and retry_fails:
+            made += 1
+    return b
+
+
+@pytest.mark.parametrize("rate_rps", [0.5, 1.0, 2.0, 5.0, 20.0])
+def test_a_storm_is_bounded_by_the_ratio_at_low_rates(rate_rps: float) -> None:
+    # Every engine answers 503 (issue #21): every request and every retry fails. With the
+    # floor funding every retry, 2 req/s went upstream 3.0x; the floor now stops counting
+    # once most of the window's requests asked for a retry.
+    b = _storm(rate_rps, 300.0, fail_every=1, retry_fails=True)
+    assert b.attempts / b.requests <= 1.2 + 0.03
+
+
+def test_rare_failures_are_all_retried_at_low_rates() -> None:
+    # One endpoint of three refusing: a third of the requests ask, each retry succeeds.
+    for rate in (0.2, 1.0, 4.0):
+        b = _storm(rate, 120.0, fail_every=3, retry_fails=False)
+        assert b.exhausted == 0 and b.retries == -(-b.requests // 3)
 
 
 def test_ratio_of_recent_requests() -> None:
@@ -66,16 +107,22 @@ def test_deposits_expire_after_the_window() -> None:
 
 
 def test_exhausted_floor_refills_once_withdrawals_leave_the_window() -> None:
-    b = RetryBudget(RetryBudgetConfig(min_retries_per_s=1, window_s=10.0))
+    b = RetryBudget(RetryBudgetConfig(min_retries_per_s=1, window_s=10.0, retry_ratio=0))
+    for _ in range(30):
+        b.deposit(0.0)
     assert sum(b.withdraw(0.0) for _ in range(12)) == 10
     assert not b.withdraw(5.0)
     assert not b.withdraw(9.5)
+    for _ in range(10):
+        b.deposit(10.0)  # the first 30 have left the window, the asks at 5 and 9.5 not
     assert b.balance(10.0) == 10
     assert b.withdraw(10.0)
 
 
 def test_attempt_cap_is_per_request() -> None:
     b = RetryBudget(RetryBudgetConfig(max_attempts=3))
+    for _ in range(4):
+        b.deposit(0.0)
     assert b.withdraw(0.0, attempts_made=1)
     assert b.withdraw(0.0, attempts_made=2)
     assert not b.withdraw(0.0, attempts_made=3)
