@@ -380,7 +380,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 async def serve(config: Config, ready: asyncio.Event | None = None) -> int:
     sidecar = Sidecar(config)
-    await sidecar.start()
+    try:
+        await sidecar.start()
+    except BaseException:
+        with contextlib.suppress(Exception):  # close what did start, then say why
+            await sidecar.drain_and_stop()
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -417,4 +422,11 @@ def run(args: argparse.Namespace) -> int:
     )
     import uvloop
 
-    return uvloop.run(serve(config))
+    try:
+        return uvloop.run(serve(config))
+    except ConfigError as exc:  # found only at start: a TLS file that cannot be read
+        print(exc.render(), file=sys.stderr)
+        return 1
+    except OSError as exc:  # a listener that cannot bind (port in use, no permission)
+        print(f"meshd sidecar: cannot start: {exc}", file=sys.stderr)
+        return 1

@@ -68,3 +68,44 @@ def test_unknown_command_still_gets_the_full_usage(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice" in err and "sidecar" in err and "sim-engine" in err
+
+
+def test_a_sidecar_that_cannot_start_says_why_in_one_line(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    bad = tmp_path / "tls.yaml"
+    bad.write_text(
+        "pools: [{name: d, endpoints: ['http://127.0.0.1:9']}]\n"
+        "listeners: {outbound: {port: 0}, admin: {port: 0}}\n"
+        "control_plane: {addresses: ['127.0.0.1:1'], tls: {ca_file: /nope/ca.crt}}\n"
+    )
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        runs = {
+            "tls": ["--config", str(bad)],
+            "port": [
+                "--config",
+                str(bad),
+                "--set",
+                "control_plane.tls=null",
+                "--listen",
+                f"127.0.0.1:{port}",
+            ],
+        }
+        said: dict[str, str] = {}
+        for name, args in runs.items():
+            r = subprocess.run(
+                [sys.executable, "-m", "meshd.cli", "sidecar", *args],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert r.returncode == 1, (name, r.stderr)
+            assert "Traceback" not in r.stderr, (name, r.stderr)
+            said[name] = r.stderr
+    assert "control_plane.tls.ca_file: cannot read /nope/ca.crt" in said["tls"]
+    assert "cannot start" in said["port"] and "address already in use" in said["port"]
