@@ -14,6 +14,14 @@ jitter, Retry-After honoured). Each policy runs on a fresh fleet, one after the 
 - crash: at `fault_at` one engine resets every stream after `crash_after_tokens` tokens
   (a crash loop) and another resets a few streams at another position; healthy capacity
   remains, so no stream needs to be lost.
+- scaleup (not in the default set; issue #24): the fleet is short of `cold_engines`
+  engines (their weights loading: connection refused) until `scaleup_at`, when they come
+  up with empty caches; prompts share one of `prefix_groups` long prefixes, so a cold
+  cache costs prefill. Compare meshd with its rewarm (slow start: a new engine's weight
+  ramps over reliability.slow_start.window_s; hot-prefix replication spreads a hot group
+  to it one engine at a time) and `meshd-no-slow-start` (it takes its full share at once);
+  the picker's replication is not a config setting, so it is on in both. TTFT p99 is
+  also given for the requests that arrived after the scale-up.
 
 Per pass (definitions):
 - goodput: logical requests that succeeded (some attempt streamed to [DONE]) per second
@@ -60,6 +68,8 @@ RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
 BASELINE = "rr-naive-retry"
 DEFAULT_POLICIES: tuple[str, ...] = ("meshd", "rr-naive-retry", "envoy-lr-retry")
 SCENARIOS: tuple[str, ...] = ("healthy", "degraded", "crash")
+ALL_SCENARIOS: tuple[str, ...] = (*SCENARIOS, "scaleup")
+SCALEUP_POLICIES: tuple[str, ...] = ("meshd", "meshd-no-slow-start")
 _WORDS = tuple(f"w{i}" for i in range(512))
 _IDLE_TIMEOUT_S = 20.0
 
@@ -94,6 +104,14 @@ class CascadeSettings:
     slow_factor: float = 10.0
     fault_at_fraction: float = 0.2
     crash_after_tokens: int = 12
+    # scaleup: engines absent until scaleup_at_fraction x duration, and the shared prefixes.
+    cold_engines: int = 4
+    scaleup_at_fraction: float = 0.4
+    # Over what the engines up before the scale-up carry (~8 req/s each at these settings),
+    # within what the whole fleet carries.
+    scaleup_rate_rps: float = 40.0
+    prefix_groups: int = 8
+    prefix_words: int = 384
     seed: int = 0
     policies: tuple[str, ...] = DEFAULT_POLICIES
     scenarios: tuple[str, ...] = SCENARIOS
@@ -105,6 +123,10 @@ class CascadeSettings:
     @property
     def fault_at_s(self) -> float:
         return self.duration_s * self.fault_at_fraction
+
+    @property
+    def scaleup_at_s(self) -> float:
+        return self.duration_s * self.scaleup_at_fraction
 
 
 QUICK = CascadeSettings(duration_s=20.0)
@@ -132,17 +154,25 @@ class TaskOutcome:
     lost_tokens: int
     broken_streams: int
     error: str | None
+    planned_at_s: float = 0.0
 
 
-def plan(settings: CascadeSettings) -> list[Planned]:
+def plan(settings: CascadeSettings, *, shared: bool = False) -> list[Planned]:
     """Poisson arrivals over the duration, each with a prompt of its own (no shared
-    prefixes: prefix affinity plays no part here)."""
+    prefixes: prefix affinity plays no part here). `shared` (the scaleup scenario): each
+    prompt starts with one of `prefix_groups` prefixes of `prefix_words` words."""
     rng = random.Random(settings.seed)
+    groups = random.Random(f"{settings.seed}-groups")  # the arrivals stay plain's
+    prefixes: list[str] = []
+    for g in range(settings.prefix_groups if shared else 0):
+        pr = random.Random(f"{settings.seed}-prefix-{g}")
+        prefixes.append(" ".join(pr.choice(_WORDS) for _ in range(settings.prefix_words)))
     out: list[Planned] = []
     t = rng.expovariate(settings.rate_rps)
     while t < settings.duration_s:
         words = " ".join(rng.choice(_WORDS) for _ in range(settings.prompt_words))
-        out.append(Planned(t, f"request {len(out)}: {words}", f"cascade-{len(out)}"))
+        head = f"{groups.choice(prefixes)} " if prefixes else ""
+        out.append(Planned(t, f"{head}request {len(out)}: {words}", f"cascade-{len(out)}"))
         t += rng.expovariate(settings.rate_rps)
     return out
 
@@ -169,7 +199,7 @@ class RetryingClient:
             tasks: list[asyncio.Task[None]] = []
 
             async def one(p: Planned) -> None:
-                out.append(await self._task(session, p))
+                out.append(replace(await self._task(session, p), planned_at_s=p.at_s))
                 if progress is not None:
                     progress.update(1)
 
@@ -295,6 +325,10 @@ class PassResult:
     duration_s: float
     fleet_usd: float
     errors: dict[str, int] = field(default_factory=dict)  # failed requests, last error
+    # scaleup: TTFT p99 of the requests that arrived after the scale-up, and the attempts
+    # each engine took (the last cold_engines are the new ones).
+    ttft_p99_after_s: float | None = None
+    engine_attempts: tuple[float, ...] = ()
     attempt_errors: dict[str, int] = field(default_factory=dict)  # failed attempts
     skipped: str | None = None
 
@@ -378,6 +412,20 @@ def faults_of(scenario: str, s: CascadeSettings) -> list[tuple[int, dict[str, An
     return []
 
 
+def cold_at_start(scenario: str, s: CascadeSettings) -> list[tuple[int, dict[str, Any]]]:
+    """(engine index, fault) applied before the first request: the scaleup scenario's last
+    `cold_engines` load their weights (connection refused) until scaleup_at_s, in the
+    engines' simulated seconds (wall x time_scale)."""
+    if scenario != "scaleup":
+        return []
+    seconds = s.scaleup_at_s * s.time_scale
+    first = max(0, s.engines - s.cold_engines)
+    return [
+        (i, {"kind": "cold_start", "seconds": seconds, "mode": "refuse"})
+        for i in range(first, s.engines)
+    ]
+
+
 async def _start_router(spec: PolicySpec, fleet: FleetProcess, workdir: Path) -> Router:
     on_fleet = getattr(spec, "start_on_fleet", None)
     if on_fleet is not None:
@@ -399,7 +447,9 @@ async def run_pass(
     if reason is not None:
         log(f"{scenario}/{spec.name}: skipped: {reason}")
         return _skipped(scenario, spec, reason)
-    planned = plan(s)
+    if scenario == "scaleup":
+        s = replace(s, rate_rps=s.scaleup_rate_rps)
+    planned = plan(s, shared=scenario == "scaleup")
     fleet_spec = FleetSpec(
         gpus=(s.gpu,) * s.engines,
         kind="sim",
@@ -416,6 +466,8 @@ async def run_pass(
             async with session.get(urls[0] + "/v1/models") as resp:
                 model = str((await resp.json())["data"][0]["id"])
             before = await _counters(session, urls)
+            for i, doc in cold_at_start(scenario, s):
+                await _fault(session, urls[i], doc)
             client = RetryingClient(router.url, model, s)
 
             async def inject() -> None:
@@ -467,6 +519,9 @@ def _result(
 ) -> PassResult:
     ok = [o for o in outcomes if o.ok]
     ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+    after_ttfts = [
+        o.ttft_s for o in ok if o.ttft_s is not None and o.planned_at_s >= s.scaleup_at_s
+    ]
     errors: dict[str, int] = {}
     for o in outcomes:
         if not o.ok:
@@ -489,6 +544,13 @@ def _result(
         duration_s=s.duration_s,
         fleet_usd=usd_per_s * wall * s.time_scale,
         errors=errors,
+        ttft_p99_after_s=_percentile(after_ttfts, 0.99) if scenario == "scaleup" else None,
+        engine_attempts=tuple(
+            a.get(REQUEST_SUCCESS, 0.0) - b.get(REQUEST_SUCCESS, 0.0)
+            for b, a in zip(before, after, strict=True)
+        )
+        if scenario == "scaleup"
+        else (),
     )
 
 
@@ -556,7 +618,11 @@ async def run_cascade(
     passes: list[PassResult] = []
     specs = [POLICIES[name] for name in settings.policies]
     for scenario in settings.scenarios:
-        for spec in specs if scenario != "healthy" else specs[:1]:
+        todo = specs if scenario != "healthy" else specs[:1]
+        if scenario == "scaleup":
+            # The rewarm against none: meshd as it is and without its slow start.
+            todo = [POLICIES[name] for name in SCALEUP_POLICIES]
+        for spec in todo:
             log(f"{scenario}: {spec.name} ({spec.summary})")
             try:
                 r = await run_pass(
@@ -589,6 +655,15 @@ def format_report(report: CascadeReport) -> str:
         f"degraded: engine 0 at 1/{s.slow_factor:g} speed; remaining capacity "
         f"{s.remaining_capacity:.4f}; healthy goodput {_f(h)} req/s; goodput target "
         f"(0.9 x healthy x remaining) {_f(target)} req/s; amplification target <= 1.2",
+        *(
+            [
+                f"scaleup: {s.scaleup_rate_rps:g} req/s sharing {s.prefix_groups} prefixes of "
+                f"{s.prefix_words} words; engines {s.engines - s.cold_engines}-{s.engines - 1} "
+                f"loading until {s.scaleup_at_s:g} s (connection refused), then up, cold"
+            ]
+            if "scaleup" in s.scenarios
+            else []
+        ),
         "",
     ]
     head = (
@@ -667,6 +742,17 @@ def _verdicts(report: CascadeReport) -> list[str]:
             f"meshd crash: {c.broken_streams} streams lost "
             f"({'meets' if c.broken_streams == 0 else 'MISSES'} zero)"
         )
+    s = report.settings
+    for p in report.passes:
+        if p.scenario == "scaleup" and p.skipped is None:
+            out.append(
+                f"scaleup/{p.policy}: {s.scaleup_rate_rps:g} req/s; {s.cold_engines} of "
+                f"{s.engines} engines up at "
+                f"{s.scaleup_at_s:g} s; TTFT p99 {_f(p.ttft_p99_s, '{:.3f}s')} (after the "
+                f"scale-up {_f(p.ttft_p99_after_s, '{:.3f}s')}), ok {100 * p.success:.1f}%, "
+                f"$/1k successful tasks {_f(p.usd_per_1k_tasks, '{:.4f}')}; attempts by "
+                f"engine {[round(a) for a in p.engine_attempts]}"
+            )
     return out
 
 
@@ -696,8 +782,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[CascadeSettings, argparse.Na
         s = replace(s, policies=names)
     if args.scenarios:
         names = tuple(n.strip() for n in args.scenarios.split(",") if n.strip())
-        if any(n not in SCENARIOS for n in names):
-            p.error(f"scenarios are {', '.join(SCENARIOS)}")
+        if any(n not in ALL_SCENARIOS for n in names):
+            p.error(f"scenarios are {', '.join(ALL_SCENARIOS)}")
         s = replace(s, scenarios=names)
     return s, args
 

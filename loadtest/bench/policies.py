@@ -19,7 +19,7 @@ import sysconfig
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -431,20 +431,29 @@ async def start_meshd_on_fleet(
     workdir: Path,
     policy: str,
     picker: dict[str, object] | None = None,
+    config: dict[str, Any] | None = None,
 ) -> ProcessRouter:
-    """start_meshd, with the endpoints' GPUs (and `picker` settings) in the config."""
-    return await start_sidecar_process(sidecar_config_for_fleet(engines, policy, picker), workdir)
+    """start_meshd, with the endpoints' GPUs (and `picker` settings) in the config, and
+    `config` sections merged over it."""
+    from meshd.config import deep_merge
+
+    doc = sidecar_config_for_fleet(engines, policy, picker)
+    return await start_sidecar_process(deep_merge(doc, config or {}), workdir)
 
 
 def meshd_fleet_policy(
-    policy: str, label: str | None = None, picker: dict[str, object] | None = None
+    policy: str,
+    label: str | None = None,
+    picker: dict[str, object] | None = None,
+    config: dict[str, Any] | None = None,
+    note: str = "",
 ) -> FleetPolicySpec:
     base = meshd_policy(policy, label)
 
     async def start_on_fleet(engines: Sequence[EngineInfo], workdir: Path) -> Router:
-        return await start_meshd_on_fleet(engines, workdir, policy, picker)
+        return await start_meshd_on_fleet(engines, workdir, policy, picker, config)
 
-    settings = "".join(f", routing.picker.{k}={v}" for k, v in (picker or {}).items())
+    settings = "".join(f", routing.picker.{k}={v}" for k, v in (picker or {}).items()) + note
     return FleetPolicySpec(
         name=base.name,
         summary=base.summary + ", endpoint GPUs in its config" + settings,
@@ -460,6 +469,14 @@ POLICIES["meshd"] = meshd_fleet_policy(MESHD_BEST_POLICY, label="meshd")
 # instead of the default 1 cent (same fleet, same workload; for the cost/latency frontier).
 POLICIES["meshd-cost"] = meshd_fleet_policy(
     MESHD_BEST_POLICY, label="meshd-cost", picker={"lambda_usd_per_s": 1e-3}
+)
+# meshd without the slow-start ramp: an engine that comes up (scaled up, restarted) takes
+# its full share at once, cold cache and all (the cascade bench's scaleup scenario).
+POLICIES["meshd-no-slow-start"] = meshd_fleet_policy(
+    MESHD_BEST_POLICY,
+    label="meshd-no-slow-start",
+    config={"reliability": {"slow_start": {"enabled": False}}},
+    note=", reliability.slow_start.enabled=false",
 )
 
 
