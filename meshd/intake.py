@@ -234,7 +234,9 @@ class Intake:
                 served = await cache.lookup(req, ctx, plan)
                 if served is not MISS:
                     return served
-            return await self.fallbacks.serve(req, ctx, self._admit_and_try)
+            if ctx.pool in self.fallbacks.chains:
+                return await self.fallbacks.serve(req, ctx, self._admit_and_try)
+            return await self._admit_and_try(req, ctx)
         except asyncio.CancelledError:
             # The client left, or a drain ran out of time, before the answer was over
             # (queued, waiting for the engine's head, relaying): the trace ends as what it
