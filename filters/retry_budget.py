@@ -19,12 +19,14 @@ The floor is for rare failures: it lets a quiet client retry its odd refusal, wh
 ratio of a few requests could not fund. It is not for a pool where most requests fail:
 there a rate floor (or Envoy's concurrency floor, since a refused attempt is over in
 milliseconds) funds every retry of every request at any rate under the floor's, so a 503
-storm at 2 req/s went upstream 3.0x (issue #21). So the floor counts only while at most
-STORM_SHARE of the window's requests have asked for a retry (or fewer asks than one request
-can make alone: a lone request still gets its attempts); past that, only the ratio
-funds retries and attempts stay within (1 + retry_ratio) x requests once the window has
-turned over. One endpoint of three refusing asks for a third of the requests: the floor
-keeps funding those retries (each succeeds elsewhere). Measured on every request failing
+storm at 2 req/s went upstream 3.0x (issue #21). So the floor stops counting while the
+window's retry asks are a storm: more than a lone request can make (it still gets all its
+attempts), and either as many as the window's requests, or more than
+STORM_SHARE of them while a retry among them failed too (its request asked again). Then
+only the ratio funds retries, and attempts stay within (1 + retry_ratio) x requests once
+the window has turned over. One endpoint of three refusing, even one the picker favours
+(a fast refusal looks idle), asks for fewer than all requests and its retries succeed
+elsewhere: the floor keeps funding them. Measured on every request failing
 (tests/test_retry_budget.py, 300 s at the defaults): attempts / requests 3.0 -> 1.2 at
 0.5-5 req/s, 1.7 -> 1.2 at 20 req/s; below max_attempts requests a window (0.3 req/s) a
 storm still gets the floor, at under one attempt a second.
@@ -163,6 +165,7 @@ class RetryBudget:
     __slots__ = (
         "_asks",
         "_deposit",
+        "_failed_retries",
         "_recent_requests",
         "_reserve",
         "_window",
@@ -182,6 +185,7 @@ class RetryBudget:
         # Requests and retry asks (granted or not) over the same window: the storm test.
         self._recent_requests = WindowedSum(cfg.window_s, cfg.slots)
         self._asks = WindowedSum(cfg.window_s, cfg.slots)
+        self._failed_retries = WindowedSum(cfg.window_s, cfg.slots)
         self._deposit = round(cfg.retry_ratio * _SCALE)
         self._withdraw = _SCALE
         self._reserve = round(cfg.min_retries_per_s * cfg.window_s * _SCALE)
@@ -204,12 +208,16 @@ class RetryBudget:
             self._window.add(now, self._deposit)
 
     def _floor(self, now: float) -> int:
-        """The floor's reserve, or 0 while the window's retry asks are a storm: more than
-        one request alone can make, and more than STORM_SHARE of the requests."""
+        """The floor's reserve, or 0 while the window's retry asks are a storm (module
+        docstring): at least as many as one request alone can make, and either as many as
+        the requests, or more than STORM_SHARE of them with a retry among them that failed."""
         asks = self._asks.total(now)
         if asks < self.config.max_attempts:
             return self._reserve
-        return 0 if asks > STORM_SHARE * self._recent_requests.total(now) else self._reserve
+        requests = self._recent_requests.total(now)
+        if asks >= requests or (self._failed_retries.total(now) and asks > STORM_SHARE * requests):
+            return 0
+        return self._reserve
 
     def balance(self, now: float) -> float:
         """Retries that could be withdrawn now."""
@@ -221,8 +229,10 @@ class RetryBudget:
         if attempts_made >= self.config.max_attempts:
             self.capped += 1
             return False
-        reserve = self._floor(now)  # this ask is judged on the ones before it
-        self._asks.add(now, 1)
+        self._asks.add(now, 1)  # this ask is judged with the window's, itself included
+        if attempts_made > 1:
+            self._failed_retries.add(now, 1)  # it asks again: its last retry failed
+        reserve = self._floor(now)
         if self._window.total(now) + reserve < self._withdraw:
             self.exhausted += 1
             return False
