@@ -47,3 +47,26 @@ async def test_meshd_keeps_retry_amplification_low_where_naive_retries_do_not(
     # The naive clients' timeouts are what amplified: they broke streams meshd did not.
     assert naive.attempt_errors.get("timeout", 0) > meshd.attempt_errors.get("timeout", 0)
     assert meshd.success >= 0.95
+
+
+@pytest.mark.skipif(POLICIES["meshd"].unavailable() is not None, reason="meshd not runnable")
+async def test_fallbacks_cannot_storm_in_the_cascade(tmp_path: Path) -> None:
+    # Issue #24: retries and fallbacks share the retry budget. The degraded engine is in
+    # the first pool, whose failures may move to the fallback pool (the last engine):
+    # amplification over every engine stays within the cascade's 1.2.
+    tiny = CascadeSettings(
+        engines=4,
+        rate_rps=20.0,
+        duration_s=6.0,
+        max_tokens=12,
+        prompt_words=48,
+        client_timeout_s=1.5,
+        fault_at_fraction=0.2,
+        policies=("meshd-fallback",),
+        scenarios=("degraded",),
+    )
+    r = await run_pass("degraded", POLICIES["meshd-fallback"], tiny, tmp_path, progress=False)
+    assert r.skipped is None and r.requests > 30
+    assert r.upstream_attempts >= r.requests * 0.99
+    assert r.amplification <= 1.2, r
+    assert r.success >= 0.95, r

@@ -480,6 +480,37 @@ POLICIES["meshd-no-slow-start"] = meshd_fleet_policy(
 )
 
 
+def meshd_fallback_policy(spare: int = 2) -> FleetPolicySpec:
+    """meshd with the fleet split in two pools: the last `spare` engines are the first
+    pool's fallback (pools[].fallbacks, the same model), so what the first pool cannot serve
+    moves there. In the cascade scenarios its retry amplification (all engines' requests over
+    logical requests) shows whether fallbacks can storm: they share the retry budget."""
+    base = meshd_policy(MESHD_BEST_POLICY, "meshd-fallback")
+
+    async def start_on_fleet(engines: Sequence[EngineInfo], workdir: Path) -> Router:
+        doc = sidecar_config_for_fleet(engines, MESHD_BEST_POLICY)
+        pools = doc["pools"]
+        assert isinstance(pools, list)
+        endpoints = pools[0]["endpoints"]
+        keep = max(1, len(endpoints) - spare)
+        doc["pools"] = [
+            {"name": "default", "endpoints": endpoints[:keep], "fallbacks": ["spare"]},
+            {"name": "spare", "endpoints": endpoints[keep:] or endpoints[-1:]},
+        ]
+        return await start_sidecar_process(doc, workdir)
+
+    return FleetPolicySpec(
+        name=base.name,
+        summary=base.summary + f", the last {spare} engines a fallback pool of the rest",
+        start=base.start,
+        unavailable=base.unavailable,
+        start_on_fleet=start_on_fleet,
+    )
+
+
+POLICIES["meshd-fallback"] = meshd_fallback_policy()
+
+
 # ---- reliability baselines (loadtest/bench/cascade.py) --------------------------------
 # The cascading-failure scenario compares meshd (every reliability filter on, its
 # defaults) with the two usual set-ups: round robin with naive retries, and Envoy's
