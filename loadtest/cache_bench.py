@@ -17,7 +17,8 @@ and max_tokens) at its own arrival time; the default is the trace as it is.
 
 Fleet: `--engines` simulated H100s (loadtest/engine), every engine with the same seed, so
 that, like replicas of one model answering greedily, the same request gets the same text
-on any of them (the simulator's text is a pure function of prompt and seed).
+on any of them (the simulator's text is a pure function of prompt and seed); their context
+window holds the longest request (the trace's 191k-token prompts are 9.6k tokens at 0.05).
 
 Measured: the client (its own, open loop at the arrival times, `--concurrency` in flight
 at most) records per request its success, TTFT, E2E and the sha256 of the answer text (the
@@ -55,6 +56,7 @@ from loadtest.bench.fleet import EngineInfo, FleetProcess, read_ready_line
 from loadtest.bench.policies import MESHD_BEST_POLICY, ProcessRouter, start_sidecar_process
 from loadtest.bench.stream import StreamMeter
 from loadtest.engine.config import EngineSpec, spec_from_dict
+from loadtest.procstats import cpu_seconds
 from loadtest.workloads import MOONCAKE_SYNTHETIC, PlannedRequest, read_mooncake, traces_dir
 from meshd.access_log import AccessRecord, read_access_log
 
@@ -394,6 +396,7 @@ class CacheBenchSettings:
     timeout_s: float = 60.0
     traces: str | None = None
     progress: bool = True
+    cache_first: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.repeat_share < 1.0:
@@ -477,6 +480,7 @@ class PassResult:
     records: list[AccessRecord]
     wall_s: float
     summary: LedgerSummary
+    sidecar_cpu_s: float = math.nan
 
     def figures(self) -> dict[str, Any]:
         ok = [o for o in self.outcomes if o.ok]
@@ -484,7 +488,10 @@ class PassResult:
         verdicts = Counter(r.response_cache or "uncacheable" for r in self.records)
         replayed = verdicts["hit"] + verdicts["coalesced"]
         total = self.summary.total
-        engine_requests = sum(1 for r in self.records if r.endpoint is not None)
+        reached = [r for r in self.records if r.endpoint is not None]
+        engine_requests = len(reached)
+        prompt = sum(r.prompt_tokens or 0 for r in reached)
+        cached = sum(r.cached_tokens or 0 for r in reached)
         return {
             "requests": len(self.outcomes),
             "ok": len(ok),
@@ -495,6 +502,7 @@ class PassResult:
             "cache_verdicts": dict(verdicts),
             "hit_rate": replayed / len(self.records) if self.records else 0.0,
             "engine_requests": engine_requests,
+            "engine_prefix_hit_rate": cached / prompt if prompt else None,
             "ttft_p50_s": percentile(ttft, 0.5),
             "ttft_p90_s": percentile(ttft, 0.9),
             "ttft_p99_s": percentile(ttft, 0.99),
@@ -504,6 +512,9 @@ class PassResult:
             "tasks_ok": total.tasks_succeeded,
             "usd_per_ok_task": total.cost_per_successful_task,
             "avoided_gpu_seconds": sum(r.avoided_gpu_seconds or 0.0 for r in self.records),
+            "sidecar_cpu_ms_per_request": self.sidecar_cpu_s * 1000 / max(1, len(self.outcomes))
+            if math.isfinite(self.sidecar_cpu_s)
+            else None,
             "wall_s": self.wall_s,
         }
 
@@ -517,7 +528,11 @@ async def run_pass(
 ) -> PassResult:
     """A fresh fleet and sidecar (cold caches), the workload, then the access log."""
     workdir.mkdir(parents=True, exist_ok=True)
-    base = EngineSpec(gpu=s.gpu, time_scale=s.engine_time_scale, seed=s.seed)
+    # A context window that holds the longest request (the trace's 191k-token prompts are
+    # 9.6k at token scale 0.05; the simulator's default window is 8,192).
+    longest = max(r.prompt_tokens + r.max_tokens for r in workload.requests)
+    window = max(EngineSpec().max_model_len, math.ceil(longest * 1.25))
+    base = EngineSpec(gpu=s.gpu, time_scale=s.engine_time_scale, seed=s.seed, max_model_len=window)
     specs = [replace(base, name=f"{s.gpu.lower()}-{i}") for i in range(s.engines)]
     fleet = await start_engines(specs, workdir / "engines.log")
     access = workdir / "access.jsonl"
@@ -533,6 +548,7 @@ async def run_pass(
                 Send(i, f"{name}-{i}", r.at_s, "/v1/completions", completion_body(r, base.model))
                 for i, r in enumerate(workload.requests)
             ]
+            cpu0 = _cpu(router)
             outcomes, wall = await send_all(
                 router.url,
                 sends,
@@ -541,12 +557,21 @@ async def run_pass(
                 keep_headers=("cache-status",),
                 progress=name if s.progress else None,
             )
+            cpu = _cpu(router) - cpu0
         finally:
             await router.stop()  # drains: the access log is flushed
     finally:
         await fleet.stop()
     records = read_records(access)
-    return PassResult(name, outcomes, records, wall, ledger_of(records))
+    return PassResult(name, outcomes, records, wall, ledger_of(records), cpu)
+
+
+def _cpu(router: ProcessRouter) -> float:
+    """The sidecar process's CPU-seconds so far (nan where /proc cannot tell)."""
+    try:
+        return cpu_seconds(router.proc.pid)
+    except (OSError, ValueError, IndexError):
+        return math.nan
 
 
 def by_verdict(off: PassResult, on: PassResult) -> dict[str, dict[str, Any]]:
@@ -641,7 +666,8 @@ def header_lines(s: CacheBenchSettings, w: Workload) -> list[str]:
         "  every request: streamed /v1/completions, temperature 0, ignore_eos, include_usage",
         f"fleet: {s.engines} x simulated {s.gpu} (one seed), engine time scale "
         f"{s.engine_time_scale:g}; routing.policy {MESHD_BEST_POLICY}; client concurrency "
-        f"<= {s.concurrency}; each pass on a fresh fleet and sidecar (cold caches)",
+        f"<= {s.concurrency}; each pass on a fresh fleet and sidecar (cold caches), "
+        + ("the cache pass first" if s.cache_first else "the no-cache pass first"),
     ]
 
 
@@ -655,12 +681,16 @@ def report_table(off: dict[str, Any], on: dict[str, Any]) -> str:
         ["hit rate (hit+coalesced)", f"{off['hit_rate']:.1%}", f"{on['hit_rate']:.1%}", "-"],
         ["engine requests", str(off["engine_requests"]), str(on["engine_requests"]),
          r("engine_requests")],
+        ["  their prefix-cache hits", fmt(off["engine_prefix_hit_rate"], "{:.1%}"),
+         fmt(on["engine_prefix_hit_rate"], "{:.1%}"), r("engine_prefix_hit_rate")],
         ["TTFT p50", ms(off["ttft_p50_s"]), ms(on["ttft_p50_s"]), r("ttft_p50_s")],
         ["TTFT p90", ms(off["ttft_p90_s"]), ms(on["ttft_p90_s"]), r("ttft_p90_s")],
         ["E2E p50", ms(off["e2e_p50_s"]), ms(on["e2e_p50_s"]), r("e2e_p50_s")],
         ["GPU-seconds", fmt(off["gpu_seconds"]), fmt(on["gpu_seconds"]), r("gpu_seconds")],
         ["$ per successful task", usd(off["usd_per_ok_task"]), usd(on["usd_per_ok_task"]),
          r("usd_per_ok_task")],
+        ["sidecar CPU per request", fmt(off["sidecar_cpu_ms_per_request"], "{:.2f} ms"),
+         fmt(on["sidecar_cpu_ms_per_request"], "{:.2f} ms"), r("sidecar_cpu_ms_per_request")],
     ]  # fmt: skip
     return render_table(("", "no cache", "cache", "cache/no cache"), rows)
 
@@ -694,8 +724,12 @@ async def run_bench(s: CacheBenchSettings, out: Path) -> dict[str, Any]:
     for line in header_lines(s, workload):
         print(line, flush=True)
     t0 = time.monotonic()
-    off = await run_pass("no-cache", s, workload, out / "no-cache", cache=False)
-    on = await run_pass("cache", s, workload, out / "cache", cache=True)
+    if s.cache_first:
+        on = await run_pass("cache", s, workload, out / "cache", cache=True)
+        off = await run_pass("no-cache", s, workload, out / "no-cache", cache=False)
+    else:
+        off = await run_pass("no-cache", s, workload, out / "no-cache", cache=False)
+        on = await run_pass("cache", s, workload, out / "cache", cache=True)
     compared, replayed, bad = wrong_answers(off, on)
     f_off, f_on = off.figures(), on.figures()
     print()
@@ -803,6 +837,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[CacheBenchSettings, argparse
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per request, s")
     p.add_argument("--traces", default=None, help="traces dir (default ../shared/data/traces)")
     p.add_argument("--out", type=Path, default=None, help="default results/cache-bench-<time>")
+    p.add_argument(
+        "--cache-first",
+        action="store_true",
+        help="run the cache pass first (the order's part in a difference: run both ways)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--serve-engines", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -822,6 +861,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[CacheBenchSettings, argparse
             timeout_s=args.timeout,
             traces=args.traces,
             progress=not args.no_progress,
+            cache_first=args.cache_first,
         )
     except ValueError as exc:
         p.error(str(exc))
