@@ -15,7 +15,7 @@ from loadtest.fallback_bench import FallbackBenchSettings, main, run_bench
 
 
 async def test_a_tiny_run_falls_back_once_the_big_pool_is_dead(tmp_path: Path) -> None:
-    s = FallbackBenchSettings(requests=30, rate=15.0, big=1, small=1, progress=False)
+    s = FallbackBenchSettings(requests=24, rate=20.0, big=1, small=1, progress=False)
     doc = await run_bench(s, tmp_path)
     without, chain = doc["passes"]["no_chain"], doc["passes"]["chain"]
     assert chain["success_rate"] > without["success_rate"]
