@@ -322,27 +322,47 @@ def _pools(f: Mapping[str, Any]) -> str:
 
 
 def write_plot(path: Path, passes: Mapping[str, PassResult]) -> None:
+    """Left: the share of requests that succeeded per time bin, by send time, each pass.
+    Right: each successful request's TTFT by send time, moved ones marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     kill = 0.0
     for name, p in passes.items():
         kill = p.kill_at_s
         span = max((o.sent_at_s for o in p.outcomes), default=0.0)
-        bins = int(span) + 1
-        ok = [0] * bins
+        width = max(0.5, span / 30)
+        bins = int(span / width) + 1
+        sent, ok = [0] * bins, [0] * bins
         for o in p.outcomes:
-            if o.ok:
-                ok[int(o.sent_at_s)] += 1
-        ax.step(range(bins), ok, where="post", label=f"{name}: successful requests")
-    ax.axvline(kill, color="red", linestyle="--", label="big pool killed")
-    ax.set_xlabel("send time (s)")
-    ax.set_ylabel("successful requests per second")
-    ax.set_title("Fallback: one pool's engines killed mid-run")
-    ax.legend()
+            b = int(o.sent_at_s / width)
+            sent[b] += 1
+            ok[b] += o.ok
+        xs = [i * width for i in range(bins) if sent[i]]
+        ys = [ok[i] / sent[i] for i in range(bins) if sent[i]]
+        left.step(xs, ys, where="post", label=name)
+        for moved, marker in ((False, "."), (True, "x")):
+            pts = [
+                (o.sent_at_s, o.ttft_s * 1000)
+                for o in p.outcomes
+                if o.ok and o.ttft_s is not None and ("x-meshd-fallback" in o.headers) == moved
+            ]
+            if pts:
+                right.scatter(*zip(*pts, strict=True), s=12, marker=marker,
+                              label=f"{name}{', fallback' if moved else ''}")  # fmt: skip
+    for ax in (left, right):
+        ax.axvline(kill, color="red", linestyle="--", label="big pool killed")
+        ax.set_xlabel("send time (s)")
+        ax.legend(fontsize="small")
+    left.set_ylabel("share of requests that succeeded")
+    left.set_ylim(-0.05, 1.05)
+    left.set_title("Success by send time")
+    right.set_ylabel("TTFT (ms)")
+    right.set_yscale("log")
+    right.set_title("TTFT of the successful requests")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
