@@ -29,7 +29,8 @@ GPU-seconds at the GPU's price; each request is a task). Wrong answers: request 
 with the cache on against request i's text with the cache off (the engine's answer for the
 same key); must be 0. Ratios are cache / no cache, both measured in the same run.
 
-Writes results.json and ttft_cdf.png (TTFT CDF of both passes) into --out.
+Writes results.json, requests.jsonl (every request of both passes) and ttft_cdf.png (the TTFT
+CDF of both passes) into --out.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ and meshd_fallbacks_total from the sidecar's /metrics); amplification: upstream 
 (the access log's, connection refusals included) per client request, and those that
 reached an engine. Ratios are with chain / without, measured in the same run.
 
-Writes results.json and fallback.png (successes per second, both passes) into --out.
+Writes results.json, requests.jsonl and fallback.png (each pass's share of requests that
+succeeded by send time, beside each successful request's TTFT) into --out.
 """
 
 from __future__ import annotations
