@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit install vllm clean
+.PHONY: demo test lint typecheck unit install vllm fuzz clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ vllm: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/meshd demo
+
+# Coverage-guided fuzzing (atheris) of every parser target, FUZZ_SECONDS each (README,
+# "Fuzzing"); `$(BIN)/python -m fuzz TARGET --seconds N` runs one.
+FUZZ_SECONDS ?= 60
+fuzz: $(STAMP)
+	$(BIN)/python -m fuzz all --seconds $(FUZZ_SECONDS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

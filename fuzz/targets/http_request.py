@@ -1,0 +1,210 @@
+"""HTTP/1.1 request framing (meshd/listener.py on httptools/llhttp, meshd/http_message.py):
+the bytes a client sends on one connection, through the listener with a fake transport
+and an echo handler (tests/test_listener.py's harness, in small).
+
+No twin here: the same bytes fed whole and cut into reads must get the same statuses, and
+every answer is one the listener documents (200 from the handler; 400, 405, 408, 413, 417,
+431 with an OpenAI-style error body whose code is in x-meshd-error); nothing escapes
+data_received and no handler outlives its connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fuzz.common import agree, require, splits
+
+INCLUDE = ["meshd"]
+ANSWERS = {200, 400, 405, 408, 413, 417, 431}
+DROPPED = "statuses: pipelined requests before unframeable bytes dropped"
+STALLED = "reading paused with no request in progress, and no answer"
+# Found by this target, reported, not fixed yet (corpus: known-*).
+KNOWN = {
+    f"Disagreement: {DROPPED}": (
+        "complete pipelined requests queued behind the one in progress are dropped, "
+        "unanswered, when unparseable bytes arrive in the same read (_malformed sets "
+        "_close_when_idle, so the answer in progress closes the connection); the same "
+        "bytes in a later read get every request answered, then a 400"
+    ),
+    # corpus: known-closing-reply-then-garbage
+    "ConnectionResetError in meshd/listener.py:write": (
+        "a reply that closes the connection (405 CONNECT, 417, 431) followed by "
+        "unparseable bytes in the same read: _malformed writes a 400 to the closed "
+        "connection and ConnectionResetError escapes data_received (asyncio logs a fatal "
+        "protocol error)"
+    ),
+    # corpus: known-expect-not-utf8
+    f"Finding: {STALLED}": (
+        "an Expect value that is not UTF-8: its 417 cannot be built (json_reply encodes a "
+        "lone surrogate), the exception in on_headers_complete becomes httptools' "
+        "'User callback error', and the connection waits, unanswered and paused, until "
+        "client_header_timeout_s"
+    ),
+}
+
+
+class FakeTransport(asyncio.Transport):
+    """Collects what the listener writes; closing it tells the protocol on the next turn."""
+
+    def __init__(self, protocol: asyncio.Protocol) -> None:
+        super().__init__()
+        self.protocol = protocol
+        self.out = bytearray()
+        self.closing = False
+        self.reading = True
+
+    def write(self, data: Any) -> None:
+        assert not self.closing, "a write after close"
+        self.out += data
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        if not self.closing:
+            self.closing = True
+            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+
+    def abort(self) -> None:
+        self.close()
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 40000) if name == "peername" else default
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+def responses(raw: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """The listener's answers, parsed strictly (Content-Length or chunked)."""
+    out = []
+    while raw:
+        head, sep, rest = raw.partition(b"\r\n\r\n")
+        assert sep, f"an unfinished response head: {raw[:80]!r}"
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ")[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(": ")
+            headers[name.lower()] = value
+        if status == 100 or headers.get("x-echo-method") == "HEAD":
+            # "100 Continue" before the body is read, an answer to HEAD: no body
+            out.append((status, headers, b""))
+            raw = rest
+            continue
+        if "content-length" in headers:
+            n = int(headers["content-length"])
+            body, raw = rest[:n], rest[n:]
+        elif headers.get("transfer-encoding") == "chunked":
+            body = b""
+            while True:
+                size_line, _, rest = rest.partition(b"\r\n")
+                size = int(size_line, 16)
+                body += rest[:size]
+                assert rest[size : size + 2] == b"\r\n", "bad chunk framing in a response"
+                rest = rest[size + 2 :]
+                if size == 0:
+                    break
+            raw = rest
+        else:
+            body, raw = rest, b""
+        out.append((status, headers, body))
+    return out
+
+
+def _answered(rs: list[tuple[int, dict[str, str], bytes]]) -> list[int]:
+    """The statuses to compare, 100 Continue left out, and a last 400 or 431 too: bytes
+    that cannot be framed after a request still in progress close the connection after its
+    answer, unanswered (meshd/listener.py _malformed, _refuse_head), while the same bytes
+    arriving after that answer was sent get their own."""
+    statuses = [r[0] for r in rs if r[0] != 100]
+    return statuses[:-1] if statuses and statuses[-1] in (400, 431) else statuses
+
+
+def setup() -> Callable[[bytes], None]:
+    import logging
+
+    from meshd.http_message import BodyError, HttpRequest, ListenerLimits, Reply
+    from meshd.listener import HttpServer
+
+    logging.getLogger("meshd.listener").disabled = True
+    limits = ListenerLimits(
+        max_header_count=12,
+        max_header_bytes=1024,
+        max_body_bytes=2048,
+        client_header_timeout_s=5,
+        client_body_timeout_s=5,
+        keepalive_timeout_s=5,
+    )
+
+    async def echo(req: HttpRequest) -> Reply | None:
+        said = ("x-echo-method", req.method)  # so that `responses` knows a HEAD's answer
+        try:
+            body = await req.read_body()
+        except BodyError as exc:
+            exc.reply.headers.append(said)
+            return exc.reply
+        if req.path == "/stream":
+            stream = req.stream(200, [("Content-Type", "text/plain"), said])
+            for part in (body[: len(body) // 2], body[len(body) // 2 :]):
+                stream.write(part)
+            stream.end()
+            return None
+        doc = {"method": req.method, "target": req.target, "body": body.decode("latin-1")}
+        return Reply(200, [("Content-Type", "application/json"), said], json.dumps(doc).encode())
+
+    async def drive(chunks: list[bytes]) -> tuple[bytes, bool]:
+        server = HttpServer(echo, limits)
+        conn = server()
+        transport = FakeTransport(conn)
+        conn.connection_made(transport)
+        for chunk in chunks:
+            for _ in range(200):
+                if transport.reading or transport.closing:
+                    break
+                await asyncio.sleep(0)
+            if transport.closing:
+                break
+            require(transport.reading, STALLED, "before a read")
+            conn.data_received(chunk)
+            await asyncio.sleep(0)
+        for _ in range(200):
+            await asyncio.sleep(0)
+            task = conn._task
+            if (task is None or task.done()) and not conn._queue:
+                break
+        closed = transport.closing
+        busy = conn._current is not None or conn._queue
+        require(closed or transport.reading or busy, STALLED, "at the end")
+        if not transport.closing:
+            transport.close()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        require(conn._task is None or conn._task.done(), "a handler outlived its connection")
+        require(conn not in server.connections, "a closed connection is still tracked")
+        return bytes(transport.out), closed
+
+    loop = asyncio.new_event_loop()
+
+    def one_input(data: bytes) -> None:
+        whole = responses(loop.run_until_complete(drive([data]))[0])
+        split = responses(loop.run_until_complete(drive(splits(data)))[0])
+        for status, headers, body in whole + split:
+            assert status in ANSWERS or status == 100, status
+            if status not in (100, 200) and headers.get("x-echo-method") != "HEAD":
+                assert json.loads(body)["error"]["code"] == headers["x-meshd-error"]
+        a, b = _answered(whole), _answered(split)
+        if len(a) < len(b) and b[: len(a)] == a:
+            agree(DROPPED, a, b, ("whole", "split"))
+        agree("statuses", a, b, ("whole", "split"))
+
+    return one_input
