@@ -21,12 +21,13 @@ there a rate floor (or Envoy's concurrency floor, since a refused attempt is ove
 milliseconds) funds every retry of every request at any rate under the floor's, so a 503
 storm at 2 req/s went upstream 3.0x (issue #21). So the floor stops counting while the
 window's retry asks are a storm: more than a lone request can make (it still gets all its
-attempts), and either as many as the window's requests, or more than
-STORM_SHARE of them while a retry among them failed too (its request asked again). Then
-only the ratio funds retries, and attempts stay within (1 + retry_ratio) x requests once
-the window has turned over. One endpoint of three refusing, even one the picker favours
-(a fast refusal looks idle), asks for fewer than all requests and its retries succeed
-elsewhere: the floor keeps funding them. Measured on every request failing
+attempts), and either as many as the window's requests, or more than STORM_SHARE of the
+window's granted retries failed too (their requests asked again: another endpoint refused
+as well, so the pool, not one endpoint, is failing). Then only the ratio funds retries,
+and attempts stay within (1 + retry_ratio) x requests once the window has turned over.
+One endpoint of three refusing, even one the picker favours (a fast refusal looks idle),
+asks for fewer than all requests and its retries succeed elsewhere: the floor keeps
+funding them. Measured on every request failing
 (tests/test_retry_budget.py, 300 s at the defaults): attempts / requests 3.0 -> 1.2 at
 0.5-5 req/s, 1.7 -> 1.2 at 20 req/s; below max_attempts requests a window (0.3 req/s) a
 storm still gets the floor, at under one attempt a second.
@@ -166,6 +167,7 @@ class RetryBudget:
         "_asks",
         "_deposit",
         "_failed_retries",
+        "_granted",
         "_recent_requests",
         "_reserve",
         "_window",
@@ -186,6 +188,7 @@ class RetryBudget:
         self._recent_requests = WindowedSum(cfg.window_s, cfg.slots)
         self._asks = WindowedSum(cfg.window_s, cfg.slots)
         self._failed_retries = WindowedSum(cfg.window_s, cfg.slots)
+        self._granted = WindowedSum(cfg.window_s, cfg.slots)
         self._deposit = round(cfg.retry_ratio * _SCALE)
         self._withdraw = _SCALE
         self._reserve = round(cfg.min_retries_per_s * cfg.window_s * _SCALE)
@@ -210,12 +213,13 @@ class RetryBudget:
     def _floor(self, now: float) -> int:
         """The floor's reserve, or 0 while the window's retry asks are a storm (module
         docstring): at least as many as one request alone can make, and either as many as
-        the requests, or more than STORM_SHARE of them with a retry among them that failed."""
+        the window's requests, or more than STORM_SHARE of its granted retries failed."""
         asks = self._asks.total(now)
         if asks < self.config.max_attempts:
             return self._reserve
-        requests = self._recent_requests.total(now)
-        if asks >= requests or (self._failed_retries.total(now) and asks > STORM_SHARE * requests):
+        if asks >= self._recent_requests.total(now):
+            return 0
+        if self._failed_retries.total(now) > STORM_SHARE * self._granted.total(now):
             return 0
         return self._reserve
 
@@ -237,6 +241,7 @@ class RetryBudget:
             self.exhausted += 1
             return False
         self._window.add(now, -self._withdraw)
+        self._granted.add(now, 1)
         self.retries += 1
         self.attempts += 1
         return True

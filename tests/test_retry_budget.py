@@ -72,6 +72,23 @@ def test_a_storm_is_bounded_by_the_ratio_at_low_rates(rate_rps: float, routes: i
     assert b.attempts / b.requests <= 1.2 + 0.03
 
 
+def test_a_storm_after_healthy_traffic_gets_no_floor_past_its_first_request() -> None:
+    # 10 s of healthy traffic at 4 req/s, then every endpoint refuses everything: only the
+    # first storm request's retries come from the floor (a retry on another endpoint failed
+    # too: the pool is failing); the rest is the ratio banked from the healthy traffic (8).
+    b = RetryBudget()
+    for i in range(40):
+        b.deposit(i / 4)
+    for i in range(24):
+        now = 10.0 + i / 4
+        b.deposit(now)
+        made = 1
+        while made < 3 and b.withdraw(now, made):
+            made += 1
+    assert b.retries <= 8 + 2  # it was 19 with the floor funding every retry
+    assert (b.attempts - 40) / 24 <= 1.42
+
+
 @pytest.mark.parametrize("fail_every", [3, 2])
 def test_rare_failures_are_all_retried_at_low_rates(fail_every: int) -> None:
     # One endpoint of three refusing, a third of the requests, or half of them where the
