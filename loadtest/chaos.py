@@ -20,16 +20,18 @@ outlived its client). The sidecar's timeouts are shortened to fit
   meshd_stream_resumes_total{outcome="resumed"}), attempts (meshd_upstream_attempts_total
   over the run), amplification (attempts / requests sent; null where the sidecar
   restarts: its counters die with it), fault_amplification (attempts between the fault and
-  its clear / requests that ended in that time), recover_s (from the fault's
-  end to the sending of the last request that failed, 0 when none failed after it; null
-  where nothing clears), outlived (requests the engines still ran or queued 5 s after every
-  client had ended), goodput_rps and capacity_rps (overload scenarios: completions per
-  second over the load after its first 2 s, each spread over its life, and what the fleet
-  completes when kept full: its engines' generated tokens / tokens per request),
-  refused_429 / with_retry_after (429s and those that carried Retry-After), failures
-  (the first few clear errors by text), note (what the fault did), checks (the targets
-  missed: lost 0, broken 0 except where the sidecar is killed, amplification <= 1.2 in the
-  503 storms and the slowdown, outlived 0, goodput >= 90% of capacity with admission).
+  its clear / requests that ended in that time), recover_s (from the fault's end to the
+  sending of the last request that failed, 0 when none failed after it; null where nothing
+  clears), engine_fault and engine_back_s (one-engine faults: from the clear until that
+  engine takes a request again; null when it took none before the load ended), outlived
+  (requests the engines still ran or queued 5 s after every client had ended),
+  goodput_rps and capacity_rps (overload scenarios: completions per second over the load
+  after its first 2 s, each spread over its life, and what the fleet completes when kept
+  full: its engines' generated tokens / tokens per request), refused_429 /
+  with_retry_after (429s and those that carried Retry-After), failures (the first few
+  clear errors by text), note (what the fault did), checks (the targets missed: lost 0,
+  broken 0 except where the sidecar is killed, amplification <= 1.2 in the 503 storms and
+  the slowdown, outlived 0, goodput >= 90% of capacity with admission).
 """
 
 from __future__ import annotations
@@ -92,9 +94,11 @@ class Row:
     amplification: float | None = None
     fault_amplification: float | None = None
     recover_s: float | None = None
+    engine_back_s: float | None = None
     outlived: int | None = None
     goodput_rps: float | None = None
     capacity_rps: float | None = None
+    engine_fault: bool = False
     refused_429: int = 0
     with_retry_after: int = 0
     failures: dict[str, int] = field(default_factory=dict)
@@ -178,7 +182,7 @@ def _tally(row: Row, outcomes: Sequence[Outcome], clear_at: float | None) -> Non
 
 
 async def run_scenario(sc: Scenario, s: ChaosSettings, workdir: Path) -> Row:
-    row = Row(sc.name, sc.what)
+    row = Row(sc.name, sc.what, engine_fault=sc.engine_fault)
     rig_settings = sc.rig(s) if sc.rig else s.rig()
     spec = sc.load(s) if sc.load else s.load()
     overload = sc.name.startswith("overload")
@@ -194,6 +198,7 @@ async def run_scenario(sc: Scenario, s: ChaosSettings, workdir: Path) -> Row:
             run.t0 = time.monotonic()
             load = asyncio.create_task(open_loop(rig.sidecar.url, spec, t0=run.t0))
             side: asyncio.Task[None] | None = None
+            back: asyncio.Task[float] | None = None
             window: tuple[float, float, float] | None = None
             try:
                 await run.until(s.fault_at_s)
@@ -207,6 +212,8 @@ async def run_scenario(sc: Scenario, s: ChaosSettings, workdir: Path) -> Row:
                     at_clear = await run.counted()
                     await sc.clear(run)
                     run.clear_at = run.now()
+                    if sc.engine_fault:
+                        back = asyncio.create_task(_engine_back(run, run.clear_at))
                     window = (
                         s.fault_at_s,
                         run.clear_at,
@@ -215,8 +222,10 @@ async def run_scenario(sc: Scenario, s: ChaosSettings, workdir: Path) -> Row:
                 outcomes = await load
                 if side is not None:
                     await side
+                if back is not None and back.done():
+                    row.engine_back_s = back.result()
             finally:
-                for t in (load, side):
+                for t in (load, side, back):
                     if t is not None and not t.done():
                         t.cancel()
                         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -240,6 +249,15 @@ async def run_scenario(sc: Scenario, s: ChaosSettings, workdir: Path) -> Row:
     row.note = "; ".join(n for n in run.notes if not n.startswith("CHECK"))
     row.checks = _checks(sc, row, run.notes)
     return row
+
+
+async def _engine_back(run: Run, since: float) -> float:
+    """Seconds from `since` until the faulted engine takes a request again (finished,
+    running or waiting more than when asked)."""
+    base = await run.target.served(run.session)
+    while await run.target.served(run.session) <= base:
+        await asyncio.sleep(0.25)
+    return round(run.now() - since, 2)
 
 
 def _goodput(outcomes: Sequence[Outcome], start: float, end: float) -> float:
@@ -341,6 +359,7 @@ def table(rows: Sequence[Row]) -> str:
         "resumed",
         "amp (in fault)",
         "recover s",
+        "engine back s",
         "outlived",
         "goodput / capacity",
         "misses",
@@ -365,6 +384,7 @@ def table(rows: Sequence[Row]) -> str:
             r.resumed,
             f"{_fmt(r.amplification)} ({_fmt(r.fault_amplification)})",
             r.recover_s,
+            r.engine_back_s if r.engine_back_s is not None or not r.engine_fault else "not in run",
             r.outlived,
             good,
             "; ".join(r.checks) or "none",

@@ -24,7 +24,6 @@ import aiohttp
 import yaml
 
 from loadtest.bench.fleet import log_tail, stop_process
-from loadtest.bench.policies import free_port
 from loadtest.bench.scrape import RUNNING, WAITING, parse_metrics
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -97,6 +96,11 @@ class Child:
             )
         self.ready = await _readline_matching(self.proc, self.pattern, self.name, self.log)
         self._reader = asyncio.create_task(_discard(self.proc.stdout))
+        self.bound(self.ready)
+
+    def bound(self, ready: re.Match[str]) -> None:
+        """Called once the child is ready: a child started on port 0 keeps the port it got,
+        so that a restart listens where its clients already connect."""
 
     @property
     def alive(self) -> bool:
@@ -133,12 +137,17 @@ class Engine(Child):
 
     pattern = re.compile(r"url=(\S+)")
 
-    def __init__(self, index: int, port: int, rig: RigSettings, workdir: Path) -> None:
-        argv = ["sim-engine", "--port", str(port), "--gpu", "H100", "--seed", "0"]
+    def __init__(self, index: int, rig: RigSettings, workdir: Path) -> None:
+        argv = ["sim-engine", "--port", "0", "--gpu", "H100", "--seed", "0"]
         argv += ["--time-scale", f"{rig.time_scale:g}", "--max-num-seqs", str(rig.max_num_seqs)]
         super().__init__(f"engine-{index}", argv, workdir)
-        self.url = f"http://127.0.0.1:{port}"
-        self.port = port
+        self.url = ""
+        self.port = 0
+
+    def bound(self, ready: re.Match[str]) -> None:
+        self.url = ready.group(1)
+        self.port = int(self.url.rsplit(":", 1)[1])
+        self.argv[self.argv.index("--port") + 1] = str(self.port)
 
     async def fault(self, session: aiohttp.ClientSession, doc: dict[str, Any]) -> None:
         async with session.post(self.url + "/admin/fault", json=doc) as r:
@@ -167,10 +176,14 @@ class Engine(Child):
 class ControlPlaneChild(Child):
     pattern = re.compile(r"control plane on (\S+)")
 
-    def __init__(self, index: int, port: int, workdir: Path) -> None:
-        argv = ["control-plane", "--listen", f"127.0.0.1:{port}", "--admin", "127.0.0.1:0"]
+    def __init__(self, index: int, workdir: Path) -> None:
+        argv = ["control-plane", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"]
         super().__init__(f"control-plane-{index}", [*argv, "--log-level", "warning"], workdir)
-        self.address = f"127.0.0.1:{port}"
+        self.address = ""
+
+    def bound(self, ready: re.Match[str]) -> None:
+        self.address = ready.group(1)
+        self.argv[self.argv.index("--listen") + 1] = self.address
 
 
 class AgentChild(Child):
@@ -260,31 +273,37 @@ class Rig:
     starts them all and stops whatever is left."""
 
     def __init__(self, settings: RigSettings, workdir: Path) -> None:
-        from meshd.config import deep_merge
-
         workdir.mkdir(parents=True, exist_ok=True)
         self.settings = settings
         self.workdir = workdir
-        self.engines = [Engine(i, free_port(), settings, workdir) for i in range(settings.engines)]
-        self.planes = [
-            ControlPlaneChild(i, free_port(), workdir) for i in range(settings.control_planes)
-        ]
-        addresses = [p.address for p in self.planes]
-        self.agents = (
-            [AgentChild(e, addresses, workdir) for e in self.engines] if settings.agents else []
-        )
-        config = deep_merge(sidecar_config(self.engines, addresses), settings.sidecar)
-        self.sidecar = SidecarChild(config, workdir)
+        self.engines = [Engine(i, settings, workdir) for i in range(settings.engines)]
+        self.planes = [ControlPlaneChild(i, workdir) for i in range(settings.control_planes)]
+        # Built once the engines and control planes have their ports.
+        self.agents: list[AgentChild] = []
+        self._sidecar: SidecarChild | None = None
+
+    @property
+    def sidecar(self) -> SidecarChild:
+        assert self._sidecar is not None, "the rig is not started"
+        return self._sidecar
 
     def children(self) -> list[Child]:
-        return [*self.engines, *self.planes, *self.agents, self.sidecar]
+        tail = [self._sidecar] if self._sidecar is not None else []
+        return [*self.engines, *self.planes, *self.agents, *tail]
 
     async def __aenter__(self) -> Rig:
+        from meshd.config import deep_merge
+
         try:
             await asyncio.gather(*(e.start() for e in self.engines))
             await asyncio.gather(*(p.start() for p in self.planes))
+            addresses = [p.address for p in self.planes]
+            if self.settings.agents:
+                self.agents = [AgentChild(e, addresses, self.workdir) for e in self.engines]
             await asyncio.gather(*(a.start() for a in self.agents))
-            await self.sidecar.start()
+            config = deep_merge(sidecar_config(self.engines, addresses), self.settings.sidecar)
+            self._sidecar = SidecarChild(config, self.workdir)
+            await self._sidecar.start()
         except BaseException:
             await self.close()
             raise

@@ -139,6 +139,7 @@ class Scenario:
     # the sidecar's counters end with its process (requests that end after the last scrape
     # are not counted): no amplification
     restarts_sidecar: bool = False
+    engine_fault: bool = False  # one engine faulted and cleared: when does it serve again
     netns: str | None = None  # "iptables" / "netem": runs in a namespace of its own
 
 
@@ -291,18 +292,21 @@ def scenarios(s: ChaosSettings) -> list[Scenario]:
             "the busiest engine SIGKILLed mid-stream, restarted at the clear",
             _kill_engine,
             _start_engine,
+            engine_fault=True,
         ),
         Scenario(
             "engine-hang",
             "the busiest engine's GPU stops (HTTP accepts, no token comes)",
             _engine_fault({"kind": "hang"}),
             clear,
+            engine_fault=True,
         ),
         Scenario(
             "engine-stop",
             "the busiest engine SIGSTOPped (accepts, never answers), SIGCONT at the clear",
             _stop_engine,
             _continue_engine,
+            engine_fault=True,
         ),
         Scenario(
             "engine-slow",
@@ -310,6 +314,7 @@ def scenarios(s: ChaosSettings) -> list[Scenario]:
             _engine_fault({"kind": "slowdown", "factor": s.slow_factor}),
             _engine_fault({"kind": "slowdown", "factor": 1}),
             amplification_bound=True,
+            engine_fault=True,
         ),
         Scenario(
             "engine-503",
@@ -317,6 +322,7 @@ def scenarios(s: ChaosSettings) -> list[Scenario]:
             _engine_fault(storm),
             clear,
             amplification_bound=True,
+            engine_fault=True,
         ),
         Scenario(
             "all-503",
@@ -330,6 +336,7 @@ def scenarios(s: ChaosSettings) -> list[Scenario]:
             f"the busiest engine resets every stream after {s.reset_after_tokens} tokens",
             _engine_fault(crash),
             clear,
+            engine_fault=True,
         ),
         Scenario(
             "cp-restart",
@@ -371,6 +378,7 @@ def scenarios(s: ChaosSettings) -> list[Scenario]:
             _partition,
             _heal,
             netns="iptables",
+            engine_fault=True,
         ),
         Scenario(
             "latency",
@@ -378,6 +386,7 @@ def scenarios(s: ChaosSettings) -> list[Scenario]:
             _delay,
             _undelay,
             netns="netem",
+            engine_fault=True,
         ),
         Scenario(
             "slowloris",
