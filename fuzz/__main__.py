@@ -72,6 +72,7 @@ def fuzz_one(
     work: Path,
     artifacts: Path,
     strict: bool = False,
+    seed: int | None = None,
 ) -> Result:
     scratch = work / target
     scratch.mkdir(parents=True, exist_ok=True)
@@ -93,6 +94,8 @@ def fuzz_one(
         args.append(f"-runs={runs}")
     if strict:
         args.append("--strict")
+    if seed is not None:
+        args.append(f"-seed={seed}")
     args += [str(scratch), str(CORPUS / target)]
     start = time.monotonic()
     env = dict(os.environ)
@@ -131,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--strict", action="store_true", help="stop at known findings too (targets' KNOWN)"
     )
+    ap.add_argument("--seed", type=int, help="libFuzzer's random seed (default: from the time)")
     args = ap.parse_args(argv)
     names = list(TARGETS) if args.target == "all" else [args.target]
     for name in names:
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="meshd-fuzz-") as tmp:
         work = args.work or Path(tmp)
         for name in names:
-            r = fuzz_one(name, seconds, args.runs, work, args.artifacts, args.strict)
+            r = fuzz_one(name, seconds, args.runs, work, args.artifacts, args.strict, args.seed)
             results.append(r)
             print(
                 f"{name}: {r.executions} executions, {r.exec_per_s} exec/s, cov {r.cov}, "
