@@ -198,7 +198,7 @@ def cache_key(
 class CachedAnswer(msgspec.Struct, frozen=True):
     """One stored answer. body: the engine's whole JSON body, or (stream) its events
     without the usage-only chunk and [DONE]. stored_at: wall-clock seconds. gpu_seconds and
-    cost_usd: what the engine spent on it (what each replay avoids)."""
+    cost_usd: what asking the engine again would cost (what each replay avoids)."""
 
     kind: str  # chat | completion
     stream: bool

@@ -1,15 +1,17 @@
 """The response cache at the sidecar's edge (the rules are filters/response_cache.py): a
 request that may be replayed is looked up before admission (a hit never takes an engine's
-slot, a queue place or a retry token); identical requests in flight wait for the one that
-went to the engine (coalescing, at most `max_waiters` per key, each until its own
-deadline); an answer that qualifies is stored when its last byte is out. The store is this
+slot, a queue place or a retry token); identical whole (non-streamed) requests in flight
+wait for the one that went to the engine (coalescing, at most `max_waiters` per key, each
+until its own deadline; a streamed one does not wait, its first token would come with the
+other's last); an answer that qualifies is stored when its last byte is out. The store is this
 sidecar's memory or a Redis every sidecar shares; Redis unreachable or slow means the
 cache is bypassed for `retry_after_s`, never a failed request.
 
 What a replay is counted as: the request ends `ok` with no attempt (so the cost ledger
 charges it nothing), its access-log record and span say `response_cache: hit` (or
 `coalesced`) and the GPU-seconds and dollars the stored answer cost, which
-meshd_response_cache_*_avoided_total add up per pool. Clients see RFC 9211's
+meshd_response_cache_*_avoided_total add up per pool (what asking the engine again would
+have cost: the prompt from its prefix cache, the answer decoded again). Clients see RFC 9211's
 `Cache-Status` (`meshd; hit`, `meshd; fwd=miss; stored`, ...) and RFC 9111's `Age` on a
 replay."""
 
@@ -94,13 +96,13 @@ class ResponseCacheMetrics:
         )
         self.gpu_seconds_avoided = Counter(
             "meshd_response_cache_gpu_seconds_avoided",
-            "GPU-seconds the stored answers cost, counted once per replay",
+            "GPU-seconds engines would have spent answering the replayed requests again",
             ["pool"],
             registry=r,
         )
         self.usd_avoided = Counter(
             "meshd_response_cache_usd_avoided",
-            "Dollars the stored answers cost, counted once per replay",
+            "Dollars engines would have spent answering the replayed requests again",
             ["pool"],
             registry=r,
         )
@@ -299,13 +301,19 @@ class ResponseCache:
         return found
 
     async def _coalesce(self, req: HttpRequest, ctx: RequestContext, plan: CachePlan) -> Any:
-        """Wait for an identical request in flight, or become the one others wait for."""
+        """Wait for an identical request in flight, or become the one others wait for. Only
+        a whole (non-streamed) request waits: its client waits for the whole answer anyway,
+        while a streamed one would get its first token only when the other request's last
+        came (its prompt is in that engine's prefix cache by then: asking it is cheap)."""
         loop = asyncio.get_running_loop()
+        assert ctx.inference is not None
         while True:
             flight = self._flights.get(plan.key)
             if flight is None:
                 plan.flight = self._flights[plan.key] = _Flight(loop.create_future())
                 return MISS
+            if ctx.inference.stream:
+                return MISS  # a miss that goes to the engine beside the one in flight
             if flight.waiting >= self.cfg.max_waiters:
                 plan.result = "bypass"
                 return MISS
@@ -350,7 +358,7 @@ class ResponseCache:
         trace.response_cache = result
         gpu_s, usd = answer.gpu_seconds, answer.cost_usd
         if leader is not None and leader.finished:
-            gpu_s, usd = leader.gpu_seconds or 0.0, leader.cost_usd
+            gpu_s, usd = repeat_cost(leader)
         trace.avoided_gpu_seconds, trace.avoided_usd = gpu_s, usd
         m, pool = self.metrics, ctx.pool
         m.lookups.labels(pool, result).inc()
@@ -422,10 +430,8 @@ class ResponseCache:
         asyncio.get_running_loop().call_soon(self._store, ctx, plan, answer)
 
     def _store(self, ctx: RequestContext, plan: CachePlan, answer: CachedAnswer) -> None:
-        trace = ctx.trace  # finished by now: the accounting flush ran first
-        answer = msgspec.structs.replace(
-            answer, gpu_seconds=trace.gpu_seconds or 0.0, cost_usd=trace.cost_usd
-        )
+        gpu_s, usd = repeat_cost(ctx.trace)  # finished by now: the accounting flush ran first
+        answer = msgspec.structs.replace(answer, gpu_seconds=gpu_s, cost_usd=usd)
         if self.memory is not None:
             ok = self.memory.put(plan.key, answer)
             self._count_evictions()
@@ -467,6 +473,17 @@ class ResponseCache:
     async def aclose(self) -> None:
         if self.redis is not None:
             await self.redis.aclose()
+
+
+def repeat_cost(trace: RequestTrace) -> tuple[float, float]:
+    """GPU-seconds and dollars the engine would spend answering this request again: its
+    prompt served from the prefix cache (it was just computed there), its answer decoded
+    again (the cost ledger's timing model on the GPU that served it). What a replay avoids:
+    not the first answer's cost, whose prefill a repeat would mostly not pay."""
+    ledger = trace.observer.ledger
+    prompt = trace.prompt_tokens or 0
+    seconds = ledger.timing.gpu_seconds(trace.gpu, prompt, prompt, trace.completion_tokens or 0)
+    return seconds, seconds * ledger.prices.per_second(trace.gpu)
 
 
 def _deadline(ctx: RequestContext) -> float:

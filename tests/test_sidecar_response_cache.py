@@ -158,10 +158,13 @@ async def test_identical_requests_in_flight_go_to_the_engine_once(
     records = list(read_access_log(tmp_path / "access.jsonl"))
     kinds = sorted(r.response_cache or "" for r in records)
     assert kinds == ["bypass", "coalesced", "coalesced", "coalesced", "miss"]
+    (miss,) = [r for r in records if r.response_cache == "miss"]
     for r in records:
         if r.response_cache == "coalesced":
             assert r.outcome == "ok" and r.attempts == () and r.cost_usd == 0
-            assert r.avoided_gpu_seconds is not None and r.avoided_gpu_seconds > 0
+            # What asking again would have cost: the answer decoded again, not the prompt.
+            assert r.avoided_gpu_seconds is not None and miss.gpu_seconds is not None
+            assert 0 < r.avoided_gpu_seconds < miss.gpu_seconds
     assert cost_main(["--log", str(tmp_path / "access.jsonl")]) == 0
     out = capsys.readouterr().out
     assert "response cache: 3 of 5 requests answered without an engine (0 hits, 3 coalesced" in out
@@ -339,3 +342,22 @@ async def test_redis_down_is_a_bypass_never_a_failed_request(
         answers = [await post(http, s, chat()) for _ in range(3)]
     assert [st for st, _, _ in answers] == [200, 200, 200] and generations(b) == 3
     assert sample(s, "meshd_response_cache_store_errors_total", op="get") >= 1
+
+
+async def test_a_streamed_request_does_not_wait_for_an_identical_one_in_flight(
+    backends: Callable[..., Awaitable[Backend]], sidecar: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    b = await backends()
+    s = await sidecar(cached([b.url]))
+    async with aiohttp.ClientSession() as http:
+        body = chat("slow-headers", stream=True)
+        first = asyncio.create_task(post(http, s, body))
+        while generations(b) < 1:
+            await asyncio.sleep(0.01)
+        second = asyncio.create_task(post(http, s, body))
+        while generations(b) < 2:  # it went to the engine instead of waiting
+            await asyncio.sleep(0.01)
+        b.release.set()
+        answers = await asyncio.gather(first, second)
+    assert [st for st, _, _ in answers] == [200, 200]
+    assert sample(s, "meshd_response_cache_requests_total", pool="default", result="coalesced") == 0
