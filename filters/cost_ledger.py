@@ -17,7 +17,8 @@ Sans-I/O: records come in (time is the record's own `ts`), summaries go out. The
   request when it goes idle. A final step that fails leaves the task open (the client
   may retry the step); an idle task whose final step never succeeded failed.
 - Every dollar lands in exactly one bucket: useful (ok requests of succeeded tasks), or waste:
-  `retries` (failed attempts inside requests that ended ok), `failed_requests` (requests that
+  `retries` (failed attempts inside requests that ended ok; a prefill/decode request's
+  successful prefill step is part of its answer, not a retry), `failed_requests` (requests that
   ended in an error), `abandoned_streams` (the client went away mid-response) and
   `failed_tasks` (ok requests of tasks that failed: step 3 of 5 fails, steps 1-2 are waste).
 
@@ -115,6 +116,17 @@ class AttemptLike(Protocol):
     def cached_tokens(self) -> int | None: ...
     @property
     def gpu_seconds(self) -> float | None: ...
+    @property
+    def reason(self) -> str: ...  # why it was made: "" first, "prefill" a P/D prefill step
+
+
+# A prefill/decode request's prefill step (meshd/disagg.py): an earlier attempt that, when it
+# succeeded, is part of the answer, not a retry.
+PREFILL_REASON = "prefill"
+
+
+def _prefill_step(a: AttemptLike) -> bool:
+    return a.reason == PREFILL_REASON
 
 
 class RecordLike(Protocol):
@@ -472,7 +484,10 @@ class CostLedger:
             return [(seconds, seconds * self.prices.per_second(record.gpu), estimated)]
         out = []
         last = len(record.attempts) - 1
-        earlier_tokens = sum(a.completion_tokens or 0 for a in record.attempts[:last])
+        # Tokens earlier attempts sent the client (a prefill step's one token never is).
+        earlier_tokens = sum(
+            a.completion_tokens or 0 for a in record.attempts[:last] if not _prefill_step(a)
+        )
         for i, a in enumerate(record.attempts):
             gpu = a.gpu or record.gpu
             seconds = a.gpu_seconds
@@ -517,7 +532,12 @@ class CostLedger:
         seconds = sum(s for s, _, _ in costs)
         usd = sum(c for _, c, _ in costs)
         ok = record.outcome == OK_OUTCOME
-        final_usd = costs[-1][1]
+        # The answer's cost: its final attempt, and a prefill step that served it.
+        final_usd = costs[-1][1] + sum(
+            c
+            for a, (_, c, _) in zip(record.attempts[:-1], costs[:-1], strict=True)
+            if _prefill_step(a) and a.outcome == OK_OUTCOME
+        )
         # Buckets decided now: the request's fate is known; only ok work waits for its task.
         if ok:
             immediate = {"retries": usd - final_usd}

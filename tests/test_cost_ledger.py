@@ -380,3 +380,35 @@ def test_fixed_spend_covers_busy_spend(
         # The window is a difference of arrival times: it may lose an ulp of them (1e-12 s).
         assert s.fixed.spend_usd >= s.total.cost_usd * (1 - 1e-9) - 1e-12
         assert s.fixed.idle_usd >= 0.0
+
+
+def test_a_prefill_step_that_served_the_answer_is_useful_not_a_retry() -> None:
+    # Found by the P/D bench: the prefill leg of every split request was booked as waste.
+    from meshd.access_log import AccessRecord, AttemptRecord
+
+    def split(prefill_outcome: str) -> AccessRecord:
+        return AccessRecord(
+            ts=0.0, request_id=f"r-{prefill_outcome}", outcome="ok", status=200, pool="decode",
+            gpu="H100", prompt_tokens=16000, cached_tokens=15999, completion_tokens=250,
+            e2e_s=5.0, pd="split",
+            attempts=(
+                AttemptRecord("http://p0", prefill_outcome, reason="prefill", gpu="H100",
+                              completion_tokens=1, cached_tokens=0),
+                AttemptRecord("http://d0", "ok", gpu="H100", cached_tokens=15999),
+            ),
+        )  # fmt: skip
+
+    ledger = CostLedger()
+    ledger.record(split("ok"))
+    ledger.close_all()
+    total = ledger.summary().total
+    assert total.waste.retries == 0 and total.useful_usd == pytest.approx(total.cost_usd)
+    # The decode attempt made all 250 tokens the client got (the prefill's one is not sent).
+    costs = ledger.attempt_costs(split("ok"))
+    alone = CostLedger().timing.gpu_seconds("H100", 16000, 15999, 250)
+    assert costs[-1][0] == pytest.approx(alone)
+    # A prefill step that failed is a retry like any other.
+    failed = CostLedger()
+    failed.record(split("http_503"))
+    failed.close_all()
+    assert failed.summary().total.waste.retries > 0
