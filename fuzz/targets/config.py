@@ -8,9 +8,7 @@ problem in it.
 
 from __future__ import annotations
 
-import atexit
 import os
-import tempfile
 from collections.abc import Callable
 
 INCLUDE = ["meshd", "yaml"]
@@ -26,9 +24,10 @@ KNOWN = {
 def setup() -> Callable[[bytes], None]:
     from meshd.config import ConfigError, load_config
 
-    fd, path = tempfile.mkstemp(prefix="meshd-fuzz-", suffix=".yaml")
-    os.close(fd)
-    atexit.register(os.unlink, path)
+    # An in-memory file, named by /proc: nothing is left behind when atheris ends the
+    # process with os._exit (atexit does not run then).
+    fd = os.memfd_create("meshd-fuzz-config")
+    path = f"/proc/self/fd/{fd}"
 
     def load(**kw: object) -> None:
         try:
@@ -38,8 +37,8 @@ def setup() -> Callable[[bytes], None]:
             exc.render()
 
     def one_input(data: bytes) -> None:
-        with open(path, "wb") as fh:
-            fh.write(data)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
         load(path=path)
         line = data.split(b"\n", 1)[0].decode("utf-8", "replace")
         load(overrides=[line])
