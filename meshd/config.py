@@ -127,6 +127,10 @@ def load_config(
             text = Path(path).read_text()
         except OSError as exc:
             raise ConfigError([f"cannot read config file: {exc.strerror}"], source) from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                [f"not UTF-8 text (byte {exc.start}: {exc.reason})"], source
+            ) from None
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as exc:

@@ -39,7 +39,11 @@ class Reply:
 
 
 def json_reply(doc: Any, status: int = 200, headers: list[tuple[str, str]] | None = None) -> Reply:
-    body = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+    # backslashreplace: a client's bytes that are not UTF-8, echoed in an error (held as
+    # surrogate escapes), come out as JSON escapes instead of failing the reply.
+    body = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode(
+        "utf-8", "backslashreplace"
+    )
     return Reply(status, [("Content-Type", "application/json"), *(headers or [])], body)
 
 

@@ -103,7 +103,10 @@ class InjectionResult:
 def _flag(meta: Mapping[str, Any], key: str) -> str | None:
     # The annotation wins over the label when both are set.
     for part in ("annotations", "labels"):
-        value = (meta.get(part) or {}).get(key)
+        values = meta.get(part) or {}
+        if not isinstance(values, Mapping):
+            raise InjectionError(f"metadata.{part} must be a map, got {type(values).__name__}")
+        value = values.get(key)
         if value is not None:
             return str(value)
     return None
@@ -184,7 +187,7 @@ def _apply_adds(obj: dict[str, Any], patch: Sequence[Mapping[str, Any]]) -> None
 
 def _template_of(obj: Mapping[str, Any]) -> tuple[str, ...]:
     kind = obj.get("kind")
-    if kind not in TEMPLATE_PATHS:
+    if not isinstance(kind, str) or kind not in TEMPLATE_PATHS:
         raise InjectionError(
             f"cannot inject kind {kind!r}: expected one of {', '.join(TEMPLATE_PATHS)}"
         )

@@ -385,7 +385,9 @@ class _Connection(asyncio.Protocol):
         closing = (
             req is None
             or not req.keep_alive
-            or self._close_when_idle
+            # Unframeable bytes came after: close, but only after the requests framed
+            # before them have been answered.
+            or (self._close_when_idle and not self._queue)
             or self.server.closing
             or not req.complete
         )
@@ -439,6 +441,8 @@ class _Connection(asyncio.Protocol):
         self._close()
 
     def _malformed(self, exc: Exception) -> None:
+        if self.closed:  # a reply that closed it came earlier in the same read
+            return
         req = self._parsing
         message = f"malformed HTTP request: {exc}"
         if req is not None and not self._in_head:

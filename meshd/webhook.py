@@ -201,11 +201,13 @@ class WebhookServer:
         except MalformedReview as exc:
             return _bad_request(f"malformed AdmissionReview: {exc}")
         req = body["request"]
+        obj = req.get("object")
+        meta = obj.get("metadata") if isinstance(obj, dict) else None
         log.info(
             "review %s %s/%s: %s",
             req["uid"],
             req.get("namespace", ""),
-            req.get("name") or (req.get("object", {}).get("metadata") or {}).get("generateName"),
+            req.get("name") or (meta.get("generateName") if isinstance(meta, dict) else None),
             outcome.reason,
         )
         return web.json_response(outcome.review)

@@ -22,28 +22,7 @@ ANSWERS = {200, 400, 405, 408, 413, 417, 431}
 DROPPED = "statuses: pipelined requests before unframeable bytes dropped"
 STALLED = "reading paused with no request in progress, and no answer"
 # Found by this target, reported, not fixed yet (corpus: known-*).
-KNOWN = {
-    f"Disagreement: {DROPPED}": (
-        "complete pipelined requests queued behind the one in progress are dropped, "
-        "unanswered, when unparseable bytes arrive in the same read (_malformed sets "
-        "_close_when_idle, so the answer in progress closes the connection); the same "
-        "bytes in a later read get every request answered, then a 400"
-    ),
-    # corpus: known-closing-reply-then-garbage
-    "ConnectionResetError in meshd/listener.py:write": (
-        "a reply that closes the connection (405 CONNECT, 417, 431) followed by "
-        "unparseable bytes in the same read: _malformed writes a 400 to the closed "
-        "connection and ConnectionResetError escapes data_received (asyncio logs a fatal "
-        "protocol error)"
-    ),
-    # corpus: known-expect-not-utf8
-    f"Finding: {STALLED}": (
-        "an Expect value that is not UTF-8: its 417 cannot be built (json_reply encodes a "
-        "lone surrogate), the exception in on_headers_complete becomes httptools' "
-        "'User callback error', and the connection waits, unanswered and paused, until "
-        "client_header_timeout_s"
-    ),
-}
+KNOWN: dict[str, str] = {}  # findings fixed: their reproducers are fixed-* seeds now
 
 
 class FakeTransport(asyncio.Transport):

@@ -20,19 +20,7 @@ from fuzz.common import Finding, signature
 INCLUDE = ["meshd"]
 INJECTOR = "an injector error on a malformed pod object, caught by review()"
 # Found by this target, reported, not fixed yet (corpus: known-*).
-KNOWN = {
-    "AttributeError in meshd/webhook.py:_mutate": (
-        "a readable review with no name and an object that is not a mapping (null in a "
-        "DELETE) breaks _mutate's log line: 500 instead of allowed: true"
-    ),
-    # corpus: known-object-kind-not-a-string, known-annotations-not-a-map
-    f"Finding: {INJECTOR}": (
-        "the injector (meshd/inject.py) reads the pod object as a schema-valid Pod: a kind "
-        "that is a map (TypeError in _template_of), annotations that are a list "
-        "(AttributeError in _flag), ... raise instead of InjectionError; review() catches "
-        "them (allowed, an 'internal error' warning, a logged traceback)"
-    ),
-}
+KNOWN: dict[str, str] = {}  # findings fixed: their reproducers are fixed-* seeds now
 
 
 class _Request:
