@@ -176,9 +176,20 @@ class Attempts:
             except TimeoutError:
                 attempt.local_failure = True
                 self.settle(attempt, "timeout")
+                per_try = up_cfg.first_byte_timeout_s <= left
+                if per_try:
+                    # The engine took the request and never answered (hung, stopped): like
+                    # Envoy's per-try timeout, another endpoint may serve it, within the
+                    # retry budget and the request's own deadline.
+                    tries.reason = "timeout"
+                    tries.failures.append(f"{url}: no response headers")
+                    delay = self.retry_delay(ctx, tries.made, len(tries.routes), None, "timeout")
+                    if delay is not None:
+                        await asyncio.sleep(delay)
+                        return _NEXT
                 limit = (
                     f"upstream.first_byte_timeout_s ({up_cfg.first_byte_timeout_s:g} s)"
-                    if up_cfg.first_byte_timeout_s <= left
+                    if per_try
                     else f"the rest of upstream.request_timeout_s ({up_cfg.request_timeout_s:g} s)"
                 )
                 return self.acct.refuse(

@@ -184,7 +184,9 @@ async def test_every_endpoint_refusing_is_502_naming_each() -> None:
 
 
 async def test_no_response_head_in_time_is_504() -> None:
-    pool = FakePool(HANG)
+    # Every endpoint takes the request and never answers: each try times out (the next
+    # endpoint gets it, as after Envoy's per-try timeout), then the client gets the 504.
+    pool = FakePool(HANG, HANG, HANG)
     layers, router, guard, _relay = setup(pool, upstream={"first_byte_timeout_s": 0.05})
     ctx = request_context(layers, DOC)
 
@@ -193,8 +195,9 @@ async def test_no_response_head_in_time_is_504() -> None:
     assert reply is not None and reply.status == 504
     err = error_of(reply)
     assert err["code"] == "upstream_timeout" and "first_byte_timeout_s" in err["message"]
-    assert [e["local_failure"] for e in guard.ends] == [True]
-    assert outcomes(ctx) == ["timeout"]
+    assert [e["local_failure"] for e in guard.ends] == [True] * 3
+    assert outcomes(ctx) == ["timeout"] * 3
+    assert sorted(pool.urls) == URLS  # each endpoint tried once
     assert_settled_once(router, guard)
 
 

@@ -272,6 +272,38 @@ async def test_first_byte_timeout_gives_504(backends, sidecar):
     assert "first_byte_timeout_s" in doc["error"]["message"]
 
 
+async def test_an_engine_that_never_answers_is_passed_over_after_the_per_try_timeout(
+    backends, sidecar
+):
+    # Found by the fault campaign: an engine that accepts and never answers (SIGSTOPped)
+    # cost its requests a 504 after first_byte_timeout_s though others were free. As with
+    # Envoy's per-try timeout, the next endpoint gets the request, within the retry budget.
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    hung = f"http://127.0.0.1:{silent.sockets[0].getsockname()[1]}"
+    b = await backends()
+    # Round robin: one of the two requests meets the silent engine first, whatever the ports.
+    cfg = sidecar_config(
+        [hung, b.url], upstream={"first_byte_timeout_s": 0.3}, routing={"policy": "round-robin"}
+    )
+    s = await sidecar(cfg)
+    try:
+        async with aiohttp.ClientSession() as http:
+            answers = []
+            for i in range(2):
+                body = {"model": "tiny", "prompt": f"question {i}"}
+                resp = await post(http, url(s, "/v1/completions"), body)
+                answers.append(resp.status)
+                await resp.read()
+        assert answers == [200, 200] and len(b.requests) == 2
+        timeouts = s.metrics.registry.get_sample_value(
+            "meshd_upstream_attempts_total",
+            {"pool": "default", "endpoint": hung, "result": "timeout"},
+        )
+        assert timeouts and timeouts >= 1  # at least one answer came after a timed-out try
+    finally:
+        silent.close()
+
+
 async def test_idle_upstream_mid_stream_ends_with_timeout_event(backends, sidecar):
     b = await backends()
     s = await sidecar(sidecar_config([b.url], upstream={"idle_timeout_s": 0.3}))
