@@ -8,6 +8,7 @@ retry: 1.34 here, about 1 + 0.8 x (1/3 + 1/9), so the gap to 1.2 is wide at this
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -54,17 +55,7 @@ async def test_fallbacks_cannot_storm_in_the_cascade(tmp_path: Path) -> None:
     # Issue #24: retries and fallbacks share the retry budget. The degraded engine is in
     # the first pool, whose failures may move to the fallback pool (the last engine):
     # amplification over every engine stays within the cascade's 1.2.
-    tiny = CascadeSettings(
-        engines=4,
-        rate_rps=20.0,
-        duration_s=6.0,
-        max_tokens=12,
-        prompt_words=48,
-        client_timeout_s=1.5,
-        fault_at_fraction=0.2,
-        policies=("meshd-fallback",),
-        scenarios=("degraded",),
-    )
+    tiny = replace(TINY, engines=4, policies=("meshd-fallback",))
     r = await run_pass("degraded", POLICIES["meshd-fallback"], tiny, tmp_path, progress=False)
     assert r.skipped is None and r.requests > 30
     assert r.upstream_attempts >= r.requests * 0.99
