@@ -233,7 +233,6 @@ async def send_all(
     action at its time, and return the outcomes in `sends` order and the wall time."""
     bar = _progress(len(sends), progress)
     sem = asyncio.Semaphore(concurrency)
-    loop = asyncio.get_running_loop()
     keep = tuple(h.lower() for h in keep_headers)
     connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0)
     session = aiohttp.ClientSession(
@@ -241,11 +240,11 @@ async def send_all(
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),
         auto_decompress=False,
     )
-    t0 = loop.time()
+    t0 = time.monotonic()
     results: dict[int, Outcome] = {}
 
     async def one(s: Send) -> None:
-        delay = t0 + s.at_s - loop.time()
+        delay = t0 + s.at_s - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         planned = t0 + s.at_s
@@ -255,7 +254,7 @@ async def send_all(
             bar.update(1)
 
     async def action(at_s: float, act: Callable[[], Awaitable[object]]) -> None:
-        delay = t0 + at_s - loop.time()
+        delay = t0 + at_s - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         await act()
@@ -266,7 +265,7 @@ async def send_all(
         await session.close()
         if bar is not None:
             bar.close()
-    return [results[s.index] for s in sends], loop.time() - t0
+    return [results[s.index] for s in sends], time.monotonic() - t0
 
 
 async def _request(
@@ -278,7 +277,6 @@ async def _request(
     timeout_s: float,
     keep: tuple[str, ...],
 ) -> Outcome:
-    loop = asyncio.get_running_loop()
     meter = StreamMeter(keep_text=True)
     status, error, headers = 0, None, {}
     headers_out = {"Content-Type": "application/json", "x-request-id": s.request_id}
@@ -292,12 +290,12 @@ async def _request(
                     error = f"http_{status}: {body.decode(errors='replace')[:200]}"
                 else:
                     async for chunk in resp.content.iter_any():
-                        meter.feed(chunk, loop.time())
+                        meter.feed(chunk, time.monotonic())
     except TimeoutError:
         error = "timeout"
     except (aiohttp.ClientError, OSError) as exc:
         error = f"connection: {type(exc).__name__}"
-    end = loop.time()
+    end = time.monotonic()
     summary = meter.summary()
     if error is None:
         if summary.error is not None:
