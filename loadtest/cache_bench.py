@@ -45,7 +45,7 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -777,18 +777,37 @@ async def run_bench(s: CacheBenchSettings, out: Path) -> dict[str, Any]:
         "mismatches": bad,
         "wall_s": time.monotonic() - t0,
     }
+    rows = [("pass", name, o) for name, p in (("no-cache", off), ("cache", on)) for o in p.outcomes]
+    write_outputs(
+        out,
+        doc,
+        rows,
+        "ttft_cdf.png",
+        lambda path: write_plot(path, {"no cache": off.outcomes, "cache": on.outcomes}),
+    )
+    return doc
+
+
+def write_outputs(
+    out: Path,
+    doc: dict[str, Any],
+    rows: Iterable[tuple[str, str, Any]],
+    plot_name: str,
+    plot: Callable[[Path], None],
+) -> None:
+    """A bench's files: results.json (`doc`, with its wall_s), requests.jsonl (one line per
+    (key, label, outcome): the outcome's JSON under `key: label`) and the plot `plot_name`
+    (skipped, saying so, without matplotlib); then where they are."""
     (out / "results.json").write_text(json.dumps(doc, indent=2))
     with (out / "requests.jsonl").open("w") as fh:
-        for name, p in (("no-cache", off), ("cache", on)):
-            for o in p.outcomes:
-                fh.write(json.dumps({"pass": name, **o.to_json()}) + "\n")
+        for key, label, o in rows:
+            fh.write(json.dumps({key: label, **o.to_json()}) + "\n")
     try:
-        write_plot(out / "ttft_cdf.png", {"no cache": off.outcomes, "cache": on.outcomes})
-        plot = f", {out / 'ttft_cdf.png'}"
+        plot(out / plot_name)
+        where = f", {out / plot_name}"
     except ImportError:
-        plot = " (no matplotlib: no plot)"
-    print(f"\nwrote {out / 'results.json'}{plot} ({doc['wall_s']:.0f} s)")
-    return doc
+        where = " (no matplotlib: no plot)"
+    print(f"\nwrote {out / 'results.json'}{where} ({doc['wall_s']:.0f} s)")
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[CacheBenchSettings, argparse.Namespace]:

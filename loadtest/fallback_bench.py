@@ -65,6 +65,7 @@ from loadtest.cache_bench import (
     send_all,
     start_engines,
     usd,
+    write_outputs,
 )
 from loadtest.engine.config import EngineSpec
 from loadtest.workloads import AZURE_CONV, PlannedRequest, read_azure, traces_dir
@@ -418,17 +419,14 @@ async def run_bench(s: FallbackBenchSettings, out: Path) -> dict[str, Any]:
         },
         "wall_s": time.monotonic() - t0,
     }
-    (out / "results.json").write_text(json.dumps(doc, indent=2))
-    with (out / "requests.jsonl").open("w") as fh:
-        for p in (without, chain):
-            for o in p.outcomes:
-                fh.write(json.dumps({"pass": p.name, **o.to_json()}) + "\n")
-    try:
-        write_plot(out / "fallback.png", {"no chain": without, "chain": chain})
-        plot = f", {out / 'fallback.png'}"
-    except ImportError:
-        plot = " (no matplotlib: no plot)"
-    print(f"\nwrote {out / 'results.json'}{plot} ({doc['wall_s']:.0f} s)")
+    rows = [("pass", p.name, o) for p in (without, chain) for o in p.outcomes]
+    write_outputs(
+        out,
+        doc,
+        rows,
+        "fallback.png",
+        lambda path: write_plot(path, {"no chain": without, "chain": chain}),
+    )
     return doc
 
 

@@ -79,6 +79,7 @@ from loadtest.cache_bench import (
     run_loop,
     start_engines,
     usd,
+    write_outputs,
 )
 from loadtest.engine.config import EngineSpec
 from loadtest.engine.profiles import get_profile
@@ -790,17 +791,8 @@ async def run_bench(s: PDBenchSettings, out: Path) -> dict[str, Any]:
         "targets": t,
         "wall_s": time.monotonic() - t0,
     }
-    (out / "results.json").write_text(json.dumps(doc, indent=2))
-    with (out / "requests.jsonl").open("w") as fh:
-        for r in results:
-            for o in r.outcomes:
-                fh.write(json.dumps({"run": r.spec.name, **o.to_json()}) + "\n")
-    try:
-        write_plot(out / "pd_cdf.png", results)
-        plot = f", {out / 'pd_cdf.png'}"
-    except ImportError:
-        plot = " (no matplotlib: no plot)"
-    print(f"\nwrote {out / 'results.json'}{plot} ({doc['wall_s']:.0f} s)")
+    rows = [("run", r.spec.name, o) for r in results for o in r.outcomes]
+    write_outputs(out, doc, rows, "pd_cdf.png", lambda path: write_plot(path, results))
     return doc
 
 
