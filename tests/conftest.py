@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# The repository root too: tests share fuzz/ helpers (fuzz/http_wire.py), not installed.
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 from backends import TestBackend
 
