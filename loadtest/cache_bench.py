@@ -53,7 +53,7 @@ from typing import Any
 import aiohttp
 
 from filters.cost_ledger import CostLedger, LedgerSummary
-from loadtest.bench.fleet import EngineInfo, FleetProcess, read_ready_line
+from loadtest.bench.fleet import EngineInfo, FleetProcess, engine_infos, read_ready_line
 from loadtest.bench.policies import MESHD_BEST_POLICY, ProcessRouter, start_sidecar_process
 from loadtest.bench.stream import StreamMeter
 from loadtest.engine.config import EngineSpec, spec_from_dict
@@ -120,16 +120,7 @@ async def _serve_engines(doc: str) -> int:
         loop.add_signal_handler(sig, stop.set)
     fleet = EngineFleet(specs)
     await fleet.start()
-    infos = [
-        EngineInfo(
-            e.name,
-            e.url,
-            e.profile.gpu,
-            e.profile.price_per_gpu_hour,
-            e.profile.kv_blocks * e.profile.block_size,
-        )
-        for e in fleet
-    ]
+    infos = engine_infos(fleet)
     print(json.dumps({"event": "ready", "engines": [asdict(i) for i in infos]}), flush=True)
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)

@@ -16,7 +16,7 @@ import importlib.util
 import json
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -239,7 +239,12 @@ async def _serve_sim(spec: FleetSpec, host: str) -> tuple[list[EngineInfo], list
 
     fleet = EngineFleet(engine_specs(spec), host=host)
     await fleet.start()
-    infos = [
+    return engine_infos(fleet), [fleet]
+
+
+def engine_infos(fleet: Iterable[Any]) -> list[EngineInfo]:
+    """What a started simulator fleet's ready line says of each engine."""
+    return [
         EngineInfo(
             e.name,
             e.url,
@@ -249,7 +254,6 @@ async def _serve_sim(spec: FleetSpec, host: str) -> tuple[list[EngineInfo], list
         )
         for e in fleet
     ]
-    return infos, [fleet]
 
 
 async def _child(spec: FleetSpec, host: str) -> int:
