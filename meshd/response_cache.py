@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -208,9 +208,6 @@ class CachePlan:
     decision: CacheDecision
     flight: _Flight | None = None
     result: str = "miss"
-    stored: bool = False
-    why_not: str = ""
-    capture: list[bytes] | None = field(default=None)
 
 
 MISS = object()
@@ -400,8 +397,7 @@ class ResponseCache:
         plan = ctx.cache
         if plan is None or not plan.decision.store:
             return None
-        plan.capture = []
-        return plan.capture
+        return []
 
     def offer(self, ctx: RequestContext, stream: bool, body: bytes | None, why_not: str) -> None:
         """The answer's last byte is out (body: the whole answer, or the stream's bytes), or
@@ -422,7 +418,6 @@ class ResponseCache:
                 if answer is None:
                     why_not = "not_an_answer"
         if answer is None:
-            plan.why_not = why_not
             self.metrics.not_stored.labels(ctx.pool, why_not).inc()
             self._land(plan, None)
             return
@@ -439,7 +434,6 @@ class ResponseCache:
             assert self.redis is not None
             ok = self.redis.put(plan.key, answer)
         if ok:
-            plan.stored = True
             self.metrics.stored.labels(ctx.pool, "stream" if answer.stream else "whole").inc()
         else:
             self.metrics.not_stored.labels(ctx.pool, "store_full_or_down").inc()
