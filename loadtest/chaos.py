@@ -30,8 +30,12 @@ outlived its client). The sidecar's timeouts are shortened to fit
   full: its engines' generated tokens / tokens per request), refused_429 /
   with_retry_after (429s and those that carried Retry-After), failures (the first few
   clear errors by text), note (what the fault did), checks (the targets missed: lost 0,
-  broken 0 except where the sidecar is killed, amplification <= 1.2 in the 503 storms and
-  the slowdown, outlived 0, goodput >= 90% of capacity with admission).
+  broken 0 except where the sidecar is killed, amplification <= 1.2 in the 503 storms, the
+  slowdown and the latency, outlived 0, goodput >= 90% of capacity with admission).
+
+The latency scenario's sidecar reaches each engine through a delay proxy
+(loadtest/chaos_delay.py, in this process), which holds everything the busiest engine
+sends for 200 ms during the fault; the other scenarios connect to the engines directly.
 """
 
 from __future__ import annotations
@@ -67,7 +71,6 @@ from loadtest.chaos_rig import (
     HOST_NETNS_ENV,
     Rig,
     in_namespace,
-    netem_unavailable,
     netns_id,
     netns_unavailable,
 )
@@ -297,7 +300,7 @@ def _checks(sc: Scenario, row: Row, notes: Sequence[str]) -> list[str]:
 async def run_in_netns(sc: Scenario, s: ChaosSettings, workdir: Path) -> Row:
     """The scenario in a network namespace of its own (engines, sidecar and clients on its
     loopback), by running this module there; its row comes back as JSON."""
-    why = netns_unavailable() if sc.netns == "iptables" else netem_unavailable()
+    why = netns_unavailable()
     if why is not None:
         return Row(sc.name, sc.what, skipped=why)
     ns = f"meshd-chaos-{os.getpid()}"

@@ -1,7 +1,8 @@
 """The processes of one fault-campaign scenario (loadtest/chaos.py): simulated engines, the
 meshd sidecar, control planes and engine agents, each a real child process that can be
-killed (SIGKILL), stopped (SIGTERM) and started again on the same port; plus the network
-tools (iptables in a namespace, tc netem) and the probes that say whether they work here.
+killed (SIGKILL), stopped (SIGTERM) and started again on the same port; where a scenario
+asks, a delay proxy (loadtest/chaos_delay.py) in front of each engine; plus iptables in a
+network namespace and the probe that says whether it works here.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import yaml
 
 from loadtest.bench.fleet import log_tail, stop_process
 from loadtest.bench.scrape import RUNNING, WAITING, parse_metrics
+from loadtest.chaos_delay import DelayProxy
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 READY_TIMEOUT_S = 30.0
@@ -37,13 +39,16 @@ RESUMES = "meshd_stream_resumes"
 class RigSettings:
     """What one scenario runs: `engines` simulated H100s (`time_scale` simulated seconds
     per wall second, `max_num_seqs` running requests each), the sidecar's config on top of
-    the campaign's (`sidecar`, merged), and control planes / agents when asked for."""
+    the campaign's (`sidecar`, merged), control planes / agents when asked for, and with
+    `delay_proxies` the sidecar reaching each engine through a DelayProxy (the others
+    connect to the engines directly: a proxy is one more hop and the campaign's CPU)."""
 
     engines: int = 3
     time_scale: float = 2.0
     max_num_seqs: int = 8
     control_planes: int = 0
     agents: bool = False
+    delay_proxies: bool = False
     sidecar: dict[str, Any] = field(default_factory=dict)
 
 
@@ -237,18 +242,16 @@ class SidecarChild(Child):
         return {"attempts": parse_metrics(text, (ATTEMPTS,)).get(ATTEMPTS, 0.0), "resumed": resumed}
 
 
-def sidecar_config(engines: Sequence[Engine], planes: Sequence[str]) -> dict[str, Any]:
-    """The campaign's sidecar: meshd's defaults, but timeouts that fit 10-20 s scenarios
-    (a silent engine is left after 2 s, a request gets 15 s in all) and small limits that
-    the client scenarios can reach."""
+def sidecar_config(endpoints: Sequence[str], planes: Sequence[str]) -> dict[str, Any]:
+    """The campaign's sidecar, reaching the engines at `endpoints`: meshd's defaults, but
+    timeouts that fit 10-20 s scenarios (a silent engine is left after 2 s, a request gets
+    15 s in all) and small limits that the client scenarios can reach."""
     config: dict[str, Any] = {
         "listeners": {
             "outbound": {"host": "127.0.0.1", "port": 0},
             "admin": {"host": "127.0.0.1", "port": 0},
         },
-        "pools": [
-            {"name": "default", "endpoints": [{"url": e.url, "gpu": "H100"} for e in engines]}
-        ],
+        "pools": [{"name": "default", "endpoints": [{"url": u, "gpu": "H100"} for u in endpoints]}],
         "upstream": {
             "connect_timeout_s": 1,
             "first_byte_timeout_s": 4,
@@ -280,6 +283,7 @@ class Rig:
         self.planes = [ControlPlaneChild(i, workdir) for i in range(settings.control_planes)]
         # Built once the engines and control planes have their ports.
         self.agents: list[AgentChild] = []
+        self.proxies: list[DelayProxy] = []
         self._sidecar: SidecarChild | None = None
 
     @property
@@ -291,17 +295,26 @@ class Rig:
         tail = [self._sidecar] if self._sidecar is not None else []
         return [*self.engines, *self.planes, *self.agents, *tail]
 
+    def proxy(self, engine: Engine) -> DelayProxy:
+        """The delay proxy the sidecar reaches `engine` through (RigSettings.delay_proxies)."""
+        assert self.proxies, "this rig has no delay proxies"
+        return self.proxies[self.engines.index(engine)]
+
     async def __aenter__(self) -> Rig:
         from meshd.config import deep_merge
 
         try:
             await asyncio.gather(*(e.start() for e in self.engines))
+            if self.settings.delay_proxies:
+                self.proxies = [DelayProxy("127.0.0.1", e.port) for e in self.engines]
+                await asyncio.gather(*(p.start() for p in self.proxies))
+            endpoints = [p.url for p in self.proxies] or [e.url for e in self.engines]
             await asyncio.gather(*(p.start() for p in self.planes))
             addresses = [p.address for p in self.planes]
             if self.settings.agents:
                 self.agents = [AgentChild(e, addresses, self.workdir) for e in self.engines]
             await asyncio.gather(*(a.start() for a in self.agents))
-            config = deep_merge(sidecar_config(self.engines, addresses), self.settings.sidecar)
+            config = deep_merge(sidecar_config(endpoints, addresses), self.settings.sidecar)
             self._sidecar = SidecarChild(config, self.workdir)
             await self._sidecar.start()
         except BaseException:
@@ -314,6 +327,7 @@ class Rig:
 
     async def close(self) -> None:
         await asyncio.gather(*(c.stop() for c in self.children()), return_exceptions=True)
+        await asyncio.gather(*(p.close() for p in self.proxies), return_exceptions=True)
 
 
 # ---- the network ----------------------------------------------------------------------
@@ -338,40 +352,6 @@ def netns_unavailable() -> str | None:
         done = _run(["ip", "netns", "exec", ns, "iptables", "-A", "INPUT", "-j", "ACCEPT"])
         if done.returncode != 0:
             return f"iptables in a namespace failed: {done.stderr.strip()}"
-    finally:
-        _run(["ip", "netns", "del", ns])
-    return None
-
-
-def netem_unavailable() -> str | None:
-    """Why tc netem cannot add latency in a network namespace here, or None."""
-    if (why := netns_unavailable()) is not None:
-        return why
-    if shutil.which("tc") is None:
-        return "needs the `tc` command (iproute2)"
-    ns = f"meshd-chaos-probe-{os.getpid()}"
-    _run(["ip", "netns", "add", ns])
-    try:
-        done = _run(
-            [
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                "lo",
-                "root",
-                "netem",
-                "delay",
-                "1ms",
-            ]
-        )
-        if done.returncode != 0:
-            err = done.stderr.strip() or done.stdout.strip()
-            return f"tc netem does not work here ({err!r}: the kernel has no sch_netem)"
     finally:
         _run(["ip", "netns", "del", ns])
     return None
@@ -402,25 +382,6 @@ def partition(port: int, on: bool) -> None:
         done = _run(["iptables", op, "INPUT", "-p", "tcp", match, str(port), "-j", "DROP"])
         if done.returncode != 0 and on:
             raise RuntimeError(f"iptables failed: {done.stderr.strip()}")
-
-
-def delay_port(port: int, delay_ms: int, on: bool) -> None:
-    """Add `delay_ms` to the packets an engine on `port` sends (tc prio + netem + a u32
-    filter on loopback), or remove it. Only inside a namespace of its own."""
-    _own_namespace()
-    if not on:
-        _run(["tc", "qdisc", "del", "dev", "lo", "root"])
-        return
-    for argv in (
-        ["tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "prio"],
-        ["tc", "qdisc", "add", "dev", "lo", "parent", "1:3", "handle", "30:", "netem",
-         "delay", f"{delay_ms}ms"],
-        ["tc", "filter", "add", "dev", "lo", "parent", "1:0", "protocol", "ip", "u32",
-         "match", "ip", "sport", str(port), "0xffff", "flowid", "1:3"],
-    ):  # fmt: skip
-        done = _run(argv)
-        if done.returncode != 0:
-            raise RuntimeError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
 
 
 def in_namespace(ns: str, argv: Sequence[str]) -> list[str]:

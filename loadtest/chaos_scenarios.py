@@ -14,8 +14,12 @@ from typing import Any
 
 import aiohttp
 
+from loadtest.bench.scrape import parse_metrics
 from loadtest.chaos_client import LoadSpec, limit_probes, send_raw, slowloris
-from loadtest.chaos_rig import Rig, RigSettings, delay_port, partition
+from loadtest.chaos_rig import Rig, RigSettings, partition
+
+EJECTIONS = "meshd_outlier_ejections"
+BREAKER_TRANSITIONS = "meshd_breaker_transitions"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +37,7 @@ class ChaosSettings:
     deadline_s: float = 25.0
     reset_after_tokens: int = 40
     slow_factor: float = 10.0
+    latency_ms: float = 200.0
     slowloris_clients: int = 20
     abandon_share: float = 0.3
     # overload: its own fleet, slower and with small batches, so 10x its capacity stays
@@ -140,7 +145,7 @@ class Scenario:
     # are not counted): no amplification
     restarts_sidecar: bool = False
     engine_fault: bool = False  # one engine faulted and cleared: when does it serve again
-    netns: str | None = None  # "iptables" / "netem": runs in a namespace of its own
+    netns: bool = False  # runs in a network namespace of its own (iptables)
 
 
 # ---- the faults ---------------------------------------------------------------------
@@ -217,12 +222,44 @@ async def _heal(run: Run) -> None:
     partition(run.target.port, False)
 
 
-async def _delay(run: Run) -> None:
-    delay_port(run.target.port, 200, True)
+async def _ejections(run: Run) -> tuple[float, float]:
+    """Outlier ejections and breakers opened by the sidecar so far."""
+    try:
+        url = run.rig.sidecar.admin_url + "/metrics"
+        async with run.session.get(url, timeout=aiohttp.ClientTimeout(3)) as r:
+            text = await r.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return 0.0, 0.0
+    ejected = parse_metrics(text, (EJECTIONS,)).get(EJECTIONS, 0.0)
+    opened = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(BREAKER_TRANSITIONS + "_total{") and 'to="open"' in line
+    )
+    return ejected, opened
 
 
-async def _undelay(run: Run) -> None:
-    delay_port(run.target.port, 200, False)
+def _latency(ms: float) -> tuple[Action, Action]:
+    """Delay everything the busiest engine sends by `ms` (its delay proxy), and clear it;
+    the clear notes how many requests the engine took before and during the fault, and
+    whether the sidecar ejected an engine or opened a breaker (slow is not failed)."""
+    taken = {"before": 0.0}
+
+    async def inject(run: Run) -> None:
+        run.rig.proxy(run.target).delay(down_ms=ms)
+        taken["before"] = await run.target.served(run.session)
+
+    async def clear(run: Run) -> None:
+        run.rig.proxy(run.target).delay(down_ms=0)
+        during = await run.target.served(run.session) - taken["before"]
+        ejected, opened = await _ejections(run)
+        run.notes.append(
+            f"the delayed engine took {taken['before']:g} requests before the fault, "
+            f"{during:g} during it; by the clear the sidecar had ejected {ejected:g} "
+            f"endpoints and opened {opened:g} breakers"
+        )
+
+    return inject, clear
 
 
 def _slowloris(settings: ChaosSettings) -> Action:
@@ -284,6 +321,7 @@ def scenarios(s: ChaosSettings) -> list[Scenario]:
     crash = {"kind": "crash_after_tokens", "tokens": s.reset_after_tokens, "count": -1}
     storm = {"kind": "status_burst", "status": 503, "count": 100000}
     clear = _engine_fault({"kind": "clear"})
+    add_latency, clear_latency = _latency(s.latency_ms)
     cp1 = lambda c: c.rig(control_planes=1, agents=True)  # noqa: E731
     return [
         Scenario("baseline", "no fault"),
@@ -377,15 +415,16 @@ def scenarios(s: ChaosSettings) -> list[Scenario]:
             "the busiest engine partitioned (iptables DROP both ways, in a netns)",
             _partition,
             _heal,
-            netns="iptables",
+            netns=True,
             engine_fault=True,
         ),
         Scenario(
             "latency",
-            "200 ms added to the busiest engine's packets (tc netem, in a netns)",
-            _delay,
-            _undelay,
-            netns="netem",
+            f"{s.latency_ms:g} ms added to everything the busiest engine sends (delay proxy)",
+            add_latency,
+            clear_latency,
+            rig=lambda c: c.rig(delay_proxies=True),
+            amplification_bound=True,  # a slow engine is no reason to try another
             engine_fault=True,
         ),
         Scenario(
