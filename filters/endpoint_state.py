@@ -10,6 +10,7 @@ client's traffic but lags, the local figures are current but see only ours.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,8 +30,29 @@ RESIDENCE_ALPHA = 0.1
 # EWMA and clamps as the TTFT's. An engine that decodes slower than its table (an A100
 # nobody named, thermals, a noisy neighbour) is seen within a few streams.
 DECODE_MIN_TOKENS = 8
+# Evidence ages: once a calibration has had no sample for CALIBRATION_STALE_S (the engine
+# gets no traffic: the picker learnt it was slow and stopped sending), its log halves
+# every CALIBRATION_HALF_LIFE_S, back toward the table (1.0), in steps of
+# CALIBRATION_AGE_STEP_S, so that an engine that recovered wins picks again once it is
+# competitive on the rest; and the next sample weighs up to CALIBRATION_STALE_ALPHA as
+# the old evidence fades, so a still-slow engine is re-learnt from a sample or two.
+# (Without it, issue #21's engine-slow run: the engine 10x slow for 6 s was sent nothing
+# in the 30 s after it recovered.)
+CALIBRATION_STALE_S = 5.0
+CALIBRATION_HALF_LIFE_S = 5.0
+CALIBRATION_AGE_STEP_S = 1.0
+CALIBRATION_STALE_ALPHA = 0.5
 PROMPT_ALPHA = 0.05
 DEFAULT_PROMPT_TOKENS = 1024.0
+
+# An overload refusal (429 or 503 before any byte): the engine said it is full. Believe
+# it for its Retry-After, else REFUSAL_HOLD_S doubling with each refusal in a row up to
+# REFUSAL_HOLD_MAX_S; the picker counts the hold as queue there (a refusing engine answers
+# at once and would otherwise look idle, the first pick again: issue #21's engine-503
+# run, 1.23 attempts per request during the storm). A first token ends the streak.
+REFUSAL_HOLD_S = 0.5
+REFUSAL_HOLD_MAX_S = 8.0
+REFUSAL_RETRY_AFTER_MAX_S = 60.0
 
 # Passive health, as filters/balancer.py: rest after this many connect failures in a row,
 # doubling while it keeps failing.
@@ -184,10 +206,17 @@ class EndpointState:
     output_tokens_in_flight: int = 0  # max output tokens of all outstanding
     ttft_ratio: float = 1.0  # EWMA of observed / predicted TTFT compute time
     decode_ratio: float = 1.0  # EWMA of observed inter-token latency / predicted step
+    # Each ratio as its last sample left it, and when (None: never sampled); the ratios
+    # above age from these (age_calibration).
+    ttft_sampled: tuple[float, float] | None = None
+    decode_sampled: tuple[float, float] | None = None
+    calibration_aged_at: float = float("-inf")
     residence_s: float | None = None  # EWMA of request duration
     prompt_tokens_avg: float = DEFAULT_PROMPT_TOKENS
     consecutive_failures: int = 0
     failures: int = 0
+    refusals: int = 0  # overload refusals in a row (refused())
+    refused_until: float = float("-inf")
     last_failure_at: float | None = None
     ejected_until: float = float("-inf")  # by our own connect failures (above)
     draining: bool = False  # set locally (admin drain, an EDS health flag)
@@ -234,6 +263,7 @@ class EndpointState:
             # may not hold; it is learnt again (its cache is dropped by the prefix index).
             self.ttft_ratio = 1.0
             self.decode_ratio = 1.0
+            self.ttft_sampled = self.decode_sampled = None
         self.reported = state
         self.reported_at = now
         self._changed()
@@ -307,12 +337,13 @@ class EndpointState:
         self.waiting -= 1
         self.pending_prefill_tokens -= f.uncached_tokens
         self.prefill_since = now
+        self.refusals = 0
         ttft = now - f.started_at
         if f.nominal_s >= CALIBRATION_MIN_NOMINAL_S:
             lo, hi = CALIBRATION_SAMPLE_RANGE
             sample = min(hi, max(lo, (ttft - f.fixed_s) / f.nominal_s))
-            ratio = self.ttft_ratio + CALIBRATION_ALPHA * (sample - self.ttft_ratio)
-            self.ttft_ratio = min(CALIBRATION_RANGE[1], max(CALIBRATION_RANGE[0], ratio))
+            self.ttft_ratio = _learn(self.ttft_sampled, self.ttft_ratio, sample, now)
+            self.ttft_sampled = (self.ttft_ratio, now)
         self.consecutive_failures = 0
         self._changed()
         return ttft
@@ -342,8 +373,8 @@ class EndpointState:
             lo, hi = CALIBRATION_SAMPLE_RANGE
             itl = (now - t1) / (output_tokens - 1)
             sample = min(hi, max(lo, itl / f.step_s))
-            ratio = self.decode_ratio + CALIBRATION_ALPHA * (sample - self.decode_ratio)
-            self.decode_ratio = min(CALIBRATION_RANGE[1], max(CALIBRATION_RANGE[0], ratio))
+            self.decode_ratio = _learn(self.decode_sampled, self.decode_ratio, sample, now)
+            self.decode_sampled = (self.decode_ratio, now)
         if f.first_token_at is None:
             self.waiting -= 1
             self.pending_prefill_tokens -= f.uncached_tokens
@@ -356,6 +387,21 @@ class EndpointState:
             self.residence_s = d if r is None else r + RESIDENCE_ALPHA * (d - r)
             self.consecutive_failures = 0
         self._changed()
+
+    def refused(self, now: float, retry_after_s: float | None = None) -> float:
+        """The engine refused a request as overloaded (429, or 503 before any byte),
+        saying Retry-After `retry_after_s` or not; returns how long it is held (the
+        picker's queue there until then, see REFUSAL_HOLD_S)."""
+        self.refusals += 1
+        if retry_after_s is not None and retry_after_s >= 0:
+            hold = min(REFUSAL_RETRY_AFTER_MAX_S, retry_after_s)
+        else:
+            hold = min(REFUSAL_HOLD_MAX_S, REFUSAL_HOLD_S * 2.0 ** min(16, self.refusals - 1))
+        if now + hold > self.refused_until:
+            self.refused_until = now + hold
+        self._changed()
+        self.static_version += 1  # the views' freshness deadline moves (next_change)
+        return hold
 
     def connect_failure(self, now: float) -> None:
         """A connection or request to this endpoint failed before any response byte."""
@@ -416,8 +462,23 @@ class EndpointState:
                 return "draining"
         return None
 
+    def age_calibration(self, now: float) -> None:
+        """Let the calibrations' evidence age to `now` (CALIBRATION_STALE_S above): a
+        ratio whose last sample is stale moves back toward 1.0. Idempotent; a change
+        counts as one (views rebuild). The picker calls it as it rebuilds a view."""
+        if now < self.calibration_aged_at + CALIBRATION_AGE_STEP_S:
+            return
+        self.calibration_aged_at = now
+        ttft = _aged(self.ttft_sampled, self.ttft_ratio, now)
+        decode = _aged(self.decode_sampled, self.decode_ratio, now)
+        if ttft != self.ttft_ratio or decode != self.decode_ratio:
+            self.ttft_ratio = ttft
+            self.decode_ratio = decode
+            self._changed()
+
     def next_change(self, now: float) -> float:
-        """The next time at which a time-dependent view (freshness, ejection) flips."""
+        """The next time at which a time-dependent view (freshness, ejection, a
+        calibration's ageing step) flips."""
         t = float("inf")
         if self.ejected_until > now:
             t = self.ejected_until
@@ -427,6 +488,16 @@ class EndpointState:
             stale_at = self.reported_at + self.report_ttl_s
             if stale_at > now:
                 t = min(t, stale_at)
+        if now < self.refused_until < t:
+            t = self.refused_until
+        for sampled, ratio in (
+            (self.ttft_sampled, self.ttft_ratio),
+            (self.decode_sampled, self.decode_ratio),
+        ):
+            if sampled is not None and ratio != 1.0:
+                at = sampled[1] + CALIBRATION_STALE_S
+                step = self.calibration_aged_at + CALIBRATION_AGE_STEP_S
+                t = min(t, at if at > step else step)
         return t
 
     def model_warm(self, model: str, now: float) -> bool | None:
@@ -501,3 +572,36 @@ class EndpointState:
         if r is not None:
             return float(max(self.outstanding, r.requests_running + r.requests_waiting))
         return float(self.outstanding)
+
+
+def _keep(sampled: tuple[float, float] | None, now: float) -> float:
+    """How much of a calibration's evidence still holds at `now` (1: fresh or none)."""
+    if sampled is None:
+        return 1.0
+    idle = now - sampled[1] - CALIBRATION_STALE_S
+    if idle <= 0.0:
+        return 1.0
+    return 0.5 ** (idle / CALIBRATION_HALF_LIFE_S)
+
+
+def _aged(sampled: tuple[float, float] | None, current: float, now: float) -> float:
+    """The ratio its last sample left, aged to `now`: its log shrinks by the evidence
+    lost (1.0 within 0.5% of it, so that a view settles). Never sampled: `current`."""
+    if sampled is None:
+        return current
+    keep = _keep(sampled, now)
+    if keep == 1.0:
+        return sampled[0]
+    ratio = math.exp(math.log(sampled[0]) * keep)
+    return 1.0 if abs(ratio - 1.0) < 0.005 else ratio
+
+
+def _learn(sampled: tuple[float, float] | None, current: float, sample: float, now: float) -> float:
+    """The calibration after `sample` (already clamped to CALIBRATION_SAMPLE_RANGE): an
+    EWMA from the aged ratio, with a weight that grows from CALIBRATION_ALPHA toward
+    CALIBRATION_STALE_ALPHA as the old evidence fades."""
+    keep = _keep(sampled, now)
+    ratio = _aged(sampled, current, now)
+    alpha = CALIBRATION_ALPHA + (CALIBRATION_STALE_ALPHA - CALIBRATION_ALPHA) * (1.0 - keep)
+    ratio += alpha * (sample - ratio)
+    return min(CALIBRATION_RANGE[1], max(CALIBRATION_RANGE[0], ratio))

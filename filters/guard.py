@@ -232,6 +232,12 @@ class PoolGuard:
         if now is not None:
             self.restarted(url, now)
 
+    def kv_capacity(self, url: str, tokens: int) -> None:
+        """The endpoint's KV capacity as the router learnt it: the breaker's token limit
+        follows it (TokenBreakerConfig.kv_tokens_factor)."""
+        if self.breaker is not None:
+            self.breaker.kv_capacity(url, tokens)
+
     def remove(self, url: str) -> None:
         if self.outlier is not None:
             self.outlier.remove(url)
@@ -245,10 +251,17 @@ class PoolGuard:
 
     def restarted(self, url: str, now: float) -> None:
         """The endpoint's engine came back with an empty cache (a new report epoch, a
-        restart): it ramps from `now`."""
+        restart): what failed is gone, so an ejection ends and an open breaker goes
+        half-open now (its probes decide; an engine ejected again is out longer, Envoy's
+        multiplier), and it ramps from `now`. (Issue #21's campaign: a killed engine,
+        restarted at once, stayed out for the ejection's 30 s.)"""
+        if self.outlier is not None:
+            self.outlier.uneject(url, now, "restarted")
+        if self.breaker is not None:
+            self.breaker.probe_now(url, now)
         if self.slow_start is not None:
             self.slow_start.became_healthy(url, now)
-            self._dirty.add(url)
+        self._dirty.add(url)
 
     # -- arrival -----------------------------------------------------------------------------
 

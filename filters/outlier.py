@@ -188,6 +188,20 @@ class OutlierDetector:
         events, self._events = self._events, []
         return events
 
+    def uneject(self, endpoint: str, now: float, reason: str) -> bool:
+        """End an ejection early (its engine restarted: what failed is gone); its ejection
+        count stays, so that one ejected again is out longer. Whether it was ejected."""
+        self._expire(now)
+        h = self._hosts.get(endpoint)
+        if h is None or h.ejected_until is None:
+            return False
+        h.ejected_until = None  # its heap entry no longer matches: _expire skips it
+        h.last_unejected_at = now
+        h.consecutive_5xx = 0
+        self._n_ejected -= 1
+        self._events.append(OutlierEvent(endpoint, "uneject", now, reason, None, h.ejections))
+        return True
+
     # -- queries --------------------------------------------------------------------------
 
     def ejected(self, endpoint: str, now: float) -> bool:

@@ -154,7 +154,13 @@ Decision
    newly healthy endpoint, EndpointState.ramp) and this request's load x, e may be primary
    only if L_e + x <= (1 + epsilon) * w_e * (sum L + x) / sum w, or
    L_e <= load_floor * w_e / w_H100 (below the floor an engine just batches one more). If
-   none may, the bound is ignored.
+   none may, the bound is ignored. Slow start yields while the pool queues: a ramping
+   endpoint over its ramped share may still be primary, up to its full weight's share,
+   once no endpoint at full weight could start this request's prefill within
+   ramp_yield_s (0.1 s). The ramp shields a cold cache from a herd, not a queueing pool
+   from the capacity it waits for (loadtest/rewarm_bench: 4 cold H100s joining 4
+   overloaded ones, TTFT p99 after the scale-up 7.12 s with the ramp binding, 4.83 s
+   without slow start, 4.81 s yielding; virtual clock, 2026-12-06).
 4. Affinity (routing v2, below): the request's holder, the task's previous endpoint
    ("sticky") or else the endpoint with the longest cached prefix when that covers at
    least affinity_min_fraction of the prompt ("prefix-affinity"), is the primary unless
@@ -164,7 +170,9 @@ Decision
    hashing (Thaler & Ravishankar 1998; each endpoint draws -ln(u)/w_e from the hash of
    the group key and its name, the lowest wins, so each wins keys in proportion to w_e)
    over the endpoints within the bound whose J exceeds the best's by at most cold_tolerance
-   x the best's J less its decode cost (the part a cached prefix changes) ("cold-hash":
+   x the best's J less its decode cost (the part a cached prefix changes), plus
+   decode_tolerance x that decode cost (learnt decode speeds that close are equals: the
+   calibration's noise) ("cold-hash":
    distinct cold groups spread over comparable engines, and many clients agree on one
    engine without talking). A prefix cached somewhere takes part too: when what it saves
    is under the window (a shared chat-template header) the hash decides; when it saves
@@ -240,6 +248,19 @@ prior = sum(ratio - d) / sum(1 - d), and uses cal_e = ratio_e + d_e * (min(1, pr
 an untried endpoint is expected to be as fast as its class has shown, and never slower
 than its datasheet (one degraded peer does not condemn the rest untried).
 
+Faults (issue #21's campaign, loadtest/chaos.py): what the picker believes of an engine
+must not outlive the fault. (1) Evidence ages: a TTFT or decode calibration with no
+sample for CALIBRATION_STALE_S (5 s) moves back toward 1.0, its log halving every
+CALIBRATION_HALF_LIFE_S (5 s), and the next sample weighs up to 0.5 as the old evidence
+fades (EndpointState.age_calibration): an engine 10x slow for 6 s was sent nothing in the
+30 s after it recovered; now it is back 21 s after (the calibration's 2.16 must fade
+within decode_tolerance). (2) A refusal (429, or 503 before any byte) holds the engine
+for its Retry-After, else 0.5 s doubling per refusal in a row up to 8 s, counted as queue
+(EndpointState.refused): a fast refusal looked idle and stayed the first pick (one engine
+at 503: 1.23 -> 1.13 attempts per request during the fault). (3) A queue that has given no
+first token for OVERDUE_FACTOR (3) x its predicted time plus OVERDUE_MIN_S (1 s) is late;
+the lateness counts as queue (a hung engine's queue was taken to drain by the clock).
+
 Workflow context: the task's previous step (per context key: workflow, session or task id;
 a bounded LRU with a TTL) left its prompt's blocks in the index and its output in the
 engine's cache; when this request's match on that endpoint covers the previous prompt,
@@ -298,6 +319,14 @@ INDEX_CAPACITY_UNKNOWN_START = 4.0
 # A prompt whose blocks some endpoint holds at least this share of continues a task under
 # way (Picker.follow_up: admission lets it past the knee before new tasks).
 FOLLOW_UP_FRACTION = 0.5
+# An endpoint whose queue has given no first token for OVERDUE_FACTOR x its predicted
+# queue, plus OVERDUE_MIN_S, is late; the lateness counts as queue (Picker._view), and
+# its view is looked at again every OVERDUE_STEP_S while it lasts. (Issue #21's hung
+# engine: its queue was taken to drain by the clock, so it stayed a first pick and each
+# request there waited for the first-byte timeout.)
+OVERDUE_FACTOR = 3.0
+OVERDUE_MIN_S = 1.0
+OVERDUE_STEP_S = 0.5
 # A fixed fleet's cost weight in J (PickerConfig.elastic false): its GPUs are paid for
 # whether busy or idle, so a dollar of GPU time counts this much against latency.
 FIXED_COST_WEIGHT = 0.1
@@ -323,6 +352,9 @@ class PickerConfig:
     epsilon: float = 0.25
     load_floor: float | None = None  # per H100-equivalent; default 8 requests / 16,384 tokens
     cold_tolerance: float = 0.1  # relative J window for rendezvous hashing of cold prefixes
+    # ...widened by this share of the best's decode cost (learnt decode speeds this close
+    # are equals: the calibration's noise; PickerConfig docstring of _cold_hash).
+    decode_tolerance: float = 0.1
     # Affinity (module docstring): a prompt this much cached at one endpoint (a follow-up
     # step) stays there, unless that endpoint's load is over affinity_imbalance x its fair
     # share of the pool's, or another is predicted faster by more than the margin:
@@ -337,6 +369,10 @@ class PickerConfig:
     group_blocks: int = 4
     demand_window_s: float = 10.0
     replicate_utilisation: float = 0.7
+    # Slow start yields (module docstring, 3): a ramping endpoint takes up to its full
+    # share once every endpoint at full weight queues a new prefill longer than this
+    # (None: the ramp always binds, Envoy's rule).
+    ramp_yield_s: float | None = 0.1
     # Decode's price per output token: "batch", the share of a step in the batch it joins
     # (running + waiting + 1, at most DECODE_REF_BATCH), or "reference", the share at a
     # batch of DECODE_REF_BATCH wherever it goes.
@@ -816,6 +852,7 @@ class Picker:
         self._lambda = [c.lambda_usd_per_s * c.lambda_priority_base ** (p - 5) for p in range(10)]
         self._batch_pricing = c.decode_pricing == "batch"
         self._kappa = 1.0 if c.elastic else FIXED_COST_WEIGHT
+        self._decode_tol = c.decode_tolerance
         self._load_requests = c.load_metric == "requests"
         self._residence = c.default_residence_s
         floor = c.load_floor
@@ -983,9 +1020,26 @@ class Picker:
         x = 1.0 if c.load_metric == "requests" else float(pm)
         cap = (1.0 + c.epsilon) * (load_sum + x) / weight_sum
 
+        # Slow start gives way while the pool queues: a ramping endpoint over its ramped
+        # share is still within the bound, up to its full share, once no endpoint at full
+        # weight could start this prefill within ramp_yield_s (module docstring, 3).
+        yield_q = c.ramp_yield_s
+        pool_q: list[float] = []
+
         def within(t: _Cand) -> bool:
             v = t[2]
-            return v.load <= v.floor_load or v.load + x <= cap * v.weight
+            if v.load <= v.floor_load or v.load + x <= cap * v.weight:
+                return True
+            if yield_q is None or v.weight >= v.tps0 or v.load + x > cap * v.tps0:
+                return False
+            if not pool_q:
+                pool_q.append(
+                    min(
+                        (_queue_now(u[2], now) for u in cands if u[2].weight >= u[2].tps0),
+                        default=_INF,
+                    )
+                )
+            return pool_q[0] > yield_q
 
         gk = min(c.group_blocks, nb)
         group_key = hashes[gk - 1] if gk else None
@@ -1234,6 +1288,7 @@ class Picker:
         """The endpoint's view, rebuilt: the static part (GPU, report, eligibility) only when
         a report, flag or failure changed it or a freshness deadline passed; the load part
         (local counters) on every version change."""
+        e.age_calibration(now)
         v = e._pick_view
         if v is None:
             v = e._pick_stale
@@ -1320,6 +1375,24 @@ class Picker:
             q_fixed += floor
         else:
             q_nominal += floor
+        hold = e.refused_until - now
+        if hold > 0.0:
+            q_fixed += hold  # it said it is full: no prefill starts there before then
+        if waiting:
+            # Overdue: no first token there for OVERDUE_FACTOR x the queue predicted then
+            # (and OVERDUE_MIN_S): a hung or stalled engine, whose queue the prediction
+            # would otherwise take as drained, so that it looked idle. What it is late by
+            # counts as queue, growing until a first token comes (view rebuilt each
+            # OVERDUE_STEP_S meanwhile).
+            q_then = cal * q_nominal + q_fixed
+            due = e.prefill_since + OVERDUE_FACTOR * q_then + OVERDUE_MIN_S
+            if now >= due:
+                q_fixed += now - due
+                due = now + OVERDUE_STEP_S
+            if due < v.until:
+                v.until = due
+                if due < self._min_until:
+                    self._min_until = due
         v.q_nominal = q_nominal
         v.q_fixed = q_fixed
         v.q = cal * q_nominal + q_fixed
@@ -1714,7 +1787,12 @@ class Picker:
         bv = best[2]
         decode = self._kappa * bv.decode_usd(max_tokens)
         decode += lam_d * _decode_s(bv, max_tokens, prompt + 0.5 * max_tokens)
-        window = best[0] + abs(best[0] - decode) * tolerance
+        # Learnt decode speeds within decode_tolerance of each other are equals: the
+        # calibration's noise (an EWMA of inter-token gaps in batches that change under
+        # it) is of that order, and at short prompts the decode term is most of J, so a
+        # 5% difference would otherwise send every cold prompt to one engine (issue #21's
+        # engine-slow run: a recovered engine at 1.05x was sent nothing).
+        window = best[0] + abs(best[0] - decode) * tolerance + decode * self._decode_tol
         top = best
         top_score = (_INF, _INF)
         draws = self._draws

@@ -93,6 +93,8 @@ class PoolRouter(Protocol):
         completion_tokens: int | None = None,
     ) -> None: ...
     def connect_failed(self, route: Route, rid: Hashable, now: float, reason: str) -> None: ...
+    def refused(self, route: Route, now: float, retry_after_s: float | None) -> None: ...
+    def kv_capacities(self, now: float) -> dict[str, int]: ...
     def pool_wait(self, now: float, stop_below: float = ...) -> float | None: ...
     def follow_up(self, req: PickRequest, now: float) -> bool: ...
     def snapshot(self, now: float) -> list[dict[str, object]]: ...
@@ -290,6 +292,20 @@ class BalancerRouter:
         self._balancer.on_finish(route.url)
         self._balancer.on_connect_failure(route.url, now, reason)
 
+    def kv_capacities(self, now: float) -> dict[str, int]:
+        """The KV capacity each endpoint reported (the balancers route without it; the
+        guard's token limits follow it all the same)."""
+        return {
+            url: cap
+            for url, r in self._reports.items()
+            if r.fresh(now) and (cap := r.state.kv_capacity_tokens)
+        }
+
+    def refused(self, route: Route, now: float, retry_after_s: float | None) -> None:
+        """The balancers do not hold a refusing endpoint back (Envoy's and the peers' way):
+        a 503 storm reaches their breaker and outlier detection only."""
+        return None
+
     def pool_wait(self, now: float, stop_below: float = 0.0) -> float | None:
         """No prediction of queueing here: the admission knee gate stays open."""
         return None
@@ -420,6 +436,15 @@ class PickerRouter:
         state.finish(rid, now, ok=False)
         state.connect_failure(now)
         self._last_error[route.url] = reason
+
+    def kv_capacities(self, now: float) -> dict[str, int]:
+        """Each endpoint's KV capacity where known (reported, else configured)."""
+        return {s.url: cap for s in self.states if (cap := s.kv_capacity(now))}
+
+    def refused(self, route: Route, now: float, retry_after_s: float | None) -> None:
+        """An overload refusal (429, or 503 before any byte): the picker counts the hold
+        (EndpointState.refused) as queue there, so a refusing engine stops looking idle."""
+        self._by_url[route.url].refused(now, retry_after_s)
 
     def set_flags(
         self,

@@ -28,7 +28,7 @@ import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from filters.retry_budget import WindowedSum
@@ -75,9 +75,13 @@ class Limits:
 @dataclass(frozen=True, slots=True)
 class TokenBreakerConfig:
     # Per endpoint unless set_limits() says otherwise: vLLM's default max_num_seqs is 256;
-    # 256k tokens is about an H100's KV cache for an 8B model. Set max_tokens from the
-    # endpoint's kv_capacity_tokens where it is known.
+    # 256k tokens is about an H100's KV cache for an 8B model.
     endpoint_limits: Limits = Limits(max_tokens=262_144, max_requests=256, max_pending=128)
+    # Where an endpoint's KV capacity is known (kv_capacity()), its max_tokens is this many
+    # times that capacity instead (None: endpoint_limits always). Over 1: tokens in flight
+    # count each request's whole prompt and expected output, while the engine's KV holds
+    # a shared prefix once and an answer only as far as it has got.
+    kv_tokens_factor: float | None = 2.0
     pool_limits: Limits = Limits()  # the sum of endpoint limits already bounds the pool
     priority_shares: tuple[tuple[int, float], ...] = ((7, 1.0), (3, 0.9), (0, 0.8))
     # Output estimate.
@@ -207,6 +211,19 @@ class TokenBreaker:
 
     def set_limits(self, endpoint: str, limits: Limits) -> None:
         self._endpoint(endpoint).limits = limits
+
+    def kv_capacity(self, endpoint: str, tokens: int) -> bool:
+        """The endpoint's engine holds `tokens` of KV (its report, its /metrics, the
+        config): its token limit follows (kv_tokens_factor). Whether the limits changed."""
+        factor = self.config.kv_tokens_factor
+        if factor is None or tokens <= 0:
+            return False
+        ep = self._endpoint(endpoint)
+        limits = replace(ep.limits, max_tokens=max(1, int(factor * tokens)))
+        if limits == ep.limits:
+            return False
+        ep.limits = limits
+        return True
 
     def remove(self, endpoint: str) -> None:
         """Forget an endpoint that left the pool (its in-flight requests still finish)."""
@@ -432,6 +449,16 @@ class TokenBreaker:
         if len(self._timers) > 2 * len(self._endpoints) + 64:
             self._compact_timers()
         self._emit(name, old, "open", now, reason)
+
+    def probe_now(self, endpoint: str, now: float) -> bool:
+        """An open breaker goes half-open now, not when its open time ends (its engine
+        restarted: what failed is gone; the probes still decide). Whether it was open."""
+        ep = self._endpoints.get(endpoint)
+        if ep is None or ep.state != "open":
+            return False
+        ep.open_until = now  # its timer no longer matches: _refresh already moved it
+        self._refresh(endpoint, ep, now)
+        return True
 
     def _refresh(self, name: str, ep: _Endpoint, now: float) -> None:
         if ep.state == "open" and now >= ep.open_until:

@@ -194,9 +194,12 @@ class AdmissionGate:
         self.apply(pool, guard.pump(now))
 
     def tick(self, now: float) -> None:
-        """The reaper's period: breaker timers, ejections ending, slow-start ramps."""
+        """The reaper's period: breaker timers, ejections ending, slow-start ramps, and
+        the breaker's token limits following each engine's KV capacity as learnt."""
         for pool, guard in self.plane.guards.items():
             self.apply(pool, guard.tick(now))
+            for url, cap in self.plane.routers[pool].kv_capacities(now).items():
+                guard.kv_capacity(url, cap)
 
     def _set_router_flags(self, pool: str, ev: GuardEvents) -> None:
         """Breaker open, ejection and slow-start ramp, as the guard sees them, to the router

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from filters.chars_per_token import CharsPerToken, utf8_length
-from filters.guard import Screened
+from filters.guard import OVERLOAD_STATUSES, Screened
 from filters.pool_router import Route
 from filters.retry_budget import parse_retry_after
 from meshd.accounting import Accounting
@@ -151,7 +151,7 @@ class Attempts:
         loop = asyncio.get_running_loop()
         attempt = self.start(ctx, route, tries.reason)
         try:
-            left = ctx.deadline - loop.time()
+            left = min(ctx.deadline, ctx.head_by) - loop.time()
             try:
                 async with asyncio.timeout(min(up_cfg.first_byte_timeout_s, left)):
                     upstream = await plane.upstream.request(
@@ -187,11 +187,14 @@ class Attempts:
                     if delay is not None:
                         await asyncio.sleep(delay)
                         return _NEXT
-                limit = (
-                    f"upstream.first_byte_timeout_s ({up_cfg.first_byte_timeout_s:g} s)"
-                    if per_try
-                    else f"the rest of upstream.request_timeout_s ({up_cfg.request_timeout_s:g} s)"
-                )
+                if per_try:
+                    limit = f"upstream.first_byte_timeout_s ({up_cfg.first_byte_timeout_s:g} s)"
+                elif ctx.head_by < ctx.deadline:
+                    limit = "the client's deadline (x-meshd-deadline-ms)"
+                else:
+                    limit = (
+                        f"the rest of upstream.request_timeout_s ({up_cfg.request_timeout_s:g} s)"
+                    )
                 return self.acct.refuse(
                     ctx, 504, f"{url} sent no response headers within {limit}", "upstream_timeout"
                 )
@@ -217,7 +220,9 @@ class Attempts:
             if plane.retry_budgets[ctx.pool].retryable(status, False, False):
                 # Refused before the first byte (429/502/503/504): another endpoint may
                 # serve it, within the retry budget; otherwise the answer goes through.
-                after = parse_retry_after(upstream.header("retry-after") or "")
+                after = attempt.retry_after_s = parse_retry_after(
+                    upstream.header("retry-after") or ""
+                )
                 delay = self.retry_delay(ctx, tries.made, len(tries.routes), after, str(status))
                 if delay is not None or ctx.hold_refusal:
                     attempt.ok = False
@@ -290,6 +295,8 @@ class Attempts:
                 cached_tokens=attempt.cached_tokens,
                 completion_tokens=attempt.completion_tokens,
             )
+            if attempt.status in OVERLOAD_STATUSES and not attempt.local_failure:
+                attempt.router.refused(route, now, attempt.retry_after_s)
         if (
             attempt.ok
             and attempt.prompt_tokens
@@ -366,7 +373,8 @@ class Attempts:
             return None
         retry = plane.retry_budgets[ctx.pool]
         delay = retry.backoff(attempts_made, plane.rng, retry_after_s)
-        if delay == math.inf or asyncio.get_running_loop().time() + delay >= ctx.deadline:
+        by = min(ctx.deadline, ctx.head_by)
+        if delay == math.inf or asyncio.get_running_loop().time() + delay >= by:
             return None
         if not retry.withdraw(time.monotonic(), attempts_made):
             plane.metrics.retry_budget_exhausted.labels(ctx.pool).inc()

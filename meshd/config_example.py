@@ -93,7 +93,8 @@ reliability:
     backoff_max_s: 1.0
   breaker:                     # token-aware circuit breaker, per endpoint
     enabled: true
-    max_tokens_per_endpoint: 262144   # prompt + expected output tokens in flight
+    max_tokens_per_endpoint: 262144   # prompt + expected output tokens in flight...
+    max_tokens_kv_factor: 2.0         # ...or this x the engine's KV capacity, where known
     max_requests_per_endpoint: 256
     max_pending_per_endpoint: 128     # sent, no first token yet
     consecutive_failures: 5    # open after this many failures in a row...
@@ -135,6 +136,7 @@ reliability:
     window_s: 60
     aggression: 1.0
     min_weight_percent: 10
+    yield_queue_s: 0.1         # ...but a ramp gives way once the others queue this long
   slow_abandon_factor: 3.0     # abandoned at > 3x the pool's s/token: counts as a failure
 telemetry:
   tracing:

@@ -372,6 +372,10 @@ class BreakerSettings(_Strict):
 
     enabled: bool = True
     max_tokens_per_endpoint: int = Field(default=262_144, ge=1)
+    # Where an engine's KV capacity is known (its report or /metrics, or the endpoint's
+    # kv_capacity_tokens), its token limit is this many times that capacity instead of
+    # max_tokens_per_endpoint (null: max_tokens_per_endpoint everywhere).
+    max_tokens_kv_factor: float | None = Field(default=2.0, gt=0)
     max_requests_per_endpoint: int = Field(default=256, ge=1)
     max_pending_per_endpoint: int = Field(default=128, ge=1)
     consecutive_failures: int = Field(default=5, ge=1)
@@ -467,12 +471,16 @@ class ThrottleSettings(_Strict):
 class SlowStartSettings(_Strict):
     """A recovered or newly added endpoint's weight ramps from min_weight_percent to full
     over window_s (Envoy's slow start: (elapsed / window) ** (1 / aggression)), so traffic
-    shed onto it does not flatten a cache that must rewarm."""
+    shed onto it does not flatten a cache that must rewarm. The ramp gives way while the
+    pool queues: once no endpoint at full weight could start a new prefill within
+    yield_queue_s, a ramping one takes up to its full share where the picker predicts it
+    faster (null: the ramp always binds, as in Envoy)."""
 
     enabled: bool = True
     window_s: float = Field(default=60.0, gt=0)
     aggression: float = Field(default=1.0, gt=0)
     min_weight_percent: float = Field(default=10.0, ge=0, le=100)
+    yield_queue_s: float | None = Field(default=0.1, gt=0)
 
 
 class Reliability(_Strict):

@@ -71,6 +71,7 @@ class Attempt:
     status: int = 0
     local_failure: bool = False  # no connection, reset, timeout, broken stream
     cancelled: bool = False  # the client left: no verdict on the endpoint
+    retry_after_s: float | None = None  # a refusal's Retry-After, when it said one
     outcome: str = ""
     cached_tokens: int | None = None
     prompt_tokens: int | None = None
@@ -99,6 +100,9 @@ class RequestContext:
     body: bytes = b""
     upstream_headers: list[tuple[str, str]] = field(default_factory=list)
     deadline: float = math.inf  # loop clock: the whole request, all tries
+    # Loop clock: the client's latency budget (x-meshd-deadline-ms) for the answer's head;
+    # no attempt or retry waits past it (the stream, once started, is bounded by `deadline`).
+    head_by: float = math.inf
     pick: PickRequest | None = None
     tokens: int = 0  # expected prompt + output tokens (the token breaker's unit)
     item_id: int | None = None  # admission item while admitted

@@ -104,7 +104,10 @@ class Disaggregator:
         ctx.tried.discard(route.url)  # the decode pool may hold the same engine
         loop = asyncio.get_running_loop()
         try:
-            timeout = min(plane.config.upstream.first_byte_timeout_s, ctx.deadline - loop.time())
+            timeout = min(
+                plane.config.upstream.first_byte_timeout_s,
+                min(ctx.deadline, ctx.head_by) - loop.time(),
+            )
             async with asyncio.timeout(max(0.001, timeout)):
                 up = await plane.upstream.request(
                     route.url,

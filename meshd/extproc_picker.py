@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
+from filters.guard import OVERLOAD_STATUSES
 from filters.hotpath import block_hashes, parse_routing_headers
 from filters.picker import PickRequest
 from filters.pool_router import EndpointSpec, Policy, PoolRouter, Route, make_router
@@ -425,6 +426,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 cached_tokens=cached,
                 completion_tokens=completion,
             )
+            if s.status in OVERLOAD_STATUSES:
+                self.router.refused(route, self.clock(), None)
         self._end_span(s, ok=ok, cached_tokens=cached)
         self._uncount(s)
 

@@ -226,6 +226,8 @@ class Intake:
         )
         ctx.body = body
         ctx.deadline = ctx.started + plane.config.upstream.request_timeout_s
+        if rh is not None and rh.deadline_ms is not None:
+            ctx.head_by = ctx.started + rh.deadline_ms / 1000.0
         cache = plane.cache
         plan = ctx.cache = None if cache is None else cache.plan(req, ctx)
         try:

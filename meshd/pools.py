@@ -47,6 +47,7 @@ def build_routers(
         affinity_imbalance=routing.picker.affinity_imbalance,
         affinity_margin_s=routing.picker.affinity_margin_s,
         affinity_redo_weight=routing.picker.affinity_redo_weight,
+        ramp_yield_s=config.reliability.slow_start.yield_queue_s,
     )
     if picker_overrides:
         picker_config = dataclasses.replace(picker_config, **picker_overrides)
@@ -137,6 +138,7 @@ def guard_config(config: Config, endpoints: int = 1) -> GuardConfig:
                 max_requests=b.max_requests_per_endpoint,
                 max_pending=b.max_pending_per_endpoint,
             ),
+            kv_tokens_factor=b.max_tokens_kv_factor,
             consecutive_failures=b.consecutive_failures,
             error_rate=b.error_rate,
             error_window_s=b.error_window_s,

@@ -104,6 +104,8 @@ def request_context(
     ctx.obs = plane.observer.begin(kind, POOL, inference, routing, ctx.request_id, started)
     ctx.body = body
     ctx.deadline = started + plane.config.upstream.request_timeout_s
+    if routing is not None and routing.deadline_ms is not None:
+        ctx.head_by = started + routing.deadline_ms / 1000.0
     ctx.pick = PickRequest.build(inference, routing, time.monotonic(), block_hashes=[])
     ctx.tokens = plane.guards[POOL].expected_tokens(
         inference.model, ctx.pick.prompt_tokens, inference.max_tokens

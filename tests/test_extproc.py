@@ -94,6 +94,10 @@ class RecordingRouter:
         self.calls.append(("connect_failed", route.url))
         self.inner.connect_failed(route, rid, now, reason)
 
+    def refused(self, route: Route, now: float, retry_after_s: float | None) -> None:
+        self.calls.append(("refused", route.url))
+        self.inner.refused(route, now, retry_after_s)
+
     def snapshot(self, now: float) -> list[dict[str, object]]:
         return self.inner.snapshot(now)
 

@@ -314,3 +314,34 @@ def test_a_continuation_is_not_held_back_by_in_flight_limits() -> None:
     assert g.screen([R("a"), R("b")], 10, None, 0.2).full
     s = g.screen([R("a"), R("b")], 10, None, 0.2, continuation=True)
     assert [r.url for r in s.routes] == ["a"] and s.skipped == [("b", "breaker-open")]
+
+
+def test_a_restart_ends_an_ejection_and_an_open_breaker_and_ramps_it_in() -> None:
+    # Issue #21's campaign: a killed engine, restarted at once, stayed out for the
+    # ejection's 30 s. A restart (a new epoch) means what failed is gone.
+    g = guard(
+        breaker=TokenBreakerConfig(consecutive_failures=2, open_base_s=60.0),
+        outlier=OutlierConfig(consecutive_5xx=2, base_ejection_time_s=30.0),
+        slow_start=SlowStartConfig(window_s=10.0, min_weight_percent=10.0),
+    )
+    for i in range(2):
+        g.started("a", i, 10, 1.0)
+        g.finished("a", i, 1.0, local_failure=True)
+    f = flagged(g.pump(1.0))["a"]
+    assert f.breaker_open and f.ejected_until == pytest.approx(31.0)
+    assert g.screen([R("a"), R("b")], 10, None, 2.0).skipped[0][0] == "a"
+    g.restarted("a", 3.0)
+    back = flagged(g.pump(3.0))["a"]
+    assert not back.breaker_open and back.ejected_until is None
+    # Half-open: its probe goes; the ramp starts once the probes close it.
+    assert [r.url for r in g.screen([R("a")], 10, None, 3.0).routes] == ["a"]
+    assert g.breaker is not None and g.breaker.state("a", 3.0) == "half-open"
+    events = g.tick(3.1)
+    assert [(o.action, o.reason) for o in events.outlier] == [
+        ("eject", "consecutive_5xx"),
+        ("uneject", "restarted"),
+    ]
+    # Ejected again, it is out longer (the ejection count stayed).
+    for i in range(2):
+        g.finished("a", ("x", i), 4.0, status=502)
+    assert g.flags("a", 4.0).ejected_until == pytest.approx(64.0)

@@ -166,3 +166,22 @@ async def test_the_reapers_tick_dispatches_a_requeued_request() -> None:
 
     assert await asyncio.wait_for(requeued, 1) is None
     assert g.guard.in_flight == 1
+
+
+@pytest.mark.parametrize("factor", [2.0, None])
+def test_the_breakers_token_limit_follows_the_engines_kv_capacity(factor: float | None) -> None:
+    # The fixed 262,144 tokens capped an engine of long prompts (~16 requests of 16k) while
+    # it held more; where the capacity is known the limit is max_tokens_kv_factor x it.
+    endpoints: Any = [{"url": URLS[0], "kv_capacity_tokens": 1_000_000}]
+    reliability = {"breaker": {"max_tokens_kv_factor": factor}}
+    layers = build_layers(sidecar_config(endpoints, reliability=reliability))
+    breaker = layers.plane.guards[POOL].breaker
+    assert breaker is not None
+    now = time.monotonic()
+    # 20 requests of 16k tokens in flight (327,680 tokens, over the fixed limit).
+    for i in range(20):
+        breaker.start(URLS[0], ("r", i), 16_384, now)
+    assert not breaker.admit(URLS[0], 16_384, None, now).ok
+    layers.gate.tick(now)
+    # The 21st fits under the followed limit (2,000,000), not under the fixed one.
+    assert breaker.admit(URLS[0], 16_384, None, now).ok is (factor is not None)

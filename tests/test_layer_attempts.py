@@ -127,6 +127,32 @@ async def test_503_with_retry_after_is_retried_on_another_endpoint() -> None:
     assert outcomes(ctx) == ["http_503", "ok"]
 
 
+async def test_a_refusing_endpoint_is_held_so_the_next_pick_goes_elsewhere() -> None:
+    # Issue #21's engine-503 storm: an engine that refuses at once looked idle and stayed
+    # the first pick, one wasted attempt per request. The refusal holds it (the picker
+    # counts the hold as queue there): the next request goes elsewhere first.
+    from filters.endpoint_state import REFUSAL_HOLD_S
+
+    pool = FakePool(FakeUpstream(503), FakeUpstream(200), FakeUpstream(200))
+    layers, router, _guard, _relay = setup(pool)
+    ctx = request_context(layers, DOC)
+    before = time.monotonic()
+    reply = await layers.attempts.run(FakeRequest(), ctx)
+    assert reply is not None and reply.status == 200
+    refusing = pool.urls[0]
+    state = router.inner._by_url[refusing]
+    assert state.refusals == 1
+    assert state.refused_until == pytest.approx(before + REFUSAL_HOLD_S, abs=0.5)
+    # The same request again: its first pick is not the refusing endpoint now.
+    again = request_context(layers, DOC)
+    reply = await layers.attempts.run(FakeRequest(), again)
+    assert reply is not None and reply.status == 200
+    assert pool.urls[2] != refusing
+    # A Retry-After is believed as said.
+    state.refused(time.monotonic(), 7.0)
+    assert state.refused_until == pytest.approx(time.monotonic() + 7.0, abs=0.5)
+
+
 async def test_a_retry_after_beyond_the_limit_is_not_waited_for_but_relayed() -> None:
     busy = FakeUpstream(503, headers=[("Retry-After", "3600")])
     pool = FakePool(busy)
@@ -207,6 +233,24 @@ async def test_a_504_names_the_limit_that_ran_out() -> None:
     reply = await layers.attempts.run(FakeRequest(), request_context(layers, DOC))
     assert reply is not None and reply.status == 504
     assert "request_timeout_s" in error_of(reply)["message"]
+
+
+async def test_the_clients_deadline_bounds_the_wait_for_an_answer() -> None:
+    # Issue #21's campaign: x-meshd-deadline-ms bounded the pick and the admission queue
+    # but not the wait for the engine's answer, so a request queued in a full engine (or a
+    # hung one) was held past its deadline with nothing said. Now the client gets the 504
+    # at its deadline, naming it, and no retry starts after it.
+    pool = FakePool(HANG, HANG, HANG)
+    layers, router, guard, _relay = setup(pool)  # first_byte_timeout_s: 120 s by default
+    ctx = request_context(layers, DOC, headers=[("x-meshd-deadline-ms", "200")])
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    reply = await layers.attempts.run(FakeRequest(), ctx)
+    assert reply is not None and reply.status == 504
+    assert "x-meshd-deadline-ms" in error_of(reply)["message"]
+    assert 0.15 <= loop.time() - t0 < 1.0
+    assert len(pool.sent) == 1
+    assert_settled_once(router, guard)
 
 
 async def test_a_protocol_error_is_502_upstream_error() -> None:

@@ -723,3 +723,70 @@ def test_a_restarted_engine_learns_its_speed_again() -> None:
     e.report(ReportedState(epoch=""), 3.0)  # an unset epoch says nothing
     e.report(ReportedState(epoch=""), 4.0)
     assert e.ttft_ratio == 3.0
+
+
+# -- an overload refusal holds the endpoint (issue #21: a refusing engine looked idle) --------
+
+
+def test_refusals_in_a_row_hold_an_endpoint_longer_and_a_first_token_ends_the_streak() -> None:
+    from filters.endpoint_state import REFUSAL_HOLD_MAX_S, REFUSAL_HOLD_S
+
+    e = EndpointState("a")
+    holds = [e.refused(10.0) for _ in range(8)]
+    assert holds[:3] == [REFUSAL_HOLD_S, 2 * REFUSAL_HOLD_S, 4 * REFUSAL_HOLD_S]
+    assert max(holds) == REFUSAL_HOLD_MAX_S == holds[-1]
+    assert e.refused_until == 10.0 + REFUSAL_HOLD_MAX_S
+    assert e.next_change(10.0) == 10.0 + REFUSAL_HOLD_MAX_S  # views rebuild when it ends
+    assert e.refused(11.0, 2.5) == 2.5  # a Retry-After is taken as said...
+    assert e.refused_until == 10.0 + REFUSAL_HOLD_MAX_S  # ...never shortening a hold
+    e.start("r", 12.0, prompt_tokens=10)
+    e.first_token("r", 12.5)
+    assert e.refusals == 0
+    assert e.refused(20.0) == REFUSAL_HOLD_S
+
+
+def test_a_held_endpoint_is_not_the_primary_until_its_hold_ends() -> None:
+    eps = [EndpointState(f"e{i}", url=f"http://e{i}", gpu="H100") for i in range(2)]
+    p = Picker()
+    r = PickRequest("m", (42,), prompt_tokens=500, max_tokens=64)
+    first = p.pick(r, eps, 0.0, record=False)[0].endpoint
+    held = next(e for e in eps if e.name == first)
+    hold = held.refused(0.0)
+    out = p.pick(r, eps, 0.1, record=False)
+    assert out[0].endpoint != first
+    # Its predicted TTFT carries the rest of the hold; once over, it is the pick again.
+    mine = next(c for c in out if c.endpoint == first)
+    assert mine.predicted_ttft_s >= hold - 0.1
+    assert p.pick(r, eps, hold + 0.01, record=False)[0].endpoint == first
+
+
+def test_a_queue_that_gives_no_first_token_is_late_and_its_lateness_counts() -> None:
+    # Issue #21's hung engine: its queue was taken to drain by the clock, so it looked idle
+    # and every first pick waited there for the first-byte timeout.
+    from filters.picker import OVERDUE_FACTOR, OVERDUE_MIN_S
+
+    eps = [EndpointState(f"e{i}", url=f"http://e{i}", gpu="H100") for i in range(2)]
+    p = Picker()
+    stuck = PickRequest("m", (7,), prompt_tokens=2000, max_tokens=64)
+    c = p.pick(stuck, eps, 0.0)[0]
+    p.dispatch(c, stuck, "stuck", 0.0)
+    hung = c.state
+    other = next(e for e in eps if e is not hung)
+    for i in range(3):  # the other engine is busier: three streams decoding
+        other.start(("d", i), 0.0, prompt_tokens=500, max_tokens=500)
+        other.first_token(("d", i), 0.05)
+    r = PickRequest("m", (99,), prompt_tokens=500, max_tokens=64)
+
+    def ttft(now: float) -> float:
+        out = p.pick(r, eps, now, record=False)
+        return next(x.predicted_ttft_s for x in out if x.state is hung)
+
+    due = OVERDUE_FACTOR * c.predicted_ttft_s + OVERDUE_MIN_S
+    early = ttft(0.2)
+    assert early < 1.0  # its queue is taken to drain, as predicted
+    assert ttft(due + 5.0) >= 5.0  # late by 5 s: 5 s more queue, and it grows
+    assert ttft(due + 9.0) >= 9.0
+    assert p.pick(r, eps, due + 5.0, record=False)[0].state is other
+    # A first token ends it: the queue is what it is again.
+    hung.first_token("stuck", due + 9.5)
+    assert ttft(due + 9.6) < 1.0

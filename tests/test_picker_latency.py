@@ -208,3 +208,77 @@ def test_a_prefill_delays_the_streams_running_there():
         lam * 8 * 8_000 * inv * (1 - 8 / H100.max_num_batched_tokens) ** -1, rel=1e-6
     )
     assert on["e1"].score == pytest.approx(off["e1"].score)  # nothing runs on e1
+
+
+# -- the calibrations' evidence ages (issue #21: a recovered engine gets traffic back) ---------
+
+
+def slow_samples(e: EndpointState, n: int, ratio: float, t0: float = 0.0) -> float:
+    """n TTFT and decode samples at `ratio` x the prediction, one a second from t0; the
+    time of the last."""
+    t = t0
+    for k in range(n):
+        t = t0 + k
+        e.start(("s", t0, k), t, prompt_tokens=1000, max_tokens=64, nominal_s=0.1, step_s=0.01)
+        e.first_token(("s", t0, k), t + 0.1 * ratio)
+        e.finish(("s", t0, k), t + 0.1 * ratio + 63 * 0.01 * ratio, output_tokens=64)
+    return t + 0.1 * ratio + 63 * 0.01 * ratio
+
+
+def test_stale_evidence_ages_back_toward_the_table():
+    from filters.endpoint_state import CALIBRATION_HALF_LIFE_S, CALIBRATION_STALE_S
+
+    e = EndpointState("e", gpu="H100")
+    slow_samples(e, 40, 4.0)
+    learnt, at = e.ttft_sampled
+    assert learnt == e.ttft_ratio > 3.5 and e.decode_ratio > 3.5
+    e.age_calibration(at + CALIBRATION_STALE_S - 0.5)  # still fresh: unchanged
+    assert e.ttft_ratio == learnt
+    # One half-life past staleness: the log halved.
+    e.age_calibration(at + CALIBRATION_STALE_S + CALIBRATION_HALF_LIFE_S)
+    assert e.ttft_ratio == pytest.approx(learnt**0.5, rel=1e-9)
+    d_learnt, d_at = e.decode_sampled
+    keep = 0.5 ** ((at - d_at) / CALIBRATION_HALF_LIFE_S + 1.0)
+    assert e.decode_ratio == pytest.approx(d_learnt**keep, rel=1e-9)
+    end = max(at, d_at)
+    # Long idle: back at the table, and the view settles (no more ageing deadlines).
+    late = end + CALIBRATION_STALE_S + 20 * CALIBRATION_HALF_LIFE_S
+    e.age_calibration(late)
+    assert (e.ttft_ratio, e.decode_ratio) == (1.0, 1.0)
+    assert e.next_change(late) == float("inf")
+
+
+def test_a_sample_after_long_idle_weighs_more_so_a_still_slow_engine_is_relearnt_fast():
+    e = EndpointState("e", gpu="H100")
+    end = slow_samples(e, 40, 4.0)
+    # 200 s later, one sample at 4x again: the faded evidence gives way to it by half.
+    slow_samples(e, 1, 4.0, t0=end + 200.0)
+    assert e.ttft_ratio == pytest.approx(1.0 + 0.5 * (4.0 - 1.0), rel=1e-6)
+    # Fresh evidence keeps the usual weight: the next sample moves it by 0.1 only.
+    before = e.ttft_ratio
+    slow_samples(e, 1, 1.0, t0=end + 201.5)
+    assert e.ttft_ratio == pytest.approx(before + 0.1 * (1.0 - before), rel=1e-6)
+
+
+def test_a_busy_engines_calibration_does_not_age():
+    e = EndpointState("e", gpu="H100")
+    end = slow_samples(e, 200, 3.0)  # a sample every second for 200 s
+    assert e.ttft_ratio == pytest.approx(3.0, rel=0.01)
+    assert e.next_change(end) > end  # an ageing step is due, at staleness
+    e.age_calibration(end + 1.0)
+    assert e.ttft_ratio == pytest.approx(3.0, rel=0.01)
+
+
+def test_a_recovered_engine_wins_picks_again():
+    # e0 was learnt 4x slow and then got nothing: right after, every pick avoids it; once
+    # its evidence has aged, it is an equal again and takes its share of cold prompts.
+    eps = fleet("H100", "H100")
+    end = slow_samples(eps[0], 40, 4.0)
+    p = Picker()
+
+    def share(now: float) -> int:
+        reqs = [PickRequest("m", (k * 7919 + 1,), prompt_tokens=2000) for k in range(200)]
+        return sum(p.pick(r, eps, now, record=False)[0].endpoint == "e0" for r in reqs)
+
+    assert share(end + 1.0) == 0
+    assert 60 <= share(end + 120.0) <= 140

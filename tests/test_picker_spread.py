@@ -74,7 +74,7 @@ def test_unobserved_peer_takes_its_gpu_class_calibration_optimistically():
     p = Picker()
     serve_serially(p, eps[:1], 30, speedup=3.0)  # only e0 has served anything
     r = PickRequest("m", (), prompt_tokens=4000, max_tokens=10)
-    ttft = {c.endpoint: c.predicted_ttft_s for c in p.pick(r, eps, 100.0, record=False)}
+    ttft = {c.endpoint: c.predicted_ttft_s for c in p.pick(r, eps, soon(eps), record=False)}
     # e1 (same class, never tried) is expected to be as fast as e0 turned out to be...
     assert ttft["e1"] == pytest.approx(ttft["e0"], rel=0.15)
     # ...the A100 is another class: it keeps its datasheet.
@@ -88,9 +88,15 @@ def test_a_slower_peer_does_not_condemn_untried_ones():
     p = Picker()
     serve_serially(p, eps[:1], 30, speedup=1 / 3)  # e0 is three times slower
     r = PickRequest("m", (), prompt_tokens=4000, max_tokens=10)
-    out = p.pick(r, eps, 100.0, record=False)
+    out = p.pick(r, eps, soon(eps), record=False)
     assert out[0].endpoint == "e1"
     assert out[1].predicted_ttft_s > 2.5 * out[0].predicted_ttft_s
+
+
+def soon(eps: list[EndpointState]) -> float:
+    """Just after the last request served: the calibrations' evidence is fresh (it ages
+    after CALIBRATION_STALE_S without a sample)."""
+    return max(e.ttft_sampled[1] for e in eps if e.ttft_sampled is not None) + 0.1
 
 
 def serve_prefill_faster(p: Picker, eps: list[EndpointState], n: int, speedup: float) -> None:
@@ -117,13 +123,15 @@ def test_a_faster_calibration_does_not_shorten_the_engine_step():
     base, per_seq, _ = GPUS["H100"].decode_step_parts()
     step = base + per_seq  # one sequence, no context held
     # A 1-token prompt still waits for one whole step: a weight read, not compute...
-    (tiny,) = p.pick(PickRequest("m", (), prompt_tokens=1, max_tokens=0), [e], 100.0, record=False)
+    (tiny,) = p.pick(
+        PickRequest("m", (), prompt_tokens=1, max_tokens=0), [e], soon([e]), record=False
+    )
     assert tiny.predicted_ttft_s >= step
     assert tiny.fixed_s == pytest.approx(step)
     assert tiny.nominal_s == pytest.approx(1 / GPUS["H100"].prefill_tokens_per_s)
     # ...while a long prompt's prefill takes the faster calibration.
     long = PickRequest("m", (), prompt_tokens=27_712, max_tokens=0)
-    (c,) = p.pick(long, [e], 100.0, record=False)
+    (c,) = p.pick(long, [e], soon([e]), record=False)
     assert step + 0.25 < c.predicted_ttft_s < step + 0.5
     assert c.fixed_s == pytest.approx(step) and c.nominal_s == pytest.approx(1.0, rel=1e-3)
 
@@ -133,7 +141,9 @@ def test_a_slower_calibration_lengthens_the_engine_step():
     p = Picker()
     serve_serially(p, [e], 30, speedup=1 / 3)  # degraded: slow at everything
     assert e.ttft_ratio > 2.5
-    (tiny,) = p.pick(PickRequest("m", (), prompt_tokens=1, max_tokens=0), [e], 100.0, record=False)
+    (tiny,) = p.pick(
+        PickRequest("m", (), prompt_tokens=1, max_tokens=0), [e], soon([e]), record=False
+    )
     assert tiny.predicted_ttft_s > 2.5 * GPUS["H100"].decode_step_s(1)
     assert tiny.fixed_s == 0.0
 
@@ -150,9 +160,9 @@ def test_decode_heavy_request_without_a_prompt_takes_the_cheaper_decode_step():
     serve_prefill_faster(p, eps[:1], 30, speedup=3.0)
     assert eps[0].ttft_ratio < 0.5
     many = PickRequest("m", (), prompt_tokens=1, max_tokens=40)
-    assert p.pick(many, eps, 100.0, record=False)[0].endpoint == "e1"
+    assert p.pick(many, eps, soon(eps), record=False)[0].endpoint == "e1"
     few = PickRequest("m", (), prompt_tokens=1, max_tokens=4)
-    assert p.pick(few, eps, 100.0, record=False)[0].endpoint == "e0"
+    assert p.pick(few, eps, soon(eps), record=False)[0].endpoint == "e0"
 
 
 def test_shallow_shared_header_does_not_pin_everything_to_one_engine():
@@ -287,8 +297,15 @@ def test_decode_is_priced_at_the_batch_it_joins():
     eps[1].start("x", 0.0, prompt_tokens=100, max_tokens=512)
     eps[1].first_token("x", 0.01)  # e1 is decoding one sequence
     r = PickRequest("m", [123456], prompt_tokens=300, max_tokens=200)
-    out = Picker().pick(r, eps, 0.02, record=False)
-    assert out[0].endpoint == "e1"  # joining the batch beats waking an idle engine
+    # Elastic (GPU-seconds are money): joining the batch beats waking an idle engine.
+    elastic = PickerConfig(elastic=True)
+    out = Picker(elastic).pick(r, eps, 0.02, record=False)
+    assert out[0].endpoint == "e1"
+    # A fixed fleet weighs the dollars at FIXED_COST_WEIGHT: the two are equals within
+    # decode_tolerance, and among equals the least loaded goes first (latency first).
+    assert Picker().pick(r, eps, 0.02, record=False)[0].endpoint in ("e0", "e2")
+    out = Picker(PickerConfig(decode_tolerance=0.0)).pick(r, eps, 0.02, record=False)
+    assert out[0].endpoint == "e1"
     idle = next(c for c in out if c.endpoint == "e0")
     h100 = GPUS["H100"]
     share = h100.price_per_s * h100.decode_step_s(2) / 2
@@ -303,7 +320,7 @@ def test_decode_is_priced_at_the_batch_it_joins():
     # Packing stops where the queue it joins costs more time than the step saves.
     for i in range(6):
         eps[1].start(("q", i), 0.02, prompt_tokens=8000, max_tokens=10)
-    assert Picker().pick(r, eps, 0.03, record=False)[0].endpoint != "e1"
+    assert Picker(elastic).pick(r, eps, 0.03, record=False)[0].endpoint != "e1"
 
 
 def test_a_mostly_cached_prediction_feeds_no_calibration_sample():

@@ -253,3 +253,15 @@ def test_counters_never_go_negative_and_return_to_zero(ops: list[tuple[str, int,
         b.finish(rid, now, ok=True)
     assert b.pool_usage == (0, 0, 0)
     assert all(s["requests_in_flight"] == 0 for s in b.snapshot(now))
+
+
+def test_kv_capacity_sets_the_token_limit_by_its_factor_and_only_on_change() -> None:
+    b = TokenBreaker(TokenBreakerConfig(kv_tokens_factor=1.5))
+    assert b.kv_capacity("e", 100_000)
+    assert b._endpoint("e").limits.max_tokens == 150_000
+    assert b._endpoint("e").limits.max_requests == 256  # the rest as configured
+    assert not b.kv_capacity("e", 100_000)  # unchanged
+    assert not b.kv_capacity("e", 0)  # nothing known
+    fixed = TokenBreaker(TokenBreakerConfig(kv_tokens_factor=None))
+    assert not fixed.kv_capacity("e", 100_000)
+    assert fixed._endpoint("e").limits.max_tokens == 262_144
