@@ -3,7 +3,10 @@ the floors where no router can reach a target, both cost views."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from loadtest.bench.matrix import MESHD, PEERS, Cell, compare, hit_bound, report, setup
 
@@ -77,3 +80,24 @@ def test_the_bound_is_known_for_open_loop_cells_only():
     assert b is not None and 0.5 < b < 1.0  # 16 system prompts shared by every request
     s = Cell("sessions", engines=4)
     assert hit_bound(s, []) is None
+
+
+def test_cells_picks_cells_by_label_and_names_an_unknown_one(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from loadtest.bench import matrix
+
+    ran: list[str] = []
+
+    def fake_run(args: tuple[matrix.Cell, bool]) -> dict[str, object]:
+        ran.append(args[0].label)
+        return {"label": args[0].label, "wall_s": 0.0}
+
+    monkeypatch.setattr(matrix, "_run", fake_run)
+    monkeypatch.setattr(matrix, "write", lambda cells, out_dir, plots: None)
+    want = "mooncake 8xH100 small load 1;sessions 8xmixed small load 0.8"
+    assert matrix.main(["--jobs", "1", "--cells", want, "--out", str(tmp_path)]) == 0
+    assert sorted(ran) == sorted(want.split(";"))
+    with pytest.raises(SystemExit):
+        matrix.main(["--cells", "mooncake 3xH100 small load 0.8", "--out", str(tmp_path)])
+    assert "no such cell: mooncake 3xH100 small load 0.8" in capsys.readouterr().err

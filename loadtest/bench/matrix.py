@@ -621,6 +621,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 cells of 300 requests")
     parser.add_argument("--full", action="store_true", help="every combination (hours)")
     parser.add_argument("--only", default="", help="comma-separated workloads to run")
+    parser.add_argument(
+        "--cells",
+        default="",
+        help="semicolon-separated cell labels to run, as the report names them "
+        "(e.g. 'mooncake 8xH100 small load 0.8;sessions 8xH100 small load 1')",
+    )
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=None, help="default results/matrix-<time>")
     parser.add_argument("--no-plots", action="store_true")
@@ -642,6 +648,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.only:
         keep = set(args.only.split(","))
         cells = [c for c in cells if c.workload in keep]
+    if args.cells:
+        labels = {x.strip() for x in args.cells.split(";") if x.strip()}
+        unknown = labels - {c.label for c in cells}
+        if unknown:
+            parser.error(f"--cells: no such cell: {'; '.join(sorted(unknown))}")
+        cells = [c for c in cells if c.label in labels]
     out_dir = args.out or Path("results") / time.strftime("matrix-%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     done: list[dict[str, Any]] = []
