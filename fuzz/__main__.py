@@ -6,6 +6,11 @@ New inputs go to a scratch corpus (--work, default a temporary directory), never
 seed corpus; a crash's input is saved as <artifacts>/crash-<sha1> (--artifacts, default
 fuzz/artifacts/) and is the file to minimise (`--minimize FILE`) and add to the corpus.
 Exit status 1 when any target crashed.
+
+--native also puts libFuzzer's coverage inside the Cython twins: fuzz/native.py builds copies
+of them with SanitizerCoverage (the `ziglang` wheel's clang, Cython; the `fuzz` extra) into
+--native-dir (default .fuzz-build/, reused while the sources and tools are unchanged), and each
+target imports those instead of the repository's .so files.
 """
 
 from __future__ import annotations
@@ -40,9 +45,13 @@ class Result:
     rc: int = 0
     artifacts: tuple[str, ...] = ()
     tail: str = ""
+    native: tuple[tuple[str, str], ...] = ()  # (module, file) instrumented twins imported
+    native_counters: int = 0  # their SanitizerCoverage counters, as libFuzzer loaded them
 
 
 _STATUS = re.compile(r"^#(\d+)\s+\S+\s+cov: (\d+) ft: (\d+) corp: (\d+)/", re.M)
+_NATIVE = re.compile(r"^INFO: native: (\S+) (\S+)$", re.M)
+_LOADED = re.compile(r"^INFO: Loaded \d+ modules\s+\((\d+) inline 8-bit counters\)", re.M)
 
 
 def parse(target: str, output: str, rc: int, seconds: float) -> Result:
@@ -61,6 +70,10 @@ def parse(target: str, output: str, rc: int, seconds: float) -> Result:
         r.exec_per_s = int(r.executions / seconds)
     r.artifacts = tuple(re.findall(r"Test unit written to (\S+)", output))
     r.crashes = len(r.artifacts) or (1 if rc else 0)
+    r.native = tuple(_NATIVE.findall(output))
+    m = _LOADED.search(output)
+    if m:
+        r.native_counters = int(m.group(1))
     r.tail = output[-6000:]
     return r
 
@@ -73,6 +86,7 @@ def fuzz_one(
     artifacts: Path,
     strict: bool = False,
     seed: int | None = None,
+    native: Path | None = None,
 ) -> Result:
     scratch = work / target
     scratch.mkdir(parents=True, exist_ok=True)
@@ -96,6 +110,8 @@ def fuzz_one(
         args.append("--strict")
     if seed is not None:
         args.append(f"-seed={seed}")
+    if native is not None:
+        args.append(f"--native={native}")
     args += [str(scratch), str(CORPUS / target)]
     start = time.monotonic()
     env = dict(os.environ)
@@ -135,11 +151,31 @@ def main(argv: list[str] | None = None) -> int:
         "--strict", action="store_true", help="stop at known findings too (targets' KNOWN)"
     )
     ap.add_argument("--seed", type=int, help="libFuzzer's random seed (default: from the time)")
+    ap.add_argument(
+        "--native",
+        action="store_true",
+        help="fuzz coverage-instrumented builds of the Cython twins (needs ziglang, Cython)",
+    )
+    ap.add_argument(
+        "--native-dir",
+        type=Path,
+        default=None,
+        help="where --native builds them (default: .fuzz-build/)",
+    )
     args = ap.parse_args(argv)
     names = list(TARGETS) if args.target == "all" else [args.target]
     for name in names:
         if name not in TARGETS:
             ap.error(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
+    native = None
+    if args.native:
+        from fuzz import native as instrumented
+
+        reason = instrumented.missing()
+        if reason:
+            ap.error(f"--native: {reason}")
+        native = args.native_dir or instrumented.CACHE
+        instrumented.build(native)
     if args.minimize is not None:
         return subprocess.call(
             [
@@ -151,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 "-minimize_crash=1",
                 "-runs=20000",
                 f"-exact_artifact_path={args.minimize}.min",
+                *([f"--native={native}"] if native else []),
                 str(args.minimize),
             ]
         )
@@ -159,11 +196,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="meshd-fuzz-") as tmp:
         work = args.work or Path(tmp)
         for name in names:
-            r = fuzz_one(name, seconds, args.runs, work, args.artifacts, args.strict, args.seed)
+            r = fuzz_one(
+                name, seconds, args.runs, work, args.artifacts, args.strict, args.seed, native
+            )
             results.append(r)
+            instrumented_twins = (
+                f", native {'+'.join(m for m, _ in r.native)} ({r.native_counters} counters)"
+                if r.native
+                else ""
+            )
             print(
                 f"{name}: {r.executions} executions, {r.exec_per_s} exec/s, cov {r.cov}, "
-                f"ft {r.ft}, corpus {r.corpus}, crashes {r.crashes} ({r.seconds:.1f} s)",
+                f"ft {r.ft}, corpus {r.corpus}, crashes {r.crashes} ({r.seconds:.1f} s)"
+                f"{instrumented_twins}",
                 flush=True,
             )
             if r.crashes:

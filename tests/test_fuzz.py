@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # fuzz/ is not installed; `python -m pytest` from the root has it
 
+from fuzz import native  # noqa: E402
 from fuzz.__main__ import fuzz_one  # noqa: E402
 from fuzz.common import signature  # noqa: E402
 from fuzz.targets import TARGETS, known, load  # noqa: E402
@@ -78,3 +79,30 @@ def test_short_fuzz_run_finds_nothing(target: str, tmp_path: Path) -> None:
     r = fuzz_one(target, SECONDS, None, tmp_path / "work", tmp_path / "artifacts", seed=1)
     assert r.crashes == 0 and r.rc == 0, r.tail
     assert r.executions > 0 and r.cov > 0, r
+
+
+NATIVE_MISSING = native.missing()
+
+
+@needs_atheris
+@pytest.mark.skipif(
+    NATIVE_MISSING is not None, reason=f"`python -m fuzz --native` not tested: {NATIVE_MISSING}"
+)
+def test_native_build_puts_coverage_inside_the_compiled_twin(tmp_path: Path) -> None:
+    # One twin built with SanitizerCoverage (Cython, then the ziglang wheel's clang: ~10 s on 2
+    # busy cores), then the same runs from the same seeds with and without it: the instrumented
+    # module is the one imported, libFuzzer loaded its counters, and coverage counts them.
+    build = tmp_path / "build"
+    built = native.build(build, ["filters._sse_c"], jobs=1)
+    assert list(built) == ["filters._sse_c"] and built["filters._sse_c"].is_relative_to(build)
+    runs = 500
+    plain = fuzz_one("sse", None, runs, tmp_path / "plain", tmp_path / "artifacts", seed=1)
+    inst = fuzz_one(
+        "sse", None, runs, tmp_path / "native", tmp_path / "artifacts", seed=1, native=build
+    )
+    assert inst.crashes == 0 and inst.rc == 0, inst.tail
+    assert inst.native == (("filters._sse_c", str(built["filters._sse_c"])),), inst.tail
+    assert inst.native_counters > 1000, inst.tail
+    assert plain.native == () and plain.native_counters == 0, plain.tail
+    # Python coverage alone is ~110 edges here; the twin's own add several hundred.
+    assert inst.cov > plain.cov + 200, (inst, plain)
