@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit install vllm fuzz clean
+.PHONY: demo test lint typecheck unit install vllm fuzz fuzz-native clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ FUZZ_SECONDS ?= 60
 fuzz: $(STAMP)
 	$(BIN)/python -m fuzz all --seconds $(FUZZ_SECONDS)
 
+# The same with the compiled twins built with SanitizerCoverage (the ziglang wheel's clang,
+# cached in .fuzz-build/), so libFuzzer's coverage reaches inside them.
+fuzz-native: $(STAMP)
+	$(BIN)/python -m fuzz all --native --seconds $(FUZZ_SECONDS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -48,4 +53,4 @@ unit: $(STAMP)
 test: lint typecheck unit
 
 clean:
-	rm -rf $(VENV) build *.egg-info filters/*.so filters/_*_c.c xds/*.so xds/_*_c.c
+	rm -rf $(VENV) build *.egg-info filters/*.so filters/_*_c.c xds/*.so xds/_*_c.c .fuzz-build

@@ -119,9 +119,29 @@ def role_of(meta: Mapping[str, Any]) -> Role:
 def is_injected(meta: Mapping[str, Any], spec: Mapping[str, Any]) -> bool:
     if ANNOTATION_STATUS in (meta.get("annotations") or {}):
         return True
-    names = {c.get("name") for c in (spec.get("initContainers") or [])}
-    names |= {c.get("name") for c in (spec.get("containers") or [])}
+    names = _container_names(spec, "initContainers") | _container_names(spec, "containers")
     return bool(names & OUR_CONTAINERS)
+
+
+def _container_names(spec: Mapping[str, Any], key: str) -> set[str]:
+    """The names of spec[key]'s containers; InjectionError for a shape Kubernetes would
+    not accept (found by the webhook fuzz target: a name that was a map raised TypeError)."""
+    items = spec.get(key) or []
+    if not isinstance(items, list):
+        raise InjectionError(f"spec.{key} must be a list, got {type(items).__name__}")
+    names: set[str] = set()
+    for i, c in enumerate(items):
+        if not isinstance(c, Mapping):
+            raise InjectionError(f"spec.{key}[{i}] must be a map, got {type(c).__name__}")
+        name = c.get("name")
+        if name is None:
+            continue
+        if not isinstance(name, str):
+            raise InjectionError(
+                f"spec.{key}[{i}].name must be a string, got {type(name).__name__}"
+            )
+        names.add(name)
+    return names
 
 
 def decide(

@@ -497,3 +497,18 @@ def test_metrics_on_the_pod_ip_are_opt_in() -> None:
         inject(pod({"meshd.io/inject": "true", "meshd.io/expose-metrics": "yes"}), CFG)
     with pytest.raises(InjectionError, match="probe_port"):
         InjectionConfig(probe_port=15000)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"containers": [{"name": {}}]}, r"spec\.containers\[0\]\.name must be a string"),
+        ({"initContainers": "x"}, r"spec\.initContainers must be a list"),
+        ({"containers": ["app"]}, r"spec\.containers\[0\] must be a map"),
+    ],
+)
+def test_a_container_list_of_the_wrong_shape_is_an_injection_error(spec, message) -> None:
+    # Found by the webhook fuzz target (`python -m fuzz webhook --native`): a container
+    # name that was a map raised TypeError (unhashable dict) out of is_injected.
+    with pytest.raises(InjectionError, match=message):
+        inj.is_injected({}, spec)

@@ -20,16 +20,7 @@ from fuzz.common import Finding, signature
 INCLUDE = ["meshd"]
 INJECTOR = "an injector error on a malformed pod object, caught by review()"
 # Found by this target, reported, not fixed yet (corpus: known-*).
-KNOWN: dict[str, str] = {
-    # corpus: known-container-name-not-a-string (found by `python -m fuzz webhook --native`,
-    # 2026-12-06, in 5 s; the target itself is pure Python)
-    f"Finding: {INJECTOR}": (
-        "a container whose name is not a string (a map) breaks the injector: is_injected "
-        "(meshd/inject.py) collects the names in a set, TypeError: unhashable type: 'dict', "
-        "instead of InjectionError; review() catches it (allowed, an 'internal error' warning, "
-        "a logged traceback)"
-    ),
-}
+KNOWN: dict[str, str] = {}  # findings fixed: their reproducers are fixed-* seeds now
 
 
 class _Request:
