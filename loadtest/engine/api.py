@@ -9,7 +9,9 @@ of (prompt, seed). Errors use vLLM's ErrorResponse shape
 (vllm/entrypoints/openai/protocol.py: ErrorInfo). Ids are `cmpl-<id>` and `chatcmpl-<id>`,
 the id taken from an `X-Request-Id` header when there is one, as vLLM does.
 `kv_transfer_params` (prefill/decode disaggregation, kv_transfer.py) is parsed into
-`KVTransferParams`; a prefill step's answer carries its own at the top level.
+`KVTransferParams`; a prefill step's answer carries its own at the top level. SGLang's
+`bootstrap_host`, `bootstrap_port` and `bootstrap_room` are parsed into `Bootstrap`
+(sglang/srt/entrypoints/openai/protocol.py: room an integer, a list of them for a batch).
 """
 
 from __future__ import annotations
@@ -138,6 +140,53 @@ def _kv_transfer(body: Mapping[str, Any]) -> KVTransferParams | None:
     )
 
 
+# SGLang's bootstrap fields, and the largest room (its routers draw 0..2**63 - 1).
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+MAX_ROOM = (1 << 63) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Bootstrap:
+    """A request's SGLang bootstrap fields: the prefill engine to join (host, and port;
+    None: the engine's own default) and the room both legs share."""
+
+    host: str | None
+    port: int | None
+    room: int
+
+
+def _one(raw: Mapping[str, Any], key: str) -> Any:
+    """A bootstrap field's value: a batch of one is its item (the simulator serves n=1)."""
+    v = raw.get(key)
+    if isinstance(v, list):
+        if len(v) != 1:
+            raise ApiError(400, f"{key}: a batch of {len(v)}; the simulated engine serves one", key)
+        return v[0]
+    return v
+
+
+def _bootstrap(body: Mapping[str, Any]) -> Bootstrap | None:
+    if all(body.get(k) is None for k in BOOTSTRAP_FIELDS):
+        return None
+    room = _one(body, "bootstrap_room")
+    if room is None:
+        return None  # host/port without a room: SGLang pairs nothing either
+    if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
+        raise ApiError(
+            400,
+            f"bootstrap_room must be an integer in [0, 2**63 - 1], got {room!r}",
+            "bootstrap_room",
+        )
+    host = _one(body, "bootstrap_host")
+    if host is not None and (not isinstance(host, str) or not host):
+        raise ApiError(400, "bootstrap_host must be a non-empty string", "bootstrap_host")
+    port = _one(body, "bootstrap_port")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                             or not 0 < port < 65536):  # fmt: skip
+        raise ApiError(400, "bootstrap_port must be a port number or null", "bootstrap_port")
+    return Bootstrap(host, port, room)
+
+
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
     kind: RequestKind
@@ -152,6 +201,7 @@ class ParsedRequest:
     stop: tuple[str, ...]
     min_tokens: int
     kv_transfer: KVTransferParams | None = None
+    bootstrap: Bootstrap | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +310,7 @@ def _finish_parse(
         stop=_stop(body),
         min_tokens=_int(body, "min_tokens", minimum=0) or 0,
         kv_transfer=_kv_transfer(body),
+        bootstrap=_bootstrap(body),
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from loadtest.engine.config import (
     DEFAULT_MODEL,
     KV_LOAD_FAILURE_POLICIES,
+    PD_PROTOCOLS,
     ROLES,
     ConfigError,
     EngineSpec,
@@ -32,13 +33,15 @@ A100/H100/H200/B200 serving Llama-3-8B. Output text is a pure function of (promp
 Faults can be injected with POST /admin/fault (see loadtest/engine/faults.py).
 Prefill/decode disaggregation (vLLM's NIXL protocol, loadtest/engine/kv_transfer.py):
 --roles gives each engine a role, prefill steps pin their KV for --kv-hold seconds, and
-decode steps fetch it over a --kv-link-gbps link.
+decode steps fetch it over a --kv-link-gbps link. --pd-protocol sglang speaks SGLang's
+protocol instead: the same request, with bootstrap_host/port/room, to both engines at once.
 
 examples:
   meshd sim-engine --port 8001 --gpu H100
   meshd sim-engine --fleet 16 --gpus H100,A100,H200,B200 --port 8100 \\
       --kv-events-endpoint 'tcp://*:5600' --time-scale 0.25
   meshd sim-engine --fleet 4 --roles prefill,decode --port 8200 --kv-hold 60
+  meshd sim-engine --fleet 2 --roles prefill,decode --pd-protocol sglang --port 8300
   meshd sim-engine --config fleet.yaml
 """
 
@@ -173,6 +176,26 @@ def register(subparsers: Any) -> None:
         help="a decode step whose KV cannot be fetched: fail (410, default) or recompute",
     )
     p.add_argument(
+        "--pd-protocol",
+        default="vllm-nixl",
+        choices=PD_PROTOCOLS,
+        help="the disaggregated-serving protocol: vllm-nixl (kv_transfer_params, default) "
+        "or sglang (bootstrap host/port/room, both legs at once)",
+    )
+    p.add_argument(
+        "--bootstrap-port",
+        type=int,
+        default=None,
+        help="sglang: the bootstrap port (default: the engine's HTTP port; +1 per fleet copy)",
+    )
+    p.add_argument(
+        "--bootstrap-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="sglang: how long a decode step waits for its room's KV (default 300)",
+    )
+    p.add_argument(
         "--fault",
         action="append",
         default=[],
@@ -221,6 +244,9 @@ def specs_from_args(args: argparse.Namespace) -> tuple[str, tuple[EngineSpec, ..
         kv_hold_s=args.kv_hold,
         kv_link_gbps=args.kv_link_gbps,
         kv_load_failure_policy=args.kv_load_failure_policy,
+        pd_protocol=args.pd_protocol,
+        bootstrap_port=args.bootstrap_port,
+        bootstrap_timeout_s=args.bootstrap_timeout,
     )
     gpus = [g.strip().upper() for g in args.gpus.split(",")] if args.gpus else [base.gpu]
     roles = [r.strip().lower() for r in args.roles.split(",")] if args.roles else None

@@ -13,6 +13,8 @@ A config file (YAML or JSON) lists engines; `count` repeats one on consecutive p
         faults: [{kind: slowdown, factor: 4, at: 30}]
       - {gpu: H100, port: 8006, role: prefill, kv_hold_s: 60}
       - {gpu: H100, port: 8007, role: decode, kv_link_gbps: 25}
+      - {gpu: H100, port: 8008, role: prefill, pd_protocol: sglang}
+      - {gpu: H100, port: 8009, role: decode, pd_protocol: sglang}
 
 Keys are EngineSpec's field names; unknown keys are an error that names them.
 """
@@ -35,6 +37,9 @@ DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 # Prefill/decode roles (kv_transfer.py has the protocol) and vLLM's kv_role for each.
 ROLES = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+# The disaggregated-serving protocols (kv_transfer.py): vLLM's NIXL kv_transfer_params, and
+# SGLang's bootstrap host/port/room.
+PD_PROTOCOLS = ("vllm-nixl", "sglang")
 
 
 class ConfigError(ValueError):
@@ -80,6 +85,15 @@ class EngineSpec:
     kv_link_gbps: float = 50.0
     kv_load_failure_policy: str = "fail"
     kv_engine_id: str | None = None
+    # SGLang's protocol (kv_transfer.py): which protocol the engine speaks (PD_PROTOCOLS),
+    # the bootstrap port its prefill role is reached at (SGLang's
+    # --disaggregation-bootstrap-port, 8998 there; None here: the engine's HTTP port, as
+    # simulated engines share a host and need no second socket), and how long a decode
+    # step waits for its room's KV before it is refused
+    # (SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s).
+    pd_protocol: str = "vllm-nixl"
+    bootstrap_port: int | None = None
+    bootstrap_timeout_s: float = 300.0
 
     def validate(self) -> EngineSpec:
         if self.gpu.upper() not in GPUS:
@@ -110,6 +124,14 @@ class EngineSpec:
             raise ConfigError("kv_load_failure_policy: 'fail' or 'recompute'")
         if self.kv_engine_id is not None and not self.kv_engine_id:
             raise ConfigError("kv_engine_id: must not be empty")
+        if self.pd_protocol not in PD_PROTOCOLS:
+            raise ConfigError(
+                f"pd_protocol: one of {', '.join(PD_PROTOCOLS)}, got {self.pd_protocol!r}"
+            )
+        if self.bootstrap_port is not None and not 0 < self.bootstrap_port < 65536:
+            raise ConfigError("bootstrap_port: must be 1-65535")
+        if not self.bootstrap_timeout_s > 0:
+            raise ConfigError("bootstrap_timeout_s: must be positive")
         return self
 
     def for_index(self, offset: int) -> EngineSpec:
@@ -121,6 +143,7 @@ class EngineSpec:
             port=self.port + offset if self.port else 0,
             name=f"{self.name}-{offset}" if self.name else None,
             kv_engine_id=f"{self.kv_engine_id}-{offset}" if self.kv_engine_id else None,
+            bootstrap_port=self.bootstrap_port + offset if self.bootstrap_port else None,
             kv_events_endpoint=offset_endpoint(self.kv_events_endpoint, offset),
             kv_events_replay_endpoint=offset_endpoint(self.kv_events_replay_endpoint, offset),
         )

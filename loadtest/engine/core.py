@@ -28,7 +28,9 @@ admitted like any request but, instead of computing its prompt, allocates the bl
 local prefix cache lacks and waits off the GPU for the transfer (vLLM's
 WAITING_FOR_REMOTE_KVS) of the missing tokens' KV over the link; then its prompt counts as
 computed but for the last token (vLLM recomputes it for the logits), the producer's pinned
-copy is released, and it queues at the head of the waiting line.
+copy is released, and it queues at the head of the waiting line. `hold_events`, when set
+(the KV transfer fabric sets it), hears of each hold's life: "held", then "fetched",
+"released", "expired" or "dropped" (a restart); SGLang's protocol waits on them.
 """
 
 from __future__ import annotations
@@ -211,6 +213,7 @@ class EngineCore:
         self._transfers: list[tuple[float, int, SimRequest]] = []
         self._num_transferring = 0
         self._seq = itertools.count()
+        self.hold_events: Callable[[str, str], None] | None = None
         self.steps = 0
         self.busy_time = 0.0
 
@@ -324,9 +327,12 @@ class EngineCore:
             self._finish(r, "abort", now, record=False)
         self._transfers = []
         # Pinned prefill KV dies with the process: a decode step asking for it is refused.
+        gone = list(self._holds)
         for held in self._holds.values():
             self.pool.free(held.block_ids)
         self._holds.clear()
+        for rid in gone:
+            self._tell(rid, "dropped")
         self._hold_heap = []
         self._gone.clear()
         self._running = []
@@ -350,13 +356,25 @@ class EngineCore:
     def held(self, request_id: str) -> HeldKV | None:
         return self._holds.get(request_id)
 
+    def hold_fate(self, request_id: str) -> str | None:
+        """None while `request_id`'s KV is pinned (claimed or not); else why not (as
+        claim_hold says it, "already_fetched" for a hold whose KV was fetched)."""
+        if request_id in self._holds:
+            return None
+        return self._gone.get(request_id, "unknown_request")
+
     def claim_hold(
-        self, request_id: str, block_ids: Sequence[int], prompt_ids: Sequence[int], now: float
+        self,
+        request_id: str,
+        block_ids: Sequence[int] | None,
+        prompt_ids: Sequence[int],
+        now: float,
     ) -> HeldKV | str:
         """A decode step asks for the KV of prefill `request_id`: the hold (now claimed:
         it no longer expires) or why not: "unknown_request", "expired", "already_fetched",
         "released" (its decode step ended before fetching) or "mismatch" (other blocks or
-        another prompt than the prefill's)."""
+        another prompt than the prefill's). `block_ids` None: any blocks (SGLang's decode
+        step names a room, not blocks)."""
         if self._expire_holds(now):
             self._nudge(now)
         held = self._holds.get(request_id)
@@ -364,7 +382,8 @@ class EngineCore:
             return self._gone.get(request_id, "unknown_request")
         if held.claimed:
             return "already_fetched"
-        if held.block_ids != list(block_ids) or held.prompt_ids != list(prompt_ids):
+        other_blocks = block_ids is not None and held.block_ids != list(block_ids)
+        if other_blocks or held.prompt_ids != list(prompt_ids):
             return "mismatch"
         held.claimed = True
         return held
@@ -379,6 +398,7 @@ class EngineCore:
         if fetched:
             self.stats.kv_holds_fetched += 1
         self._nudge(now)
+        self._tell(held.request_id, "fetched" if fetched else "released")
 
     def _hold(self, req: SimRequest, t: float) -> None:
         old = self._holds.pop(req.request_id, None)
@@ -391,6 +411,11 @@ class EngineCore:
         heapq.heappush(self._hold_heap, (held.expires_at, next(self._seq), req.request_id))
         req.held_block_ids = list(req.block_ids)
         self.stats.kv_prefill_steps += 1
+        self._tell(req.request_id, "held")
+
+    def _tell(self, request_id: str, event: str) -> None:
+        if self.hold_events is not None:
+            self.hold_events(request_id, event)
 
     def _remember(self, request_id: str, reason: str) -> None:
         gone = self._gone
@@ -413,6 +438,7 @@ class EngineCore:
             self._remember(rid, "expired")
             self.stats.kv_holds_expired += 1
             freed = True
+            self._tell(rid, "expired")
         return freed
 
     def _next_hold_expiry(self) -> float | None:

@@ -21,9 +21,31 @@ vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py):
    or prompt) refuses the step at the door with `FETCH_FAILED_STATUS`, or, with
    `kv_load_failure_policy: recompute`, serves it whole.
 
-The fabric is the simulator's NIXL: an in-process registry of engines by engine id. Real
-engines (server.py) share the process-wide `DEFAULT_FABRIC`, each on its own clock; a
-virtual fleet (virtual.py) has its own, on the fleet's clock.
+SGLang's protocol (`EngineSpec.pd_protocol: sglang`), as its routers speak it
+(sgl-project/sglang python/sglang/srt/disaggregation/mini_lb.py; sgl-model-gateway
+src/routers/http/pd_router.rs): the router sends the client's request, with
+`bootstrap_host`, `bootstrap_port` (the prefill engine's --disaggregation-bootstrap-port,
+8998 by default, or null: the engine's own) and a random `bootstrap_room`, to a prefill and
+a decode engine at once; the client's answer is the decode engine's.
+
+1. Prefill leg: the engine prefills (one token, whatever `max_tokens` says), keeps the KV
+   pinned under the room (`room_key`) for `kv_hold_s`, and answers once a decode engine
+   fetched it (SGLang's prefill request ends when its KV transfer is done); if none did
+   by then, it answers 500 (SGLang: "Prefill transfer failed"). A streamed leg is
+   answered as one SSE body.
+2. Decode leg: the engine finds the prefill engine by its bootstrap address, waits for
+   the room's KV there (`bootstrap_timeout_s`, SGLANG_DISAGGREGATION_WAITING_TIMEOUT),
+   claims it and pays the transfer as a NIXL decode step does, then decodes. When the KV
+   never comes, or the address names no engine, the step is refused before any byte with
+   `FETCH_FAILED_STATUS` (SGLang aborts it with a 500 "Decode transfer failed"). SGLang's
+   prefill and decode engines refuse a request without a room (400, "Disaggregated
+   request received without bootstrap room id"); role both ignores the fields.
+
+The fabric is the simulator's NIXL (and SGLang's bootstrap server): an in-process registry
+of engines by engine id and by bootstrap address. Real engines (server.py) share the
+process-wide `DEFAULT_FABRIC`, each on its own clock; a virtual fleet (virtual.py) has its
+own, on the fleet's clock (its engines have no bootstrap address: the virtual fleet does
+not speak SGLang's protocol).
 """
 
 from __future__ import annotations
@@ -53,21 +75,40 @@ _REASONS: Final = {
     "already_fetched": "another decode step already fetched this KV",
     "released": "the KV was released when an earlier decode step for it ended",
     "mismatch": "the remote KV is for other blocks or another prompt than this request's",
+    "timeout": "no KV came for this room within the decode engine's bootstrap timeout",
+}
+
+
+_ROOM_REASONS: Final = {
+    "unknown_engine": "no prefill engine has this bootstrap address",
+    "unknown_request": "the prefill engine holds no KV for this room",
+    "already_fetched": "another decode leg already fetched this room's KV",
+    "mismatch": "the room's KV is for another prompt than this request's",
 }
 
 
 class FetchRefused(Exception):
     """A decode step's KV cannot be fetched; `reason` is one of stats.KV_FETCH_REFUSALS."""
 
-    def __init__(self, reason: str, engine_id: str, request_id: str) -> None:
+    def __init__(
+        self, reason: str, engine_id: str, request_id: str, room: int | None = None
+    ) -> None:
         self.reason = reason
         self.engine_id = engine_id
         self.request_id = request_id
-        super().__init__(
-            f"KV transfer failed ({reason}): cannot fetch the KV of request {request_id!r} "
-            f"from engine {engine_id!r}: {_REASONS.get(reason, reason)}. "
-            "Send the request without kv_transfer_params, or prefill it again."
-        )
+        if room is None:
+            text = (
+                f"KV transfer failed ({reason}): cannot fetch the KV of request "
+                f"{request_id!r} from engine {engine_id!r}: {_REASONS.get(reason, reason)}. "
+                "Send the request without kv_transfer_params, or prefill it again."
+            )
+        else:  # SGLang's protocol: the decode leg names a room and a bootstrap address
+            why = _ROOM_REASONS.get(reason) or _REASONS.get(reason, reason)
+            text = (
+                f"KV transfer failed ({reason}): no KV for bootstrap_room {room} from the "
+                f"prefill engine {engine_id!r}: {why}. Send both legs again with a new room."
+            )
+        super().__init__(text)
 
 
 @dataclass(slots=True)
@@ -78,10 +119,13 @@ class _Peer:
 
 
 class KVTransferFabric:
-    """Engines reachable for KV transfers, by engine id (see the module docstring)."""
+    """Engines reachable for KV transfers, by engine id and bootstrap address (see the
+    module docstring)."""
 
     def __init__(self) -> None:
         self._peers: dict[str, _Peer] = {}
+        self._addresses: dict[tuple[str, int], str] = {}
+        self._watchers: dict[tuple[str, str], list[Callable[[str], None]]] = {}
 
     def register(
         self,
@@ -90,25 +134,79 @@ class KVTransferFabric:
         *,
         clock: Callable[[], float] | None = None,
         wake: Callable[[], None] | None = None,
+        bootstrap: tuple[str, int] | None = None,
     ) -> None:
         """Make `core`'s pinned KV fetchable under `engine_id`. `clock`: the engine's own
         simulated time (None: the caller's `now` is the engine's too, one shared clock);
-        `wake`: tell its driver that blocks came free outside a step."""
+        `wake`: tell its driver that blocks came free outside a step; `bootstrap`: the
+        (host, port) SGLang's decode steps name it by."""
         self._peers[engine_id] = _Peer(core, clock, wake or _nothing)
+        core.hold_events = lambda rid, event: self._tell(engine_id, rid, event)
+        if bootstrap is not None:
+            self._addresses[bootstrap] = engine_id
 
     def unregister(self, engine_id: str, core: EngineCore) -> None:
         peer = self._peers.get(engine_id)
         if peer is not None and peer.core is core:
             del self._peers[engine_id]
+            core.hold_events = None
+            for addr in [a for a, e in self._addresses.items() if e == engine_id]:
+                del self._addresses[addr]
 
     def __contains__(self, engine_id: object) -> bool:
         return engine_id in self._peers
+
+    def by_bootstrap(self, host: str | None, port: int | None) -> str | None:
+        """The engine id at bootstrap address host:port: an exact match, else the one
+        engine on that port (the simulated engines share a host, which a router may call
+        localhost or 127.0.0.1), or, `port` None, the one engine on that host."""
+        found = self._addresses.get((host, port)) if host and port else None
+        if found is not None:
+            return found
+        if port is not None:
+            same = {e for (_, p), e in self._addresses.items() if p == port}
+        else:
+            same = {e for (h, _), e in self._addresses.items() if h == host}
+        return same.pop() if len(same) == 1 else None
+
+    def fate(self, engine_id: str, request_id: str) -> str | None:
+        """None while `request_id`'s KV is pinned on `engine_id`; else why not
+        (EngineCore.hold_fate, or "unknown_engine")."""
+        peer = self._peers.get(engine_id)
+        if peer is None:
+            return "unknown_engine"
+        return peer.core.hold_fate(request_id)
+
+    def watch(
+        self, engine_id: str, request_id: str, callback: Callable[[str], None]
+    ) -> Callable[[], None]:
+        """Call `callback(event)` on each event of the hold `request_id` on `engine_id`
+        (EngineCore.hold_events); returns the function that stops it."""
+        key = (engine_id, request_id)
+        self._watchers.setdefault(key, []).append(callback)
+
+        def stop() -> None:
+            got = self._watchers.get(key)
+            if got is not None and callback in got:
+                got.remove(callback)
+                if not got:
+                    del self._watchers[key]
+
+        return stop
+
+    def watched(self, engine_id: str, request_id: str) -> bool:
+        """Is anyone waiting on the hold `request_id` of `engine_id`?"""
+        return (engine_id, request_id) in self._watchers
+
+    def _tell(self, engine_id: str, request_id: str, event: str) -> None:
+        for callback in list(self._watchers.get((engine_id, request_id), ())):
+            callback(event)
 
     def claim(
         self,
         engine_id: str,
         request_id: str,
-        block_ids: Sequence[int],
+        block_ids: Sequence[int] | None,
         prompt_ids: Sequence[int],
         now: float,
     ) -> HeldKV:
@@ -156,3 +254,8 @@ def prefill_answer_params(
         "remote_port": port,
         "tp_size": 1,
     }
+
+
+def room_key(room: int) -> str:
+    """The id an SGLang prefill leg's KV is pinned under on its engine."""
+    return f"bootstrap-room-{room}"

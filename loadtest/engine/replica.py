@@ -26,6 +26,7 @@ from loadtest.engine.kv_transfer import (
     FetchRefused,
     KVTransferFabric,
     prefill_answer_params,
+    room_key,
 )
 from loadtest.engine.profiles import EngineProfile, get_profile
 from loadtest.engine.tokenizer import TokenGenerator, Tokenizer, load_tokenizer
@@ -92,11 +93,15 @@ class EngineReplica:
         *,
         clock: Callable[[], float] | None = None,
         wake: Callable[[], None] | None = None,
+        bootstrap: tuple[str, int] | None = None,
     ) -> None:
         """Join `fabric`: decode steps anywhere on it can fetch this engine's pinned KV,
-        and this engine's decode steps fetch from its engines."""
+        and this engine's decode steps fetch from its engines. `bootstrap`: the (host,
+        port) SGLang's decode steps name this engine by (pd_protocol sglang)."""
         self.fabric = fabric
-        fabric.register(self.kv_engine_id, self.core, clock=clock, wake=wake)
+        if self.spec.pd_protocol != "sglang":
+            bootstrap = None
+        fabric.register(self.kv_engine_id, self.core, clock=clock, wake=wake, bootstrap=bootstrap)
 
     def disconnect(self) -> None:
         if self.fabric is not None:
@@ -107,7 +112,11 @@ class EngineReplica:
         not serve, a KV fetch refused) or core.RequestRejected."""
         req = self.new_request(parsed, request_id)
         kv = parsed.kv_transfer
-        if kv is not None and kv.do_remote_decode:
+        if self.sglang_leg:
+            self._sglang_leg(req, parsed, now)
+        elif self.spec.pd_protocol == "sglang":
+            pass  # role both (SGLang's null mode): served whole, whatever the fields say
+        elif kv is not None and kv.do_remote_decode:
             if self.role == "decode":
                 raise self._role_refusal("prefill", "do_remote_decode")
             req.kv_hold = True
@@ -137,24 +146,114 @@ class EngineReplica:
         engine_id = kv.remote_engine_id or ""
         # NIXL connector version 1 had no remote_request_id: both steps share an id.
         rid = kv.remote_request_id or req.request_id
+        self._claim_from(req, engine_id, rid, kv.remote_block_ids, now, api.KV_PARAMS)
+
+    def _claim_from(
+        self,
+        req: SimRequest,
+        engine_id: str,
+        rid: str,
+        block_ids: tuple[int, ...] | None,
+        now: float,
+        param: str,
+        *,
+        room: int | None = None,
+    ) -> None:
         try:
             if self.fabric is None:
                 raise FetchRefused("unknown_engine", engine_id, rid)
-            held = self.fabric.claim(engine_id, rid, kv.remote_block_ids, req.prompt_ids, now)
+            held = self.fabric.claim(engine_id, rid, block_ids, req.prompt_ids, now)
         except FetchRefused as exc:
-            refused = self.core.stats.kv_fetch_refused
-            refused[exc.reason] = refused.get(exc.reason, 0) + 1
+            if room is not None:
+                exc = FetchRefused(exc.reason, exc.engine_id, exc.request_id, room)
             if self.spec.kv_load_failure_policy == "recompute":
+                self._count_refusal(exc.reason)
                 return  # served whole: the prompt is computed here
-            raise api.ApiError(
-                FETCH_FAILED_STATUS, str(exc), api.KV_PARAMS, err_type=FETCH_FAILED_TYPE
-            ) from None
+            raise self.fetch_refused(exc, param) from None
         fabric = self.fabric
 
         def release(t: float, fetched: bool) -> None:
             fabric.release(engine_id, held, t, fetched)
 
         req.remote = KVClaim(engine_id, rid, release)
+
+    def _count_refusal(self, reason: str) -> None:
+        refused = self.core.stats.kv_fetch_refused
+        refused[reason] = refused.get(reason, 0) + 1
+
+    def fetch_refused(self, exc: FetchRefused, param: str = api.KV_PARAMS) -> api.ApiError:
+        """A decode step whose KV cannot be fetched: counted, and its 410 KVTransferError."""
+        self._count_refusal(exc.reason)
+        return api.ApiError(FETCH_FAILED_STATUS, str(exc), param, err_type=FETCH_FAILED_TYPE)
+
+    # ---- SGLang's protocol (kv_transfer.py) ------------------------------------------
+    @property
+    def sglang_leg(self) -> bool:
+        """Does this engine serve SGLang legs (pd_protocol sglang, role prefill or decode)?"""
+        return self.spec.pd_protocol == "sglang" and self.role != "both"
+
+    def _sglang_leg(self, req: SimRequest, parsed: api.ParsedRequest, now: float) -> None:
+        bs = parsed.bootstrap
+        if parsed.kv_transfer is not None:
+            raise api.ApiError(
+                400,
+                f"{api.KV_PARAMS}: this engine speaks SGLang's protocol (pd_protocol sglang); "
+                "send bootstrap_host, bootstrap_port and bootstrap_room instead",
+                api.KV_PARAMS,
+            )
+        if bs is None:
+            # SGLang's words, from its tokenizer manager.
+            raise api.ApiError(
+                400,
+                "Disaggregated request received without bootstrap room id",
+                "bootstrap_room",
+            )
+        key = room_key(bs.room)
+        if self.role == "prefill":
+            # A prefill leg computes the prompt and one token, whatever max_tokens says,
+            # and its KV is sent whatever that token is.
+            req.request_id = key
+            req.kv_hold = True
+            req.max_tokens = 1
+            req.min_tokens = 0
+            req.ignore_eos = True
+            return
+        engine_id = self.room_engine(parsed)
+        self._claim_from(req, engine_id, key, None, now, "bootstrap_room", room=bs.room)
+
+    def room_engine(self, parsed: api.ParsedRequest) -> str:
+        """The engine id of a decode leg's prefill engine, by its bootstrap address (port
+        null: this engine's own bootstrap_port, as SGLang fills it in); a 410 when no
+        engine is there."""
+        bs = parsed.bootstrap
+        assert bs is not None
+        port = bs.port if bs.port is not None else self.spec.bootstrap_port
+        found = self.fabric.by_bootstrap(bs.host, port) if self.fabric is not None else None
+        if found is None:
+            where = f"{bs.host}:{port if port is not None else '(default)'}"
+            exc = FetchRefused("unknown_engine", where, room_key(bs.room), bs.room)
+            raise self.fetch_refused(exc, "bootstrap_host")
+        return found
+
+    def room_to_await(self, parsed: api.ParsedRequest) -> tuple[str, str] | None:
+        """A decode leg whose room's KV is not pinned yet: (engine id, hold id) to wait on
+        before `submit`. None: submit now (not a decode leg, or the KV is there, or gone:
+        `submit` says why). Raises api.ApiError for an unknown bootstrap address."""
+        if not self.sglang_leg or self.role != "decode" or parsed.bootstrap is None:
+            return None
+        if parsed.kv_transfer is not None:
+            return None  # submit refuses it
+        engine_id = self.room_engine(parsed)
+        key = room_key(parsed.bootstrap.room)
+        assert self.fabric is not None
+        return (engine_id, key) if self.fabric.fate(engine_id, key) == "unknown_request" else None
+
+    def room_timeout(self, parsed: api.ParsedRequest, engine_id: str) -> api.ApiError:
+        """A decode leg whose room's KV never came: counted, and its 410."""
+        assert parsed.bootstrap is not None
+        room = parsed.bootstrap.room
+        exc = FetchRefused("timeout", engine_id, room_key(room), room)
+        return self.fetch_refused(exc, "bootstrap_room")
 
     def transfer_params(self, req: SimRequest, host: str, port: int) -> dict[str, Any] | None:
         """A finished prefill step's `kv_transfer_params` (None: nothing was pinned)."""

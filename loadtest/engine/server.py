@@ -16,7 +16,10 @@ POST /tokenize, POST /detokenize. Simulator-only: POST /admin/fault (a fault or 
 see faults.py), DELETE /admin/fault (clear all), GET /admin/state.
 
 Prefill/decode disaggregation (kv_transfer.py): the engine joins a KV transfer fabric
-(the process-wide one unless given another) while it runs, under its engine id.
+(the process-wide one unless given another) while it runs, under its engine id (and, with
+SGLang's protocol, its bootstrap address). SGLang's legs: a decode leg waits here for its
+room's KV before it is submitted; a prefill leg's answer waits for its KV to be fetched.
+GET /get_server_info answers SGLang's disaggregation_mode and bootstrap port.
 """
 
 from __future__ import annotations
@@ -122,6 +125,11 @@ class SimEngine:
         return (self._loop.time() - self._t0) * self.time_scale
 
     @property
+    def bootstrap_port(self) -> int:
+        """SGLang's --disaggregation-bootstrap-port: the spec's, else the HTTP port."""
+        return self.spec.bootstrap_port or self.port
+
+    @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
@@ -138,6 +146,7 @@ class SimEngine:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/version", self._version)
+        app.router.add_get("/get_server_info", self._server_info)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_post("/admin/fault", self._admin_fault)
@@ -150,7 +159,12 @@ class SimEngine:
         await self._runner.setup()
         self._placeholder = _bind(self.host, self.port)
         self.port = self._placeholder.getsockname()[1]
-        self.replica.connect(self.fabric, clock=self.sim_now, wake=self._kick)
+        self.replica.connect(
+            self.fabric,
+            clock=self.sim_now,
+            wake=self._kick,
+            bootstrap=(self.host, self.bootstrap_port),
+        )
         spec = self.spec
         if spec.kv_events_endpoint:
             self.publisher = ZmqEventPublisher(
@@ -400,6 +414,9 @@ class SimEngine:
             return self._error(exc.status, exc.message, exc.param)
         rid = api.request_id(kind, request.headers.get("X-Request-Id"))
         try:
+            wait = self.replica.room_to_await(parsed)
+            if wait is not None:
+                await self._await_room(parsed, *wait)
             req = self.replica.submit(parsed, rid, self.sim_now())
         except api.ApiError as exc:
             return self._error(exc.status, exc.message, exc.param, exc.err_type)
@@ -408,6 +425,8 @@ class SimEngine:
         self._kick()
         self._active[req] = request
         try:
+            if req.kv_hold and parsed.bootstrap is not None and self.replica.sglang_leg:
+                return await self._prefill_leg(request, req, parsed, rid)
             if parsed.stream:
                 return await self._stream(request, req, parsed, rid)
             return await self._unary(request, req, parsed, rid)
@@ -462,6 +481,121 @@ class SimEngine:
             if header is not None:
                 resp.headers["endpoint-load-metrics"] = header
         return resp
+
+    # ---- SGLang's legs (kv_transfer.py) ----------------------------------------------
+    async def _await_room(self, parsed: api.ParsedRequest, engine_id: str, key: str) -> None:
+        """Wait until the room's KV is pinned on `engine_id`, or raise the 410 of a decode
+        leg whose KV never came (bootstrap_timeout_s)."""
+        assert self._loop is not None
+        fut: asyncio.Future[None] = self._loop.create_future()
+
+        def heard(event: str) -> None:
+            if event == "held" and not fut.done():
+                fut.set_result(None)
+
+        stop = self.fabric.watch(engine_id, key, heard)
+        try:
+            async with asyncio.timeout(self.spec.bootstrap_timeout_s / self.time_scale):
+                await fut
+        except TimeoutError:
+            raise self.replica.room_timeout(parsed, engine_id) from None
+        finally:
+            stop()
+
+    async def _prefill_leg(
+        self, request: web.Request, req: SimRequest, parsed: api.ParsedRequest, rid: str
+    ) -> web.StreamResponse:
+        """An SGLang prefill leg: prefilled, its KV pinned; answered once a decode leg
+        fetched it (500 when none did within kv_hold_s), streamed or not, as one body."""
+        assert self._loop is not None
+        waiter = _UnaryWaiter(self.faults, self._loop.create_future())
+        req.waiter = waiter
+        waiter.notify(req)
+        await waiter.done
+        if req.reset:
+            self._reset(request, req)
+        if waiter.crash:
+            self.faults.take_crash()
+            self._reset(request, req)
+        why = await self._hold_end(req)
+        if why is not None:
+            assert parsed.bootstrap is not None
+            return self._error(
+                500,
+                f"Prefill transfer failed for bootstrap_room {parsed.bootstrap.room}: {why}",
+                "bootstrap_room",
+            )
+        usage = self.usage(req)
+        if not parsed.stream:
+            build = api.chat_response if parsed.kind == "chat" else api.completion_response
+            doc = build(
+                rid,
+                self.created,
+                parsed.model,
+                req.output_text(),
+                req.finish_reason,
+                req.stop_reason,
+                usage,
+            )
+            return web.Response(text=api.dumps(doc), content_type="application/json")
+        fmt = api.StreamFormatter(parsed.kind, rid, self.created, parsed.model)
+        parts = [fmt.role()] if parsed.kind == "chat" else []
+        parts.append(fmt.token(req.output_text(), req.finish_reason, req.stop_reason))
+        if parsed.include_usage:
+            parts.append(fmt.usage(usage))
+        return web.Response(body="".join(parts).encode() + api.DONE, headers=SSE_HEADERS)
+
+    async def _hold_end(self, req: SimRequest) -> str | None:
+        """Wait for a prefill leg's pinned KV to be fetched: None; or why it was not
+        (expired, released, dropped, nothing pinned). A leg whose router went away drops
+        its KV unless a decode leg is fetching it."""
+        assert self._loop is not None
+        if req.held_block_ids is None:
+            return "nothing was pinned"
+        key = req.request_id
+        engine_id = self.replica.kv_engine_id
+        fate = self.fabric.fate(engine_id, key)
+        if fate is None:
+            fut: asyncio.Future[str] = self._loop.create_future()
+
+            def heard(event: str) -> None:
+                if event != "held" and not fut.done():
+                    fut.set_result(event)
+
+            stop = self.fabric.watch(engine_id, key, heard)
+            try:
+                fate = await fut
+            except asyncio.CancelledError:
+                held = self.core.held(key)
+                if held is not None and not held.claimed:
+                    self.core.release_hold(held, self.sim_now(), fetched=False)
+                raise
+            finally:
+                stop()
+        if fate in ("fetched", "already_fetched"):
+            return None
+        return {
+            "expired": f"no decode engine fetched the KV within kv_hold_s "
+            f"({self.spec.kv_hold_s:g} s)",
+            "released": "the decode leg ended before its KV transfer",
+            "dropped": "the engine restarted",
+        }.get(fate, fate)
+
+    async def _server_info(self, request: web.Request) -> web.StreamResponse:
+        """SGLang's /get_server_info, the parts a router reads: the disaggregation mode and
+        the prefill engine's bootstrap port."""
+        spec = self.spec
+        mode = "null" if self.replica.role == "both" else self.replica.role
+        return web.json_response(
+            {
+                "model_path": spec.model,
+                "served_model_name": spec.model,
+                "disaggregation_mode": mode if spec.pd_protocol == "sglang" else "null",
+                "disaggregation_bootstrap_port": self.bootstrap_port,
+                "disaggregation_transfer_backend": "simulated",
+                "version": VERSION,
+            }
+        )
 
     async def _stream(
         self, request: web.Request, req: SimRequest, parsed: api.ParsedRequest, rid: str

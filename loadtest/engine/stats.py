@@ -134,6 +134,7 @@ KV_FETCH_REFUSALS: Final = (
     "already_fetched",
     "released",
     "mismatch",
+    "timeout",
 )
 
 
