@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation, the sans-I/O part: whether a request is worth splitting
-(the decider), and the bodies of vLLM's disaggregated-serving protocol.
+(the decider), and the bodies of the two disaggregated-serving protocols meshd speaks:
+vLLM's (protocol `vllm-nixl`) and SGLang's (protocol `sglang`).
 
 The protocol is vLLM's with the NIXL connector, as vLLM's own proxy speaks it
 (vllm-project/vllm tests/v1/kv_connector/nixl_integration/toy_proxy_server.py):
@@ -14,6 +15,19 @@ The protocol is vLLM's with the NIXL connector, as vLLM's own proxy speaks it
    the one answer.
 Both legs carry the same `X-Request-Id`.
 
+SGLang's protocol, as its routers speak it (sgl-project/sglang
+python/sglang/srt/disaggregation/mini_lb.py, and sgl-model-gateway's PD router,
+src/routers/http/pd_router.rs `inject_bootstrap_into_value`, pd_types.rs
+`generate_room_id`): the client's request, with `bootstrap_host` (the prefill engine's
+hostname, from its URL), `bootstrap_port` (its `--disaggregation-bootstrap-port`, 8998 by
+default; null lets the engine use its own) and `bootstrap_room` (a random integer in
+[0, 2**63 - 1], new for every request) added, goes to a prefill engine and a decode
+engine at once; the prefill engine sends the KV to the decode engine that joins the same
+room, and the client's answer is the decode engine's. A batched request carries one of
+each per item, as lists (`bootstrap_batch`). SGLang's decode engines refuse a request
+without a room ("Disaggregated request received without bootstrap room id"), so under
+this protocol nothing is served whole on the decode pool.
+
 The decider (llm-d's prefix-based pd-decider, in tokens): a request is split when the part
 of its prompt the prefill pool does not hold in cache is at least `min_prefill_tokens`; a
 shorter prefill is cheaper done where the decode runs than shipped as KV. The KV transfer
@@ -23,21 +37,35 @@ it pays is the whole prompt's KV over the link: tokens x bytes per token / bandw
 from __future__ import annotations
 
 import copy
+import json
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "BOOTSTRAP_FIELDS",
     "KV_PARAMS",
+    "MAX_ROOM",
+    "SGLANG_BOOTSTRAP_PORT",
     "Split",
     "aggregated_body",
+    "bootstrap_batch",
+    "bootstrap_body",
     "decide_split",
     "decode_body",
+    "leg_answer",
+    "new_room",
     "prefill_body",
     "transfer_params",
 ]
 
 KV_PARAMS = "kv_transfer_params"
+# SGLang: the fields its router adds, its default --disaggregation-bootstrap-port
+# (server_args.py), and the largest room (random.randint(0, 2**63 - 1) in mini_lb.py).
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+SGLANG_BOOTSTRAP_PORT = 8998
+MAX_ROOM = (1 << 63) - 1
 _PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -66,14 +94,16 @@ def decide_split(
     kv_bytes_per_token: int,
     kv_link_gb_per_s: float,
     prefill_available: bool = True,
+    whole_allowed: bool = True,
 ) -> Split:
     """Split a request of `prompt_tokens` whose best prefill engine holds `cached_tokens` of
-    it? (The module's docstring has the rule.)"""
+    it? (The module's docstring has the rule.) `whole_allowed` False: the decode engines
+    cannot serve a request whole (SGLang's), so every request that can be split is."""
     uncached = max(0, prompt_tokens - int(cached_tokens or 0))
     transfer_s = prompt_tokens * kv_bytes_per_token / (kv_link_gb_per_s * 1e9)
     if not prefill_available:
         return Split(False, "no-prefill-engine", uncached, transfer_s)
-    if uncached < min_prefill_tokens:
+    if whole_allowed and uncached < min_prefill_tokens:
         return Split(False, "short-prefill", uncached, transfer_s)
     return Split(True, "split", uncached, transfer_s)
 
@@ -109,5 +139,105 @@ def decode_body(doc: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, 
 
 def aggregated_body(doc: Mapping[str, Any]) -> dict[str, Any]:
     """The request served whole (a decode step that lost its KV, a continuation after a
-    mid-stream failover): without any transfer params."""
-    return {k: v for k, v in doc.items() if k != KV_PARAMS}
+    mid-stream failover): without any transfer params or bootstrap fields."""
+    return {k: v for k, v in doc.items() if k != KV_PARAMS and k not in BOOTSTRAP_FIELDS}
+
+
+# ---- SGLang's protocol ---------------------------------------------------------------------
+
+
+def new_room(rng: random.Random) -> int:
+    """A fresh bootstrap room: uniform in [0, 2**63 - 1], as SGLang's routers draw it."""
+    return rng.getrandbits(63)
+
+
+def bootstrap_batch(doc: Mapping[str, Any]) -> int | None:
+    """How many rooms a request needs when it is a batch (None: one, as scalars). As
+    sgl-model-gateway counts: a chat request with `n` > 1 (one room per choice), a
+    completion whose `prompt` is a list of prompts (a list of token ids is one prompt), a
+    native /generate request whose `text` is a list or whose `input_ids` is a list of
+    lists."""
+    text = doc.get("text")
+    if text is not None:
+        return len(text) if isinstance(text, list) and text else None
+    ids = doc.get("input_ids")
+    if ids is not None:
+        if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+            return len(ids)
+        return None
+    prompt = doc.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(_is_int(x) for x in prompt):
+        return len(prompt)
+    n = doc.get("n")
+    if "messages" in doc and isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        return n
+    return None
+
+
+def bootstrap_body(
+    doc: Mapping[str, Any], host: str, port: int | None, rng: random.Random
+) -> dict[str, Any]:
+    """The body both legs get under SGLang's protocol: `doc` plus the bootstrap fields for
+    the prefill engine at `host`:`port` and fresh rooms drawn from `rng` (one per item of a
+    batch, as lists). Any bootstrap fields the client sent are replaced."""
+    body = dict(doc)
+    n = bootstrap_batch(doc)
+    if n is None:
+        body.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=new_room(rng))
+    else:
+        body.update(
+            bootstrap_host=[host] * n,
+            bootstrap_port=[port] * n,
+            bootstrap_room=[new_room(rng) for _ in range(n)],
+        )
+    return body
+
+
+def leg_answer(body: bytes, *, sse: bool) -> tuple[str | None, dict[str, Any] | None]:
+    """A prefill leg's answer (read whole, then discarded): why it failed (None: it did not)
+    and its `usage`, if it sent one. SGLang aborts a request whose KV transfer failed with
+    an error: an HTTP error status, or, once a stream began, an SSE event `{"error": ...}`;
+    a JSON answer is an error when it has an `error` object or `"object": "error"`."""
+    if not sse:
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return "the answer is not JSON", None
+        if not isinstance(doc, dict):
+            return "the answer is not a JSON object", None
+        if doc.get("error") is not None or doc.get("object") == "error":
+            return _error_text(doc), None
+        usage = doc.get("usage")
+        return None, usage if isinstance(usage, dict) else None
+    usage = None
+    for line in body.splitlines():
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if not data.startswith(b"{"):
+            continue
+        try:
+            event = json.loads(data)
+        except ValueError:
+            continue
+        if not isinstance(event, dict):
+            continue
+        if event.get("error") is not None or event.get("object") == "error":
+            return _error_text(event), None
+        if isinstance(event.get("usage"), dict):
+            usage = event["usage"]
+    return None, usage
+
+
+def _error_text(doc: Mapping[str, Any]) -> str:
+    err = doc.get("error")
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return err["message"][:200]
+    if isinstance(err, str):
+        return err[:200]
+    msg = doc.get("message")
+    return msg[:200] if isinstance(msg, str) else "the engine answered an error"
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -20,6 +20,11 @@ the same engines split P prefill + (engines - P) decode for each P in `--splits`
 `prefill` (role prefill) and pool `decode` (role decode, `disaggregation.prefill_pool:
 prefill`, `--min-prefill-tokens`, the link `--kv-link` GB/s as the engines' kv_link_gbps).
 Routers: `routing.policy: meshd` and `round-robin` (which then also picks both legs).
+`--protocol` says how the split fleet's legs speak: `vllm-nixl` (vLLM's NIXL protocol: the
+prefill step, then the decode step with its kv_transfer_params; the default) or `sglang`
+(SGLang's: the request with bootstrap_host/port/room to a prefill and a decode engine at
+once; every request is split, so `--min-prefill-tokens` does not apply); the engines speak
+the same one (EngineSpec.pd_protocol).
 
 The engines run at `--engine-time-scale` simulated seconds per wall second (0.5: half
 as fast as a real GPU), so that the two shared cores that run the engines, the
@@ -60,6 +65,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -90,6 +96,7 @@ from meshd.access_log import AccessRecord
 __all__ = ["PDBenchSettings", "build_workload", "main", "run_bench"]
 
 ROUTERS = {"meshd": "meshd", "rr": "round-robin"}
+PROTOCOLS = ("vllm-nixl", "sglang")
 ITL_TARGET = 0.6
 TTFT_TARGET = 0.7
 _ERROR_BYTES = 512
@@ -109,6 +116,7 @@ class PDBenchSettings:
     engine_time_scale: float = 0.5
     min_prefill_tokens: int | None = None  # None: the config's default
     kv_link_gb_per_s: float = 50.0
+    protocol: str = "vllm-nixl"  # the split fleet's: vllm-nixl | sglang
     concurrency: int = 1024
     timeout_s: float = 600.0
     seed: int = 0
@@ -122,6 +130,10 @@ class PDBenchSettings:
             raise ValueError(f"each split must leave both pools engines: 0 < P < {self.engines}")
         if not (self.rate > 0 and self.engine_time_scale > 0 and self.prompt_scale > 0):
             raise ValueError("rate, engine_time_scale and prompt_scale must be > 0")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol: one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        if self.protocol == "sglang" and self.min_prefill_tokens is not None:
+            raise ValueError("min_prefill_tokens: not with protocol sglang (every request splits)")
 
 
 # ---- the workload ----------------------------------------------------------------------
@@ -377,6 +389,7 @@ def engine_specs(s: PDBenchSettings, run: RunSpec, max_model_len: int) -> list[E
         seed=s.seed,
         max_model_len=max_model_len,
         kv_link_gbps=s.kv_link_gb_per_s,
+        pd_protocol=s.protocol,
     )
     gpu = s.gpu.lower()
     if not run.disaggregated:
@@ -396,9 +409,14 @@ def pools_config(
     dis: dict[str, object] = {"prefill_pool": "prefill", "kv_link_gb_per_s": s.kv_link_gb_per_s}
     if s.min_prefill_tokens is not None:
         dis["min_prefill_tokens"] = s.min_prefill_tokens
+    prefill = [endpoint_entry(e) for e in engines[: run.prefill]]
+    if s.protocol == "sglang":
+        dis["protocol"] = "sglang"
+        # The simulated engines' bootstrap port is their HTTP port (EngineSpec.bootstrap_port).
+        prefill = [{**ep, "bootstrap_port": urlsplit(e.url).port}
+                   for ep, e in zip(prefill, engines[: run.prefill], strict=True)]  # fmt: skip
     return [
-        {"name": "prefill", "role": "prefill",
-         "endpoints": [endpoint_entry(e) for e in engines[: run.prefill]]},
+        {"name": "prefill", "role": "prefill", "endpoints": prefill},
         {"name": "decode", "role": "decode", "disaggregation": dis,
          "endpoints": [endpoint_entry(e) for e in engines[run.prefill :]]},
     ]  # fmt: skip
@@ -717,7 +735,8 @@ def header_lines(s: PDBenchSettings, w: Workload) -> list[str]:
         "  every request: streamed /v1/completions, ignore_eos, include_usage, open loop",
         f"fleets: {s.engines} x simulated {s.gpu} (one seed), engine time scale "
         f"{s.engine_time_scale:g} (times below are simulated, ms); aggregated, and split "
-        f"{splits}; KV link {s.kv_link_gb_per_s:g} GB/s; min_prefill_tokens "
+        f"{splits}; KV link {s.kv_link_gb_per_s:g} GB/s; protocol {s.protocol}; "
+        f"min_prefill_tokens "
         f"{'default' if s.min_prefill_tokens is None else s.min_prefill_tokens}; "
         "a fresh fleet and sidecar per run",
     ]
@@ -844,6 +863,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[PDBenchSettings, argparse.Na
         help="the decode pool's disaggregation.min_prefill_tokens (default: meshd's)",
     )
     p.add_argument("--kv-link", type=float, default=d.kv_link_gb_per_s, help="GB/s (50)")
+    p.add_argument(
+        "--protocol",
+        default=d.protocol,
+        choices=PROTOCOLS,
+        help="the split fleet's disaggregated-serving protocol (default vllm-nixl)",
+    )
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="in flight at most")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="per request, simulated s")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -865,6 +890,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[PDBenchSettings, argparse.Na
             engine_time_scale=args.engine_time_scale,
             min_prefill_tokens=args.min_prefill_tokens,
             kv_link_gb_per_s=args.kv_link,
+            protocol=args.protocol,
             concurrency=args.concurrency,
             timeout_s=args.timeout,
             seed=args.seed,

@@ -22,7 +22,7 @@ from filters.retry_budget import parse_retry_after
 from meshd.accounting import Accounting
 from meshd.admission_gate import AdmissionGate
 from meshd.context import Attempt, Plane, RequestContext
-from meshd.disagg import Disaggregator, kv_fetch_failed, whole_body
+from meshd.disagg import Disaggregator, PrefillLeg, PrefillLegFailed, kv_fetch_failed, whole_body
 from meshd.fallback import move_before_trying
 from meshd.http_message import HttpRequest, Reply
 from meshd.upstream import UpstreamClosedError, UpstreamConnectError, UpstreamError
@@ -79,8 +79,9 @@ class Attempts:
             return self.acct.refuse(ctx, 503, move[1], move[0], retry_after_s=1)
         plane.retry_budgets[ctx.pool].deposit(now)
         if self.pd is not None and self.pd.applies(ctx):
-            await self.pd.prefill(ctx)
-            if ctx.pd_params is not None:
+            if (refused := await self.pd.prefill(ctx)) is not None:
+                return refused
+            if ctx.pd_params is not None or ctx.pd_pair is not None:
                 # The decode engine gets the prompt's KV by transfer: where the prefix is
                 # cached does not matter, its load, KV room and speed do.
                 bare = dataclasses.replace(ctx.pick, block_hashes=(), context_key=None)
@@ -149,18 +150,44 @@ class Attempts:
         up_cfg = plane.config.upstream
         url = route.url
         loop = asyncio.get_running_loop()
-        attempt = self.start(ctx, route, tries.reason)
+        leg: PrefillLeg | None = None
+        if ctx.pd_pair is not None and self.pd is not None and ctx.inference is not None:
+            # SGLang's protocol: this try is a pair, its prefill leg the first attempt.
+            opened = self.pd.open_leg(ctx, ctx.inference.doc or {})
+            if isinstance(opened, str):
+                tries.failures.append(opened)
+                return _STOP
+            leg = opened
+        attempt = self.start(ctx, route, tries.reason, overlap=leg is not None)
         try:
             left = min(ctx.deadline, ctx.head_by) - loop.time()
             try:
                 async with asyncio.timeout(min(up_cfg.first_byte_timeout_s, left)):
-                    upstream = await plane.upstream.request(
-                        url,
-                        ctx.method,
-                        ctx.target,
-                        attempt.trace.inject_headers(ctx.upstream_headers),
-                        ctx.body,
-                    )
+                    if leg is not None and self.pd is not None:
+                        upstream = await self.pd.send_pair(ctx, leg, attempt, url)
+                    else:
+                        upstream = await plane.upstream.request(
+                            url,
+                            ctx.method,
+                            ctx.target,
+                            attempt.trace.inject_headers(ctx.upstream_headers),
+                            ctx.body,
+                        )
+            except PrefillLegFailed as exc:
+                # The pair's prefill leg failed first: the decode engine is not to blame.
+                # Both legs again, another prefill engine, within the retry budget.
+                attempt.cancelled = True
+                self.settle(attempt, "prefill_failed", str(exc))
+                ctx.tried.discard(url)
+                tries.failures.append(f"prefill leg: {exc}")
+                tries.reason = "prefill_failed"
+                delay = self.retry_delay(
+                    ctx, tries.made, len(tries.routes) + 1, None, "prefill_failed"
+                )
+                if delay is None:
+                    return _STOP
+                await asyncio.sleep(delay)
+                return _NEXT
             except (UpstreamConnectError, UpstreamClosedError) as exc:
                 # No connection, or the engine closed it before answering (the pool has
                 # already retried a stale keep-alive one): try the next endpoint.
@@ -203,14 +230,17 @@ class Attempts:
                 self.settle(attempt, "upstream_error", str(exc))
                 return self.acct.refuse(ctx, 502, f"upstream failed: {exc}", "upstream_error")
             status = attempt.status = upstream.status
-            if ctx.pd_params is not None and status != 200 and await self._kv_lost(ctx, upstream):
-                # The decode step could not fetch its KV: the retry is the whole request.
+            split = ctx.pd_params is not None or ctx.pd_pair is not None
+            if split and status != 200 and await self._kv_lost(ctx, upstream):
+                # The decode step could not fetch its KV: the retry is the whole request
+                # (SGLang's: a new pair, with a fresh room and a new prefill leg).
                 attempt.local_failure = True
                 self.settle(attempt, f"http_{status}", "the decode step could not fetch its KV")
                 tries.failures.append(f"{url}: HTTP {status} (KV not fetched)")
                 tries.reason = "kv_fetch_failed"
-                ctx.body, ctx.pd_params = whole_body(ctx), None
-                ctx.tried.discard(url)  # it can serve the whole request
+                if ctx.pd_pair is None:
+                    ctx.body, ctx.pd_params = whole_body(ctx), None
+                ctx.tried.discard(url)  # it can serve the request again
                 delay = self.retry_delay(ctx, tries.made, len(tries.routes) + 1, None, "kv_fetch")
                 if delay is None:
                     return _STOP
@@ -254,16 +284,24 @@ class Attempts:
         return kv_fetch_failed(upstream.status, data)
 
     def start(
-        self, ctx: RequestContext, route: Route, reason: str, *, pool: str | None = None
+        self,
+        ctx: RequestContext,
+        route: Route,
+        reason: str,
+        *,
+        pool: str | None = None,
+        overlap: bool = False,
     ) -> Attempt:
         """An attempt begins: the router and the guard count it in flight. `pool`: the
-        pool the route is of, when not the request's (a prefill step)."""
+        pool the route is of, when not the request's (a prefill step). `overlap`: it runs
+        beside the attempt before it (a pair's decode leg beside its prefill leg)."""
         plane = self.plane
         assert ctx.pick is not None
         pool = pool or ctx.pool
         router = plane.routers[pool]
         guard = plane.guards[pool] if ctx.inference is not None else None
-        trace = ctx.trace.attempt(route.url, None, asyncio.get_running_loop().time(), reason=reason)
+        now = asyncio.get_running_loop().time()
+        trace = ctx.trace.attempt(route.url, None, now, reason=reason, overlap=overlap)
         attempt = Attempt(router, route, next(plane.ids), pool, ctx.pick, guard, trace)
         if reason != "resume":  # a continuation's prompt is not the text the pick estimated
             attempt.inference = ctx.inference

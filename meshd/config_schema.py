@@ -87,6 +87,11 @@ class Endpoint(_Strict):
     # The engine's KV events (vLLM --kv-events-config): its ZMQ PUB endpoint, and the
     # replay ROUTER for gaps. Read only when routing.tokenizers has the pool's model.
     kv_events: KVEvents | None = None
+    # Prefill/decode disaggregation, SGLang's protocol (meshd/disagg.py): a prefill
+    # engine's --disaggregation-bootstrap-port (its /get_server_info says it), which the
+    # decode engine joins to fetch the KV. Unset: the decode pool's
+    # disaggregation.bootstrap_port. Only on the endpoints of an sglang prefill pool.
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
 
     @field_validator("url")
     @classmethod
@@ -129,9 +134,19 @@ class PoolAutoscaling(_Strict):
 
 class Disaggregation(_Strict):
     """A decode pool's prefill side (meshd/disagg.py): where a request's prefill step runs,
-    and when a request is worth splitting at all."""
+    how the two legs speak (`protocol`), and when a request is worth splitting at all."""
 
     prefill_pool: str = Field(min_length=1)  # a pool of role prefill (or both)
+    # vllm-nixl: the prefill step, then the decode step with the prefill's
+    # kv_transfer_params (vLLM's NIXL connector). sglang: SGLang's bootstrap protocol, the
+    # request with bootstrap_host/port/room sent to a prefill and a decode engine at once;
+    # SGLang's decode engines serve nothing whole, so every request is split (and
+    # min_prefill_tokens does not apply).
+    protocol: Literal["vllm-nixl", "sglang"] = "vllm-nixl"
+    # sglang: the bootstrap port of a prefill endpoint that does not set its own
+    # (endpoints[].bootstrap_port). Unset: 8998, SGLang's --disaggregation-bootstrap-port
+    # default.
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
     # Uncached prompt tokens (the prefill pool's predicted prefix hit taken off) under which
     # a request is served whole on the decode pool: a short prefill is not worth a transfer.
     min_prefill_tokens: int = Field(default=256, ge=0)
@@ -140,6 +155,18 @@ class Disaggregation(_Strict):
     kv_link_gb_per_s: float = Field(default=50.0, gt=0)
     # KV bytes one token occupies (Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 x 2 x 2).
     kv_bytes_per_token: int = Field(default=131_072, ge=1)
+
+    @model_validator(mode="after")
+    def _protocol(self) -> Disaggregation:
+        default = type(self).model_fields["min_prefill_tokens"].default
+        if self.protocol == "sglang" and self.min_prefill_tokens != default:
+            raise ValueError(
+                "min_prefill_tokens: not with protocol sglang (SGLang's decode engines refuse "
+                "a request without a bootstrap room, so every request is split)"
+            )
+        if self.protocol != "sglang" and self.bootstrap_port is not None:
+            raise ValueError("bootstrap_port: only with protocol sglang")
+        return self
 
 
 class Pool(_Strict):
@@ -654,6 +681,18 @@ class Config(_Strict):
                 )
             if other.role == "decode":
                 raise ValueError(f"{where}: {pd.prefill_pool!r} is a decode pool")
+        sglang_prefill = {
+            p.disaggregation.prefill_pool
+            for p in self.pools
+            if p.disaggregation is not None and p.disaggregation.protocol == "sglang"
+        }
+        for i, pool in enumerate(self.pools):
+            for j, ep in enumerate(pool.endpoints):
+                if ep.bootstrap_port is not None and pool.name not in sglang_prefill:
+                    raise ValueError(
+                        f"pools[{i}].endpoints[{j}].bootstrap_port: pool {pool.name!r} is "
+                        "not the prefill_pool of a decode pool with protocol sglang"
+                    )
         for i, svc in enumerate(self.transparent.services):
             if svc.pool not in names:
                 raise ValueError(

@@ -23,6 +23,7 @@ from meshd.upstream import UpstreamResponse
 
 if TYPE_CHECKING:
     from filters.guard import PoolGuard
+    from meshd.disagg import PairPlan
     from meshd.response_cache import CachePlan, ResponseCache
     from meshd.upstream import UpstreamPool
 
@@ -116,9 +117,11 @@ class RequestContext:
     fallback: tuple[str, str, str] | None = None  # (from pool, to pool, why) once moved
     shed: bool = False  # admission or the throttle refused it (counted as unmet demand)
     # Prefill/decode (meshd/disagg.py): the decider's answer, and the prefill's transfer
-    # params while the body is the decode step's.
+    # params while the body is the decode step's (vLLM's protocol), or the plan of a
+    # request whose tries are prefill/decode pairs (SGLang's).
     pd: Split | None = None
     pd_params: dict[str, Any] | None = None
+    pd_pair: PairPlan | None = None
 
     @property
     def trace(self) -> RequestTrace:

@@ -128,7 +128,7 @@ class Fallbacks:
                 ctx.inference = dataclasses.replace(inference, model=target.model, doc=doc)
             elif ctx.pd_params is not None:  # a decode step's body: the request as it came
                 ctx.body = _encoder.encode(inference.doc)
-        ctx.pd = ctx.pd_params = None
+        ctx.pd = ctx.pd_params = ctx.pd_pair = None
         ctx.pool = target.pool
         ctx.tried = set()
         ctx.cache = None  # the answer is another pool's (model's): not this key's to store

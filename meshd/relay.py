@@ -32,6 +32,7 @@ from meshd.accounting import Accounting
 from meshd.attempts import Attempts
 from meshd.config import Config
 from meshd.context import Attempt, Plane, RequestContext, Watch
+from meshd.disagg import PrefillLegFailed
 from meshd.errors import sse_error_event
 from meshd.http_message import HttpRequest, Reply, ResponseStream
 from meshd.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
@@ -224,34 +225,49 @@ class Relay:
         data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         routes = [r for r in plane.routers[ctx.pool].order(ctx.pick, now) if r.url not in ctx.tried]
         for route in self.attempts.screen(ctx, routes, continuation=True).routes[:2]:
-            up = await self._continue_on(ctx, route, data)
+            up = await self._continue_on(ctx, route, data, body)
             if up is not None:
                 return up[0], up[1], splicer
         return "no other endpoint accepted the continuation"
 
     async def _continue_on(
-        self, ctx: RequestContext, route: Any, data: bytes
+        self, ctx: RequestContext, route: Any, data: bytes, doc: dict[str, Any]
     ) -> tuple[Attempt, UpstreamResponse] | None:
-        """The continuation sent to one endpoint: its attempt and stream, or None."""
+        """The continuation (`data`, parsed: `doc`) sent to one endpoint: its attempt and
+        stream, or None. A split request's under SGLang's protocol goes as a pair."""
         plane = self.plane
         assert plane.upstream is not None
         loop = asyncio.get_running_loop()
-        attempt = self.attempts.start(ctx, route, "resume")
+        pd = self.attempts.pd
+        leg = None
+        if ctx.pd_pair is not None and pd is not None:
+            opened = pd.open_leg(ctx, doc)
+            if isinstance(opened, str):
+                return None
+            leg = opened
+        attempt = self.attempts.start(ctx, route, "resume", overlap=leg is not None)
         try:
             async with asyncio.timeout(
                 min(plane.config.upstream.first_byte_timeout_s, ctx.deadline - loop.time())
             ):
-                up = await plane.upstream.request(
-                    route.url,
-                    "POST",
-                    ctx.target,
-                    attempt.trace.inject_headers(ctx.upstream_headers),
-                    data,
-                )
+                if leg is not None and pd is not None:
+                    up = await pd.send_pair(ctx, leg, attempt, route.url)
+                else:
+                    up = await plane.upstream.request(
+                        route.url,
+                        "POST",
+                        ctx.target,
+                        attempt.trace.inject_headers(ctx.upstream_headers),
+                        data,
+                    )
         except asyncio.CancelledError:
             attempt.cancelled = True
             self.attempts.settle(attempt, "client_disconnect")
             raise
+        except PrefillLegFailed as exc:
+            attempt.cancelled = True
+            self.attempts.settle(attempt, "prefill_failed", str(exc))
+            return None
         except (UpstreamError, TimeoutError) as exc:
             attempt.local_failure = True
             outcome = "connect_error" if isinstance(exc, UpstreamConnectError) else "upstream_error"

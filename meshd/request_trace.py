@@ -231,11 +231,13 @@ class RequestTrace:
         *,
         reason: str = "",
         predicted_cached_tokens: int | None = None,
+        overlap: bool = False,
     ) -> AttemptTrace:
         """An upstream try starts. reason: why this try happened ("" for the first; the
         failure that caused a retry; "resume" after a mid-stream failover). gpu None: the
-        GPU configured for `url`. An earlier attempt not yet ended is ended as "abandoned"."""
-        if self._attempts and not self._attempts[-1].ended:
+        GPU configured for `url`. An earlier attempt not yet ended is ended as "abandoned",
+        unless `overlap` (the decode leg of a prefill/decode pair beside its prefill leg)."""
+        if not overlap and self._attempts and not self._attempts[-1].ended:
             self._attempts[-1].end("abandoned", 0, None, None, None, now)
         if gpu is None:
             gpu = self.observer.gpus.get(url)

@@ -268,6 +268,8 @@ async def test_no_model_is_routed_to_a_prefill_pool(
     [
         (410, b'{"error":{"type":"KVTransferError"}}', True),  # the simulator
         (500, b'{"error":{"message":"internal"}}', True),  # a real vLLM's failed load
+        (503, b'{"error":{"message":"overloaded"}}', False),  # shed: another engine may
+        (429, b"{}", False),
         (400, b'{"error":{"type":"KVTransferError","code":400}}', True),
         (400, b'{"error":{"message":"bad kv_transfer_params","type":"BadRequestError"}}', False),
         (404, b"not found", False),
