@@ -94,6 +94,7 @@ class PoolRouter(Protocol):
     ) -> None: ...
     def connect_failed(self, route: Route, rid: Hashable, now: float, reason: str) -> None: ...
     def refused(self, route: Route, now: float, retry_after_s: float | None) -> None: ...
+    def held_s(self, url: str, now: float) -> float: ...
     def kv_capacities(self, now: float) -> dict[str, int]: ...
     def pool_wait(self, now: float, stop_below: float = ...) -> float | None: ...
     def follow_up(self, req: PickRequest, now: float) -> bool: ...
@@ -306,6 +307,9 @@ class BalancerRouter:
         a 503 storm reaches their breaker and outlier detection only."""
         return None
 
+    def held_s(self, url: str, now: float) -> float:
+        return 0.0
+
     def pool_wait(self, now: float, stop_below: float = 0.0) -> float | None:
         """No prediction of queueing here: the admission knee gate stays open."""
         return None
@@ -445,6 +449,11 @@ class PickerRouter:
         """An overload refusal (429, or 503 before any byte): the picker counts the hold
         (EndpointState.refused) as queue there, so a refusing engine stops looking idle."""
         self._by_url[route.url].refused(now, retry_after_s)
+
+    def held_s(self, url: str, now: float) -> float:
+        """Seconds left of `url`'s refusal hold (0: none)."""
+        s = self._by_url.get(url)
+        return 0.0 if s is None else max(0.0, s.refused_until - now)
 
     def set_flags(
         self,

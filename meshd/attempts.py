@@ -253,7 +253,12 @@ class Attempts:
                 after = attempt.retry_after_s = parse_retry_after(
                     upstream.header("retry-after") or ""
                 )
-                delay = self.retry_delay(ctx, tries.made, len(tries.routes), after, str(status))
+                if status in OVERLOAD_STATUSES and self._all_held(ctx, tries):
+                    # Every other endpoint refused as overloaded moments ago (each held,
+                    # EndpointState.refused): a retry would only add an attempt to the storm.
+                    delay = None
+                else:
+                    delay = self.retry_delay(ctx, tries.made, len(tries.routes), after, str(status))
                 if delay is not None or ctx.hold_refusal:
                     attempt.ok = False
                     upstream.close()
@@ -272,6 +277,13 @@ class Attempts:
         finally:
             if not attempt.settled:
                 self.settle(attempt, attempt.outcome or "ok")
+
+    def _all_held(self, ctx: RequestContext, tries: _Tries) -> bool:
+        """Whether every endpoint left to try is held by a recent overload refusal."""
+        router = self.plane.routers[ctx.pool]
+        now = time.monotonic()
+        left = [r.url for r in tries.routes if r.url not in ctx.tried]
+        return bool(left) and all(router.held_s(url, now) > 0.0 for url in left)
 
     async def _kv_lost(self, ctx: RequestContext, upstream: Any) -> bool:
         """Read a refused decode step's (small) body: does it say the KV was not fetched?

@@ -98,6 +98,9 @@ class RecordingRouter:
         self.calls.append(("refused", route.url))
         self.inner.refused(route, now, retry_after_s)
 
+    def held_s(self, url: str, now: float) -> float:
+        return self.inner.held_s(url, now)
+
     def snapshot(self, now: float) -> list[dict[str, object]]:
         return self.inner.snapshot(now)
 

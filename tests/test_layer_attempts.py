@@ -153,6 +153,22 @@ async def test_a_refusing_endpoint_is_held_so_the_next_pick_goes_elsewhere() -> 
     assert state.refused_until == pytest.approx(time.monotonic() + 7.0, abs=0.5)
 
 
+async def test_no_retry_when_every_other_endpoint_is_held_by_a_refusal() -> None:
+    # An all-engine 503 storm: with the others refusing moments ago, a retry would only
+    # add an attempt (issue #21's all-503 scenario went 1.33x during the fault).
+    busy = FakeUpstream(503, [b'{"error":"busy"}'])
+    pool = FakePool(busy, FakeUpstream(200))
+    layers, router, guard, relay = setup(pool)
+    now = time.monotonic()
+    for url in URLS:
+        router.inner._by_url[url].refused(now)
+    ctx = request_context(layers, DOC)
+    reply = await layers.attempts.run(FakeRequest(), ctx)
+    assert reply is not None and reply.status == 503
+    assert len(pool.sent) == 1 and [up for _, up in relay.asked] == [busy]  # relayed
+    assert_settled_once(router, guard)
+
+
 async def test_a_retry_after_beyond_the_limit_is_not_waited_for_but_relayed() -> None:
     busy = FakeUpstream(503, headers=[("Retry-After", "3600")])
     pool = FakePool(busy)
