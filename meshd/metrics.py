@@ -202,7 +202,7 @@ class DataPlaneMetrics:
             "meshd_pd_requests",
             "Requests to a decode pool (prefill/decode disaggregation), by path (split: a "
             "prefill step on the prefill pool, then the decode; whole: served on the decode "
-            "pool) and why",
+            "pool; refused: SGLang's protocol with no prefill engine) and why",
             ["pool", "path", "reason"],
             registry=r,
         )
