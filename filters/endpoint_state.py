@@ -30,12 +30,14 @@ RESIDENCE_ALPHA = 0.1
 # EWMA and clamps as the TTFT's. An engine that decodes slower than its table (an A100
 # nobody named, thermals, a noisy neighbour) is seen within a few streams.
 DECODE_MIN_TOKENS = 8
-# Evidence ages: once a calibration has had no sample for CALIBRATION_STALE_S (the engine
-# gets no traffic: the picker learnt it was slow and stopped sending), its log halves
-# every CALIBRATION_HALF_LIFE_S, back toward the table (1.0), in steps of
-# CALIBRATION_AGE_STEP_S, so that an engine that recovered wins picks again once it is
-# competitive on the rest; and the next sample weighs up to CALIBRATION_STALE_ALPHA as
-# the old evidence fades, so a still-slow engine is re-learnt from a sample or two.
+# Evidence ages while the engine is shunned: once a calibration has had neither a sample
+# nor a request sent there for CALIBRATION_STALE_S (the picker learnt it was slow and
+# stopped sending), its log halves every CALIBRATION_HALF_LIFE_S, back toward the table
+# (1.0), in steps of CALIBRATION_AGE_STEP_S, so that an engine that recovered wins picks
+# again once it is competitive on the rest; and the next sample weighs up to
+# CALIBRATION_STALE_ALPHA as the old evidence faded, so a still-slow engine is re-learnt
+# from a sample or two. An engine in use keeps what it taught, sample or not (requests
+# mostly cached give none).
 # (Without it, issue #21's engine-slow run: the engine 10x slow for 6 s was sent nothing
 # in the 30 s after it recovered.)
 CALIBRATION_STALE_S = 5.0
@@ -206,10 +208,11 @@ class EndpointState:
     output_tokens_in_flight: int = 0  # max output tokens of all outstanding
     ttft_ratio: float = 1.0  # EWMA of observed / predicted TTFT compute time
     decode_ratio: float = 1.0  # EWMA of observed inter-token latency / predicted step
-    # Each ratio as its last sample left it, and when (None: never sampled); the ratios
-    # above age from these (age_calibration).
-    ttft_sampled: tuple[float, float] | None = None
-    decode_sampled: tuple[float, float] | None = None
+    # Each ratio's evidence: (the ratio, when last sampled or used, how much of it had
+    # faded when traffic came back); None: never sampled. The ratios above age from
+    # these (age_calibration).
+    ttft_sampled: tuple[float, float, float] | None = None
+    decode_sampled: tuple[float, float, float] | None = None
     calibration_aged_at: float = float("-inf")
     residence_s: float | None = None  # EWMA of request duration
     prompt_tokens_avg: float = DEFAULT_PROMPT_TOKENS
@@ -319,6 +322,12 @@ class EndpointState:
             prompt_tokens, uncached, max_tokens, now, nominal_s, fixed_s, step_s
         )
         self.outstanding += 1
+        if self.ttft_sampled is not None:
+            self.ttft_sampled = _fold(self.ttft_sampled, now)
+            self.ttft_ratio = self.ttft_sampled[0]
+        if self.decode_sampled is not None:
+            self.decode_sampled = _fold(self.decode_sampled, now)
+            self.decode_ratio = self.decode_sampled[0]
         if not self.waiting:
             self.prefill_since = now
         self.waiting += 1
@@ -343,7 +352,7 @@ class EndpointState:
             lo, hi = CALIBRATION_SAMPLE_RANGE
             sample = min(hi, max(lo, (ttft - f.fixed_s) / f.nominal_s))
             self.ttft_ratio = _learn(self.ttft_sampled, self.ttft_ratio, sample, now)
-            self.ttft_sampled = (self.ttft_ratio, now)
+            self.ttft_sampled = (self.ttft_ratio, now, 0.0)
         self.consecutive_failures = 0
         self._changed()
         return ttft
@@ -374,7 +383,7 @@ class EndpointState:
             itl = (now - t1) / (output_tokens - 1)
             sample = min(hi, max(lo, itl / f.step_s))
             self.decode_ratio = _learn(self.decode_sampled, self.decode_ratio, sample, now)
-            self.decode_sampled = (self.decode_ratio, now)
+            self.decode_sampled = (self.decode_ratio, now, 0.0)
         if f.first_token_at is None:
             self.waiting -= 1
             self.pending_prefill_tokens -= f.uncached_tokens
@@ -574,7 +583,7 @@ class EndpointState:
         return float(self.outstanding)
 
 
-def _keep(sampled: tuple[float, float] | None, now: float) -> float:
+def _keep(sampled: tuple[float, float, float] | None, now: float) -> float:
     """How much of a calibration's evidence still holds at `now` (1: fresh or none)."""
     if sampled is None:
         return 1.0
@@ -584,9 +593,9 @@ def _keep(sampled: tuple[float, float] | None, now: float) -> float:
     return 0.5 ** (idle / CALIBRATION_HALF_LIFE_S)
 
 
-def _aged(sampled: tuple[float, float] | None, current: float, now: float) -> float:
-    """The ratio its last sample left, aged to `now`: its log shrinks by the evidence
-    lost (1.0 within 0.5% of it, so that a view settles). Never sampled: `current`."""
+def _aged(sampled: tuple[float, float, float] | None, current: float, now: float) -> float:
+    """The ratio its evidence left, aged to `now`: its log shrinks by the evidence lost
+    (1.0 within 0.5% of it, so that a view settles). Never sampled: `current`."""
     if sampled is None:
         return current
     keep = _keep(sampled, now)
@@ -596,12 +605,23 @@ def _aged(sampled: tuple[float, float] | None, current: float, now: float) -> fl
     return 1.0 if abs(ratio - 1.0) < 0.005 else ratio
 
 
-def _learn(sampled: tuple[float, float] | None, current: float, sample: float, now: float) -> float:
+def _fold(sampled: tuple[float, float, float], now: float) -> tuple[float, float, float]:
+    """A request is sent there at `now`: what had faded stays faded (the ratio as aged,
+    the share lost carried to the next sample's weight), and the evidence is current."""
+    keep = _keep(sampled, now)
+    if keep == 1.0:
+        return (sampled[0], now, sampled[2])
+    return (_aged(sampled, sampled[0], now), now, 1.0 - (1.0 - sampled[2]) * keep)
+
+
+def _learn(
+    sampled: tuple[float, float, float] | None, current: float, sample: float, now: float
+) -> float:
     """The calibration after `sample` (already clamped to CALIBRATION_SAMPLE_RANGE): an
     EWMA from the aged ratio, with a weight that grows from CALIBRATION_ALPHA toward
-    CALIBRATION_STALE_ALPHA as the old evidence fades."""
-    keep = _keep(sampled, now)
+    CALIBRATION_STALE_ALPHA with the share of the evidence that had faded."""
     ratio = _aged(sampled, current, now)
-    alpha = CALIBRATION_ALPHA + (CALIBRATION_STALE_ALPHA - CALIBRATION_ALPHA) * (1.0 - keep)
+    faded = 0.0 if sampled is None else 1.0 - (1.0 - sampled[2]) * _keep(sampled, now)
+    alpha = CALIBRATION_ALPHA + (CALIBRATION_STALE_ALPHA - CALIBRATION_ALPHA) * faded
     ratio += alpha * (sample - ratio)
     return min(CALIBRATION_RANGE[1], max(CALIBRATION_RANGE[0], ratio))

@@ -170,8 +170,9 @@ Decision
    hashing (Thaler & Ravishankar 1998; each endpoint draws -ln(u)/w_e from the hash of
    the group key and its name, the lowest wins, so each wins keys in proportion to w_e)
    over the endpoints within the bound whose J exceeds the best's by at most cold_tolerance
-   x the best's J less its decode cost (the part a cached prefix changes), plus
-   decode_tolerance x that decode cost (learnt decode speeds that close are equals: the
+   x the best's J less its decode cost (the part a cached prefix changes), what a
+   candidate's decode calibration adds to its decode cost over the best's forgiven when
+   within decode_tolerance of it (learnt decode speeds that close are equals: the
    calibration's noise) ("cold-hash":
    distinct cold groups spread over comparable engines, and many clients agree on one
    engine without talking). A prefix cached somewhere takes part too: when what it saves
@@ -1785,20 +1786,33 @@ class Picker:
         bound whose J exceeds the best's by at most `tolerance` x the best's prefill-and-wait
         part (J less its decode: what a cached prefix can change)."""
         bv = best[2]
-        decode = self._kappa * bv.decode_usd(max_tokens)
-        decode += lam_d * _decode_s(bv, max_tokens, prompt + 0.5 * max_tokens)
+        kappa = self._kappa
+        ctx = prompt + 0.5 * max_tokens
+        decode = kappa * bv.decode_usd(max_tokens) + lam_d * _decode_s(bv, max_tokens, ctx)
+        window = best[0] + abs(best[0] - decode) * tolerance
         # Learnt decode speeds within decode_tolerance of each other are equals: the
         # calibration's noise (an EWMA of inter-token gaps in batches that change under
         # it) is of that order, and at short prompts the decode term is most of J, so a
         # 5% difference would otherwise send every cold prompt to one engine (issue #21's
-        # engine-slow run: a recovered engine at 1.05x was sent nothing).
-        window = best[0] + abs(best[0] - decode) * tolerance + decode * self._decode_tol
+        # engine-slow run: a recovered engine at 1.05x was sent nothing). Only the part of
+        # a candidate's decode cost that its calibration adds over the best's is forgiven
+        # (decode cost scales with it), never its load, queue or prefill.
+        bcal = bv.dcal
+        top_cal = bcal * (1.0 + self._decode_tol)
+        reach = window * (1.0 + self._decode_tol)  # forgiven <= J x tol / (1 + tol)
         top = best
         top_score = (_INF, _INF)
         draws = self._draws
         for t in meet:
             if t[0] > window:
-                break
+                tv = t[2]
+                if t[0] > reach:
+                    break
+                if not bcal < tv.dcal <= top_cal:
+                    continue
+                d = kappa * tv.decode_usd(max_tokens) + lam_d * _decode_s(tv, max_tokens, ctx)
+                if t[0] - d * (1.0 - bcal / tv.dcal) > window:
+                    continue
             if not within(t):
                 continue
             v = t[2]

@@ -230,14 +230,14 @@ def test_stale_evidence_ages_back_toward_the_table():
 
     e = EndpointState("e", gpu="H100")
     slow_samples(e, 40, 4.0)
-    learnt, at = e.ttft_sampled
+    learnt, at, _ = e.ttft_sampled
     assert learnt == e.ttft_ratio > 3.5 and e.decode_ratio > 3.5
     e.age_calibration(at + CALIBRATION_STALE_S - 0.5)  # still fresh: unchanged
     assert e.ttft_ratio == learnt
     # One half-life past staleness: the log halved.
     e.age_calibration(at + CALIBRATION_STALE_S + CALIBRATION_HALF_LIFE_S)
     assert e.ttft_ratio == pytest.approx(learnt**0.5, rel=1e-9)
-    d_learnt, d_at = e.decode_sampled
+    d_learnt, d_at, _ = e.decode_sampled
     keep = 0.5 ** ((at - d_at) / CALIBRATION_HALF_LIFE_S + 1.0)
     assert e.decode_ratio == pytest.approx(d_learnt**keep, rel=1e-9)
     end = max(at, d_at)
@@ -258,6 +258,24 @@ def test_a_sample_after_long_idle_weighs_more_so_a_still_slow_engine_is_relearnt
     before = e.ttft_ratio
     slow_samples(e, 1, 1.0, t0=end + 201.5)
     assert e.ttft_ratio == pytest.approx(before + 0.1 * (1.0 - before), rel=1e-6)
+
+
+def test_an_engine_in_use_keeps_its_calibration_without_samples():
+    # Follow-up turns mostly cached give no TTFT sample (Picker.dispatch): an engine kept
+    # busy with them must not drift back to its datasheet; only a shunned one ages.
+    e = EndpointState("e", gpu="H100")
+    end = slow_samples(e, 40, 4.0)
+    learnt = e.ttft_ratio
+    for k in range(60):  # a request a second, none giving a sample (nominal_s 0)
+        t = end + 1.0 + k
+        e.start(("c", k), t, prompt_tokens=1000, nominal_s=0.0)
+        e.first_token(("c", k), t + 0.05)
+        e.finish(("c", k), t + 0.5)
+        e.age_calibration(t + 0.6)
+    assert e.ttft_ratio == learnt
+    # Then shunned: it ages from the last request sent there.
+    e.age_calibration(end + 60.0 + 5.0 + 5.0 + 1.0)
+    assert e.ttft_ratio < learnt
 
 
 def test_a_busy_engines_calibration_does_not_age():
