@@ -250,15 +250,17 @@ an untried endpoint is expected to be as fast as its class has shown, and never 
 than its datasheet (one degraded peer does not condemn the rest untried).
 
 Faults (issue #21's campaign, loadtest/chaos.py): what the picker believes of an engine
-must not outlive the fault. (1) Evidence ages: a TTFT or decode calibration with no
-sample for CALIBRATION_STALE_S (5 s) moves back toward 1.0, its log halving every
+must not outlive the fault. (1) Evidence ages while an engine is shunned: a TTFT or
+decode calibration with neither a sample nor a request sent there for
+CALIBRATION_STALE_S (5 s) moves back toward 1.0, its log halving every
 CALIBRATION_HALF_LIFE_S (5 s), and the next sample weighs up to 0.5 as the old evidence
 fades (EndpointState.age_calibration): an engine 10x slow for 6 s was sent nothing in the
-30 s after it recovered; now it is back 21 s after (the calibration's 2.16 must fade
-within decode_tolerance). (2) A refusal (429, or 503 before any byte) holds the engine
-for its Retry-After, else 0.5 s doubling per refusal in a row up to 8 s, counted as queue
-(EndpointState.refused): a fast refusal looked idle and stayed the first pick (one engine
-at 503: 1.23 -> 1.13 attempts per request during the fault). (3) A queue that has given no
+30 s after it recovered; now it is back ~22 s after (the calibration's 2.16 must fade
+to within decode_tolerance of its peers'). (2) A refusal (429, or 503 before any byte)
+holds the engine for its Retry-After, else 0.5 s doubling per refusal in a row up to
+8 s, counted as queue (EndpointState.refused): a fast refusal looked idle and stayed the
+first pick (one engine at 503: 1.23 -> 1.13 attempts per request during the fault; a
+no retry when every endpoint left is held, Attempts._all_held). (3) A queue that has given no
 first token for OVERDUE_FACTOR (3) x its predicted time plus OVERDUE_MIN_S (1 s) is late;
 the lateness counts as queue (a hung engine's queue was taken to drain by the clock).
 
