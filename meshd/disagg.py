@@ -67,6 +67,26 @@ if TYPE_CHECKING:
 _encoder = msgspec.json.Encoder()
 # An answer to the prefill step larger than this is not one (it is one token).
 _MAX_PREFILL_ANSWER = 1 << 20
+
+
+async def _read_prefill_answer(up: Any, url: str, what: str) -> bytes:
+    """A prefill step's whole answer (at most _MAX_PREFILL_ANSWER bytes); the connection
+    goes back to the pool once read, and is closed on any failure, a cancel included."""
+    chunks = []
+    size = 0
+    try:
+        while chunk := await up.read():
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > _MAX_PREFILL_ANSWER:
+                raise UpstreamError(url, f"{what} is too large")
+    except BaseException:
+        up.close()
+        raise
+    up.release()
+    return b"".join(chunks)
+
+
 # The span attribute that names a pair's bootstrap room (SGLang logs it as bootstrap_room).
 ATTR_BOOTSTRAP_ROOM = "meshd.pd.bootstrap_room"
 
@@ -279,18 +299,7 @@ class Disaggregator:
                 attempt.trace.inject_headers(ctx.upstream_headers),
                 leg.body,
             )
-            chunks = []
-            size = 0
-            try:
-                while chunk := await up.read():
-                    chunks.append(chunk)
-                    size += len(chunk)
-                    if size > _MAX_PREFILL_ANSWER:
-                        raise UpstreamError(url, "the prefill leg's answer is too large")
-            except BaseException:
-                up.close()
-                raise
-            up.release()
+            data = await _read_prefill_answer(up, url, "the prefill leg's answer")
         except asyncio.CancelledError:
             attempt.cancelled = True
             self.attempts.settle(attempt, "cancelled")
@@ -304,12 +313,11 @@ class Disaggregator:
             plan.failed.add(url)
             return describe(exc)
         attempt.status = up.status
-        body = b"".join(chunks)
         if up.status != 200:
             self.attempts.settle(attempt, f"http_{up.status}")
             plan.failed.add(url)
-            return f"HTTP {up.status}: {body[:200].decode('utf-8', 'replace')}"
-        why, usage = leg_answer(body, sse=up.content_type == "text/event-stream")
+            return f"HTTP {up.status}: {data[:200].decode('utf-8', 'replace')}"
+        why, usage = leg_answer(data, sse=up.content_type == "text/event-stream")
         take_usage(attempt, usage)
         attempt.ok = why is None
         if why is not None:
@@ -343,15 +351,7 @@ class Disaggregator:
                     attempt.trace.inject_headers(ctx.upstream_headers),
                     body,
                 )
-                chunks = []
-                size = 0
-                while chunk := await up.read():
-                    chunks.append(chunk)
-                    size += len(chunk)
-                    if size > _MAX_PREFILL_ANSWER:
-                        up.close()
-                        raise UpstreamError(route.url, "the prefill answer is too large")
-                up.release()
+                data = await _read_prefill_answer(up, route.url, "the prefill answer")
         except asyncio.CancelledError:
             attempt.cancelled = True
             self.attempts.settle(attempt, "client_disconnect")
@@ -369,7 +369,7 @@ class Disaggregator:
             self.attempts.settle(attempt, f"http_{up.status}")
             return None
         try:
-            answer = json.loads(b"".join(chunks))
+            answer = json.loads(data)
         except ValueError:
             answer = None
         params = transfer_params(answer)
