@@ -448,9 +448,9 @@ class SimEngine:
     def usage(self, req: SimRequest) -> dict[str, Any]:
         return self.replica.usage(req)
 
-    async def _unary(
-        self, request: web.Request, req: SimRequest, parsed: api.ParsedRequest, rid: str
-    ) -> web.StreamResponse:
+    async def _whole(self, request: web.Request, req: SimRequest) -> None:
+        """Wait until `req` is done (its whole answer, not streamed); a reset or crash
+        fault resets the connection."""
         assert self._loop is not None
         waiter = _UnaryWaiter(self.faults, self._loop.create_future())
         req.waiter = waiter
@@ -461,6 +461,11 @@ class SimEngine:
         if waiter.crash:
             self.faults.take_crash()
             self._reset(request, req)
+
+    async def _unary(
+        self, request: web.Request, req: SimRequest, parsed: api.ParsedRequest, rid: str
+    ) -> web.StreamResponse:
+        await self._whole(request, req)
         build = api.chat_response if parsed.kind == "chat" else api.completion_response
         doc = build(
             rid,
@@ -507,16 +512,7 @@ class SimEngine:
     ) -> web.StreamResponse:
         """An SGLang prefill leg: prefilled, its KV pinned; answered once a decode leg
         fetched it (500 when none did within kv_hold_s), streamed or not, as one body."""
-        assert self._loop is not None
-        waiter = _UnaryWaiter(self.faults, self._loop.create_future())
-        req.waiter = waiter
-        waiter.notify(req)
-        await waiter.done
-        if req.reset:
-            self._reset(request, req)
-        if waiter.crash:
-            self.faults.take_crash()
-            self._reset(request, req)
+        await self._whole(request, req)
         why = await self._hold_end(req)
         if why is not None:
             assert parsed.bootstrap is not None
