@@ -473,8 +473,9 @@ class EndpointState:
 
     def age_calibration(self, now: float) -> None:
         """Let the calibrations' evidence age to `now` (CALIBRATION_STALE_S above): a
-        ratio whose last sample is stale moves back toward 1.0. Idempotent; a change
-        counts as one (views rebuild). The picker calls it as it rebuilds a view."""
+        ratio with neither a sample nor a request for that long moves back toward 1.0.
+        Idempotent; a change counts as one (views rebuild). The picker calls it as it
+        rebuilds a view."""
         if now < self.calibration_aged_at + CALIBRATION_AGE_STEP_S:
             return
         self.calibration_aged_at = now
