@@ -448,6 +448,21 @@ class SimEngine:
     def usage(self, req: SimRequest) -> dict[str, Any]:
         return self.replica.usage(req)
 
+    def _answer_doc(
+        self, parsed: api.ParsedRequest, rid: str, req: SimRequest, usage: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A finished request's whole (not streamed) answer, in the shape its API gives."""
+        build = api.chat_response if parsed.kind == "chat" else api.completion_response
+        return build(
+            rid,
+            self.created,
+            parsed.model,
+            req.output_text(),
+            req.finish_reason,
+            req.stop_reason,
+            usage,
+        )
+
     async def _whole(self, request: web.Request, req: SimRequest) -> None:
         """Wait until `req` is done (its whole answer, not streamed); a reset or crash
         fault resets the connection."""
@@ -466,16 +481,7 @@ class SimEngine:
         self, request: web.Request, req: SimRequest, parsed: api.ParsedRequest, rid: str
     ) -> web.StreamResponse:
         await self._whole(request, req)
-        build = api.chat_response if parsed.kind == "chat" else api.completion_response
-        doc = build(
-            rid,
-            self.created,
-            parsed.model,
-            req.output_text(),
-            req.finish_reason,
-            req.stop_reason,
-            self.usage(req),
-        )
+        doc = self._answer_doc(parsed, rid, req, self.usage(req))
         if parsed.kv_transfer is not None:
             # vLLM's responses carry the field (null but for a prefill step's answer).
             doc[api.KV_PARAMS] = self.replica.transfer_params(req, self.host, self.port)
@@ -523,16 +529,7 @@ class SimEngine:
             )
         usage = self.usage(req)
         if not parsed.stream:
-            build = api.chat_response if parsed.kind == "chat" else api.completion_response
-            doc = build(
-                rid,
-                self.created,
-                parsed.model,
-                req.output_text(),
-                req.finish_reason,
-                req.stop_reason,
-                usage,
-            )
+            doc = self._answer_doc(parsed, rid, req, usage)
             return web.Response(text=api.dumps(doc), content_type="application/json")
         fmt = api.StreamFormatter(parsed.kind, rid, self.created, parsed.model)
         parts = [fmt.role()] if parsed.kind == "chat" else []
