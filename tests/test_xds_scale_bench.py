@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import re
 from typing import Any
 
 from loadtest import xds_scale_bench as bench
 from loadtest.xds_scale_bench import Scenario, run_scenario
 from meshd.shards import shard_for
-from xds.resources import decode_endpoint_state
+from xds.resources import PrefixDigest, decode_endpoint_state, decode_prefix_digest
 
 TINY: dict[str, Any] = {
     "engines": 24,
@@ -29,6 +30,17 @@ def test_a_stamped_body_is_the_engine_state_with_its_publish_time() -> None:
         state = decode_endpoint_state(bodies.body(n, us))
         assert state.tokens_in_flight == us and state.address == "10.0.0.7:8000"
         assert bench._STAMP.findall(bodies.body(n, us)) == [us.to_bytes(8, "big")]
+
+
+def test_a_digest_body_is_what_prefix_digest_encodes() -> None:
+    from array import array
+
+    body = bench.digest_body(3, 500)
+    d = decode_prefix_digest(body)
+    hashes = array("Q")
+    hashes.frombytes(random.Random(3).randbytes(8 * 500))
+    assert d.added == tuple(hashes) and len(set(d.added)) == 500
+    assert body == PrefixDigest(bench.engine_name(3), f"{3:08x}", 1, 1, True, 16, d.added).encode()
 
 
 def test_nodes_carry_per_message_engines_of_one_shard() -> None:
