@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xds.resources import (
@@ -17,6 +18,7 @@ from xds.resources import (
     decode,
     decode_endpoint_state,
     decode_prefix_digest,
+    decode_prefix_digest_header,
 )
 
 STATE = EndpointState(
@@ -124,3 +126,63 @@ def test_prefix_digest_inconsistent_refused() -> None:
 def test_unknown_type_passes_through() -> None:
     assert decode("type.googleapis.com/other", b"raw") == b"raw"
     assert decode(ENDPOINT_STATE_TYPE, STATE.encode()) == STATE
+
+
+# -- the control plane's check of a PrefixDigest ---------------------------------------------
+
+_U64 = st.integers(0, 2**64 - 1)
+_KEYS = ("v", "engine", "epoch", "seq", "base_seq", "full", "block_size", "added", "removed")
+_ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 2**64 - 1),
+    st.text(max_size=8),
+    st.binary(max_size=40),
+    st.lists(_U64, max_size=5).map(lambda xs: b"".join(x.to_bytes(8, "little") for x in xs)),
+)
+
+
+def _verdict(decode: Any, body: bytes) -> tuple[str, Any]:
+    try:
+        return "ok", decode(body)
+    except ResourceError as exc:
+        return "error", str(exc)
+
+
+@given(
+    st.one_of(
+        st.dictionaries(st.sampled_from(_KEYS), _ANY, max_size=len(_KEYS)).map(msgpack.packb),
+        st.builds(
+            PrefixDigest,
+            engine=st.text(max_size=8),
+            epoch=st.text(max_size=8),
+            seq=st.integers(0, 50),
+            base_seq=st.integers(0, 50),
+            full=st.booleans(),
+            block_size=st.integers(0, 64),
+            added=st.lists(_U64, max_size=20).map(tuple),
+            removed=st.lists(_U64, max_size=20).map(tuple),
+        ).map(PrefixDigest.encode),
+        st.binary(max_size=30),
+    )
+)
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+def test_the_header_check_gives_the_full_decoders_verdict(body: bytes) -> None:
+    """The control plane checks publishes with decode_prefix_digest_header: it must accept
+    exactly what the subscribers' decoder accepts, with the same error, and count the
+    hashes the decoder unpacks."""
+    full_kind, full = _verdict(decode_prefix_digest, body)
+    head_kind, head = _verdict(decode_prefix_digest_header, body)
+    assert head_kind == full_kind
+    if full_kind == "error":
+        assert head == full
+        return
+    assert (head.engine, head.epoch, head.seq, head.base_seq, head.full, head.block_size) == (
+        full.engine,
+        full.epoch,
+        full.seq,
+        full.base_seq,
+        full.full,
+        full.block_size,
+    )
+    assert (head.added, head.removed) == (len(full.added), len(full.removed))

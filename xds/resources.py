@@ -27,6 +27,7 @@ __all__ = [
     "MAX_RESOURCE_BYTES",
     "POOL_DEMAND_TYPE",
     "PREFIX_DIGEST_TYPE",
+    "DigestHeader",
     "EndpointState",
     "PoolDemandReport",
     "PrefixDigest",
@@ -35,6 +36,7 @@ __all__ = [
     "decode_endpoint_state",
     "decode_pool_demand",
     "decode_prefix_digest",
+    "decode_prefix_digest_header",
     "report_name",
 ]
 
@@ -195,11 +197,16 @@ def _pack_hashes(hashes: tuple[int, ...]) -> bytes:
         raise ResourceError("block hash outside uint64") from exc
 
 
-def _unpack_hashes(raw: object, key: str) -> tuple[int, ...]:
+def _packed(raw: object, key: str) -> bytes:
+    """`raw` if it is packed uint64s (bytes, a multiple of 8 long)."""
     if not isinstance(raw, bytes) or len(raw) % 8:
         raise ResourceError(f"{key}: packed uint64 bytes expected")
+    return raw
+
+
+def _unpack(packed: bytes) -> tuple[int, ...]:
     a = array("Q")
-    a.frombytes(raw)
+    a.frombytes(packed)
     return tuple(a)
 
 
@@ -421,7 +428,27 @@ def decode_endpoint_state(body: bytes) -> EndpointState:
     return _decode_endpoint_state_checked(body)
 
 
-def decode_prefix_digest(body: bytes) -> PrefixDigest:
+@dataclass(frozen=True, slots=True)
+class DigestHeader:
+    """A PrefixDigest but for its block hashes, which stay packed in the body: what the
+    control plane needs of a digest (which base a delta builds on), without the tuples of
+    Python ints a full decode makes (40,000 blocks: 1.6 MB of ints per digest, freed at
+    once but leaving the allocator's arenas fragmented). `added` and `removed` count the
+    hashes."""
+
+    engine: str
+    epoch: str
+    seq: int
+    base_seq: int
+    full: bool
+    block_size: int
+    added: int
+    removed: int
+
+
+def _checked_digest(body: bytes) -> tuple[DigestHeader, bytes, bytes]:
+    """Every check decode_prefix_digest makes, in its order; the header and the packed
+    added and removed hashes."""
     d = _load_map(body)
     seq, base_seq = _int(d, "seq"), _int(d, "base_seq")
     full = _bool(d, "full", False)
@@ -430,19 +457,34 @@ def decode_prefix_digest(body: bytes) -> PrefixDigest:
     block_size = _int(d, "block_size")
     if block_size == 0:
         raise ResourceError("block_size: must be positive")
-    removed = _unpack_hashes(d.get("removed", b""), "removed")
+    removed = _packed(d.get("removed", b""), "removed")
     if full and removed:
         raise ResourceError("removed: must be empty in a full digest")
-    return PrefixDigest(
-        engine=_str(d, "engine"),
-        epoch=_str(d, "epoch"),
-        seq=seq,
-        base_seq=base_seq,
-        full=full,
-        block_size=block_size,
-        added=_unpack_hashes(d.get("added", b""), "added"),
-        removed=removed,
+    engine, epoch = _str(d, "engine"), _str(d, "epoch")
+    added = _packed(d.get("added", b""), "added")
+    header = DigestHeader(
+        engine, epoch, seq, base_seq, full, block_size, len(added) // 8, len(removed) // 8
     )
+    return header, added, removed
+
+
+def decode_prefix_digest(body: bytes) -> PrefixDigest:
+    h, added, removed = _checked_digest(body)
+    return PrefixDigest(
+        engine=h.engine,
+        epoch=h.epoch,
+        seq=h.seq,
+        base_seq=h.base_seq,
+        full=h.full,
+        block_size=h.block_size,
+        added=_unpack(added),
+        removed=_unpack(removed),
+    )
+
+
+def decode_prefix_digest_header(body: bytes) -> DigestHeader:
+    """decode_prefix_digest's checks and errors, without unpacking the hashes."""
+    return _checked_digest(body)[0]
 
 
 # -- PoolDemandReport ---------------------------------------------------------------------
