@@ -12,6 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from xds.allocator import pin_mmap_threshold
 from xds.server import ControlPlane, ServerLimits, TlsConfig
 
 log = logging.getLogger("meshd.xds.cli")
@@ -54,6 +55,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=d.push_interval_s,
         help="changes reach subscribers at most this often, merged (0: at once; a burst is "
         "still merged) (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-response-bytes",
+        type=int,
+        default=d.max_response_bytes,
+        metavar="N",
+        help="a delta response carries resources up to N bytes (at least one), the rest in "
+        "the next (default %(default)s)",
     )
     p.add_argument(
         "--resource-ttl-s",
@@ -152,10 +161,12 @@ async def _start_admin(address: str, plane: ControlPlane) -> web.AppRunner:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    pin_mmap_threshold()  # full digests each in pages of their own (xds/allocator.py)
     host, _, port = args.listen.rpartition(":")
     limits = ServerLimits(
         max_unacked_per_type=args.max_unacked,
         push_interval_s=args.push_interval_s,
+        max_response_bytes=args.max_response_bytes,
         keepalive_time_s=args.keepalive_time_s,
         keepalive_timeout_s=args.keepalive_timeout_s,
         resource_ttl_s=args.resource_ttl_s if args.resource_ttl_s > 0 else None,

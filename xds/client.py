@@ -29,7 +29,7 @@ from envoy.service.discovery.v3 import discovery_pb2 as pb
 from grpc import aio
 
 from xds.resources import DECODERS, ResourceError
-from xds.server import PUBLISH_METHOD
+from xds.server import PUBLISH_METHOD, ServerLimits
 
 __all__ = ["Backoff", "Entry", "Publisher", "Subscriber", "SubscriberStats", "Update"]
 
@@ -38,6 +38,7 @@ log = logging.getLogger("meshd.xds.client")
 DELTA_METHOD = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources"
 WILDCARD = "*"
 _INVALID_ARGUMENT = 3
+MAX_RECEIVE_BYTES = ServerLimits().max_message_bytes
 
 
 def tls_channel_credentials(
@@ -171,6 +172,10 @@ class Subscriber:
         self._channel_options = [
             ("grpc.keepalive_time_ms", 20_000),
             ("grpc.keepalive_timeout_ms", 10_000),
+            # The server's limit (ServerLimits.max_message_bytes), not gRPC's 4 MiB: a
+            # response holds at least one resource, and one may be up to
+            # MAX_RESOURCE_BYTES (a digest of 1M blocks is 8 MiB).
+            ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
             *channel_options,
         ]
         self.backoff = backoff or Backoff()

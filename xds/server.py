@@ -23,12 +23,18 @@ callbacks. Responses are assembled from bytes: each resource version is encoded 
 `Resource` message framed as a response field, xds/wire.py) and the same bytes go to every
 subscriber. Delta wildcard subscribers that hold the same versions (sidecars that keep up:
 the usual case) are kept in lockstep (`_Lockstep`): a flush turns its changes into one
-batch, encoded once, that each of them sends with its own nonce; one that falls behind
-queues batches and sends them merged, and one that changes its subscription or falls far
-behind goes on alone, with its own versions, until it is in step again. Measured in-process
-(loadtest/xds_codec_bench.py --fanout: 1000 engines, 100 subscribers, 100 updates per
-flush, 2-core dev box): 0.16-0.3 us per update per subscriber, against 2.4-3.9 us building
-and serializing a protobuf response per subscriber.
+batch, whose response is the same bytes for each of them (one nonce for all); one that
+falls behind queues batches and sends them merged, and one that changes its subscription or
+falls far behind goes on alone, with its own versions, until it is in step again. Measured
+in-process (loadtest/xds_codec_bench.py --fanout: 1000 engines, 100 subscribers, 100
+updates per flush, 2-core dev box): 0.1-0.3 us per update per subscriber, against 1.4-3.9
+us building and serializing a protobuf response per subscriber.
+
+Memory, the part that scales with engines x digest blocks (1,000 engines of 40,000 blocks
+hold 320 MB of hashes): a resource's body is held once. Frames are parts around the
+cache's body rather than copies of it (SPLIT_BODY_BYTES), so are a digest base's, and a
+delta response carries at most `max_response_bytes` of resources (the rest in the next
+ones), so what each subscriber has in flight is bounded whatever arrives at once.
 
 PrefixDigests need one thing more: a delta applies only on top of the full digest it is
 based on, and the cache holds only the latest digest per engine, so a subscriber that joins
@@ -68,11 +74,12 @@ from xds.resources import (
     DECODERS,
     ENDPOINT_STATE_TYPE,
     PREFIX_DIGEST_TYPE,
+    DigestHeader,
     EndpointState,
-    PrefixDigest,
     ResourceError,
+    decode_prefix_digest_header,
 )
-from xds.wire import len_field
+from xds.wire import len_field, len_header
 
 __all__ = [
     "PUBLISH_METHOD",
@@ -96,6 +103,12 @@ ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 RESOURCE_WRAPPER_TYPE = "type.googleapis.com/envoy.service.discovery.v3.Resource"
 _WRAPPER_TYPE_BYTES = RESOURCE_WRAPPER_TYPE.encode()
 _INVALID_ARGUMENT = 3  # google.rpc.Code
+# What a publish is checked with: each type's decoder, but a PrefixDigest's hashes are
+# checked without being made into ints (the control plane never reads them).
+_VALIDATORS: Mapping[str, Callable[[bytes], Any]] = {
+    **DECODERS,
+    PREFIX_DIGEST_TYPE: decode_prefix_digest_header,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +121,14 @@ class ServerLimits:
     # still merges what arrived together). A bound on responses per stream and second.
     push_interval_s: float = 0.0
     max_message_bytes: int = 64 * 2**20
+    # A delta response carries resources up to this many bytes (at least one); the rest
+    # follow in the next ones, each sent once the previous is answered. Under gRPC's
+    # default 4 MiB receive limit, so any client takes a burst of full PrefixDigests (a
+    # restart of 1,000 engines of 40,000 blocks is 320 MB: one response before, refused
+    # by the client, or by this server beyond max_message_bytes); and it bounds what a
+    # response in flight holds per subscriber. A state-of-the-world response is the whole
+    # subscribed set, so it is not bounded.
+    max_response_bytes: int = 2 * 2**20
     keepalive_time_s: float = 30.0  # server pings an idle connection this often
     keepalive_timeout_s: float = 10.0  # and drops it when a ping goes unanswered this long
     min_client_ping_interval_s: float = 10.0  # clients pinging more often are refused
@@ -172,28 +193,53 @@ class StreamInfo:
     unacked: int
 
 
-def _resource_message(r: Resource) -> bytes:
-    """r as an envoy.service.discovery.v3.Resource (name, version, the body in an Any)."""
-    msg = pb.Resource(name=r.name, version=r.version)
-    msg.resource.type_url = r.type_url
-    msg.resource.value = r.body
-    out: bytes = msg.SerializeToString(deterministic=True)
-    return out
+# One resource's encoding as a field of a response: parts to be joined as they are. A body
+# of at least SPLIT_BODY_BYTES is a part of its own, the cache's bytes object itself, so
+# the frames of a large resource (a PrefixDigest: 320 KB at 40,000 blocks) hold no second
+# copy of it; a smaller one is joined into one part (fewer parts per response).
+Frame = tuple[bytes, ...]
+SPLIT_BODY_BYTES = 4096
 
 
-def _delta_frame(r: Resource) -> bytes:
+def _frame(head: bytes, body: bytes, tail: bytes) -> Frame:
+    if len(body) < SPLIT_BODY_BYTES:
+        return (head + body + tail,)
+    return (head, body, tail) if tail else (head, body)
+
+
+def frame_size(frame: Frame) -> int:
+    return sum(map(len, frame))
+
+
+def _message_parts(r: Resource) -> tuple[bytes, bytes]:
+    """r as an envoy.service.discovery.v3.Resource message (version, the body in an Any,
+    name): the bytes before its body and after it, as protobuf's deterministic
+    serialization lays them out (fields by number; empty ones left out)."""
+    value = len_header(2, len(r.body)) if r.body else b""
+    any_head = len_field(1, r.type_url.encode()) + value
+    version = len_field(1, r.version.encode()) if r.version else b""
+    head = version + len_header(2, len(any_head) + len(r.body)) + any_head
+    return head, len_field(3, r.name.encode()) if r.name else b""
+
+
+def _delta_frame(r: Resource) -> Frame:
     """r as DeltaDiscoveryResponse.resources (field 2)."""
-    return len_field(2, _resource_message(r))
+    head, tail = _message_parts(r)
+    size = len(head) + len(r.body) + len(tail)
+    return _frame(len_header(2, size) + head, r.body, tail)
 
 
-def _sotw_frame(r: Resource) -> bytes:
+def _sotw_frame(r: Resource) -> Frame:
     """r as DiscoveryResponse.resources (field 2, an Any): wrapped in Resource for meshd's
     types, the bare body for Envoy's own."""
     if r.type_url in DECODERS:
-        any_ = len_field(1, _WRAPPER_TYPE_BYTES) + len_field(2, _resource_message(r))
+        head, tail = _message_parts(r)
+        size = len(head) + len(r.body) + len(tail)
+        head = len_field(1, _WRAPPER_TYPE_BYTES) + len_header(2, size) + head
     else:
-        any_ = len_field(1, r.type_url.encode()) + len_field(2, r.body)
-    return len_field(2, any_)
+        value = len_header(2, len(r.body)) if r.body else b""
+        head, tail = len_field(1, r.type_url.encode()) + value, b""
+    return _frame(len_header(2, len(head) + len(r.body) + len(tail)) + head, r.body, tail)
 
 
 class _Frames:
@@ -205,41 +251,45 @@ class _Frames:
     __slots__ = ("_delta", "_sotw")
 
     def __init__(self) -> None:
-        # name -> (the Resource it encodes, its frame); keyed by name per type URL, so a
-        # new version replaces the old one and memory stays one frame per resource.
-        self._delta: dict[str, dict[str, tuple[Resource, bytes]]] = {}
-        self._sotw: dict[str, dict[str, tuple[Resource, bytes]]] = {}
+        # name -> (the Resource it encodes, its frame, the frame's size); keyed by name per
+        # type URL, so a new version replaces the old one and memory stays one frame per
+        # resource (and a large body's frame shares the body: SPLIT_BODY_BYTES).
+        self._delta: dict[str, dict[str, tuple[Resource, Frame, int]]] = {}
+        self._sotw: dict[str, dict[str, tuple[Resource, Frame, int]]] = {}
 
-    def delta_table(self, type_url: str) -> dict[str, tuple[Resource, bytes]]:
+    def delta_table(self, type_url: str) -> dict[str, tuple[Resource, Frame, int]]:
         """The delta frames of one type by name (read by build_delta's loop)."""
         return self._delta.setdefault(type_url, {})
 
-    def delta(self, r: Resource) -> bytes:
+    def delta(self, r: Resource) -> tuple[Resource, Frame, int]:
+        """(r, its delta frame, the frame's size)."""
         table = self._delta.setdefault(r.type_url, {})
         hit = table.get(r.name)
         if hit is not None and hit[0] is r:
-            return hit[1]
+            return hit
         frame = _delta_frame(r)
-        table[r.name] = (r, frame)
-        return frame
+        hit = table[r.name] = (r, frame, frame_size(frame))
+        return hit
 
-    def sotw(self, r: Resource) -> bytes:
+    def sotw(self, r: Resource) -> Frame:
         table = self._sotw.setdefault(r.type_url, {})
         hit = table.get(r.name)
         if hit is not None and hit[0] is r:
             return hit[1]
         frame = _sotw_frame(r)
-        table[r.name] = (r, frame)
+        table[r.name] = (r, frame, frame_size(frame))
         return frame
 
     def forget(self, type_url: str, names: frozenset[str], live: Mapping[str, Resource]) -> None:
-        """Drop the frames of `names` that are no longer in `live` (removed resources)."""
+        """Drop the frames of `names` that are not of what `live` holds now (removed or
+        replaced: an old full digest's frame would keep its body alive)."""
         for tables in (self._delta, self._sotw):
             table = tables.get(type_url)
             if table:
                 for n in names:
-                    if n not in live:
-                        table.pop(n, None)
+                    hit = table.get(n)
+                    if hit is not None and hit[0] is not live.get(n):
+                        del table[n]
 
 
 # Versions remembered per base (a delta on it each time the engine published; the agent
@@ -248,7 +298,9 @@ MAX_DIGEST_VERSIONS = 4096
 
 
 class _DigestChain:
-    """One engine's last full PrefixDigest and the versions that build on it."""
+    """One engine's last full PrefixDigest and the versions that build on it. Its frames
+    share the base's body (SPLIT_BODY_BYTES), itself the cache's while the base is the
+    latest digest: an engine's full digest is held once, however many hold it."""
 
     __slots__ = ("_delta_frame", "_sotw_frame", "base", "epoch", "seq", "versions")
 
@@ -259,16 +311,18 @@ class _DigestChain:
         # The base itself and each delta published on it, oldest first (a dict as an
         # ordered set, trimmed from the front at MAX_DIGEST_VERSIONS).
         self.versions: dict[str, None] = {base.version: None}
-        self._delta_frame: bytes | None = None
-        self._sotw_frame: bytes | None = None
+        self._delta_frame: tuple[Frame, int] | None = None
+        self._sotw_frame: Frame | None = None
 
-    def delta_frame(self) -> bytes:
-        """The base as a delta response's resource, encoded the first time it is needed."""
+    def delta_frame(self) -> tuple[Frame, int]:
+        """The base as a delta response's resource and its size, made the first time it is
+        needed."""
         if self._delta_frame is None:
-            self._delta_frame = _delta_frame(self.base)
+            frame = _delta_frame(self.base)
+            self._delta_frame = frame, frame_size(frame)
         return self._delta_frame
 
-    def sotw_frame(self) -> bytes:
+    def sotw_frame(self) -> Frame:
         """The base as a state-of-the-world response's resource, likewise."""
         if self._sotw_frame is None:
             self._sotw_frame = _sotw_frame(self.base)
@@ -297,8 +351,8 @@ class _DigestBases:
     def __init__(self) -> None:
         self._chains: dict[str, _DigestChain] = {}
 
-    def published(self, name: str, digest: PrefixDigest, r: Resource) -> None:
-        """`digest`, decoded, now held as `r` under `name`."""
+    def published(self, name: str, digest: DigestHeader, r: Resource) -> None:
+        """`digest` (its header) now held as `r` under `name`."""
         if digest.full:
             chain = self._chains.get(name)
             if chain is None or chain.base.version != r.version:
@@ -363,20 +417,41 @@ class _Push:
 MAX_BACKLOG = 64
 
 
-@dataclass(frozen=True, slots=True)
-class _Batch:
-    """One flush's changes of one type, encoded once for every subscriber in lockstep:
-    `body` is a DeltaDiscoveryResponse but for its nonce (resources, removed_resources,
-    system_version_info, type_url); `entries` the same changes by name (a frame, or None
-    for a removal), to merge the batches a member fell behind by; `bases` the names whose
-    frame is a full PrefixDigest (a base: never merged away by a later delta)."""
+# A lockstep batch's response is kept for the members yet to send it when at most this
+# large (the usual batch: a flush's EndpointStates, tens of KB); a larger one (a burst of
+# full digests) is joined by each member as it sends it, so a burst holds no more than a
+# response per stream in flight.
+SHARED_PAYLOAD_BYTES = 256 * 2**10
 
-    body: bytes
+
+@dataclass(slots=True)
+class _Batch:
+    """One flush's changes of one type, or max_response_bytes of them, for every subscriber
+    in lockstep: `parts` a DeltaDiscoveryResponse (resources, removed_resources,
+    system_version_info, type_url, nonce) of shared frames, `size` its bytes. Every member
+    sends it with the same `nonce` (unique in the control plane, so in each stream), so it
+    is the same bytes for all: `response()`, joined once. `entries` are the same changes by
+    name (a frame, or None for a removal), to merge the batches a member fell behind by;
+    `bases` the names whose frame is a full PrefixDigest (a base: never merged away by a
+    later delta)."""
+
+    parts: tuple[bytes, ...]
+    size: int
     version: str
+    nonce: str
     resources: int
     removed: int
-    entries: tuple[tuple[str, bytes | None], ...]
+    entries: tuple[tuple[str, Frame | None], ...]
     bases: frozenset[str] = frozenset()
+    payload: bytes | None = None
+
+    def response(self) -> bytes:
+        payload = self.payload
+        if payload is None:
+            payload = b"".join(self.parts)
+            if self.size <= SHARED_PAYLOAD_BYTES:
+                self.payload = payload
+        return payload
 
 
 class _Lockstep:
@@ -584,7 +659,10 @@ class _Stream:
     # -- responses ------------------------------------------------------------------------
 
     def _next_nonce(self, sub: _Subscription) -> str:
-        nonce = str(next(self._nonces))
+        return self._use_nonce(sub, str(next(self._nonces)))
+
+    def _use_nonce(self, sub: _Subscription, nonce: str) -> str:
+        """Account for a response to `sub` sent with `nonce`."""
         sub.unacked.append(nonce)
         self._last_nonce[sub.type_url] = nonce
         self.cp.stats.responses[sub.type_url] += 1
@@ -603,8 +681,8 @@ class _Stream:
         shared = frames.delta_table(t)
         sent, wildcard, subscribed = sub.sent, sub.wildcard, sub.names
         bases = self.cp._digest_bases if t == PREFIX_DIGEST_TYPE else None
+        limit, size, count = self.cp.limits.max_response_bytes, 0, 0
         parts: list[bytes] = []
-        add = parts.append
         removed: list[str] = []
         # The per-resource loop of every response to every subscriber: kept to dict
         # operations and one shared frame each (order is not part of the protocol).
@@ -625,24 +703,33 @@ class _Stream:
                 continue
             if bases is not None and (chain := bases.needed(name, r, held)) is not None:
                 # The base first; the delta goes in the next response.
-                sent[name] = chain.base.version
-                add(chain.delta_frame())
+                f, n = chain.delta_frame()
                 sub.pending.add(name)
+                if size and size + n > limit:
+                    continue  # the response is full: the base goes in the next one
+                sent[name] = chain.base.version
                 self.cp.stats.digest_bases_sent += 1
-                continue
-            sent[name] = v
-            hit = shared.get(name)
-            add(hit[1] if hit is not None and hit[0] is r else frames.delta(r))
+            else:
+                hit = shared.get(name)
+                if hit is None or hit[0] is not r:
+                    hit = frames.delta(r)
+                _, f, n = hit
+                if size and size + n > limit:
+                    sub.pending.add(name)  # the response is full: it goes in the next one
+                    continue
+                sent[name] = v
+            parts += f
+            size += n
+            count += 1
         if not parts and not removed:
             return None
         version = str(cache.type_version(t))
         nonce = self._next_nonce(sub)
-        n = len(parts)
         parts.append(len_field(1, version.encode()))  # system_version_info
         parts.append(len_field(4, t.encode()))  # type_url
         parts.extend(len_field(6, name.encode()) for name in removed)  # removed_resources
         parts.append(len_field(5, nonce.encode()))  # nonce
-        return _Push(b"".join(parts), t, version, nonce, n, len(removed))
+        return _Push(b"".join(parts), t, version, nonce, count, len(removed))
 
     def next_push(self, sub: _Subscription) -> _Push | None:
         """The response to send `sub` now, if any (the caller checks flow control)."""
@@ -659,28 +746,33 @@ class _Stream:
 
     def _shared(self, sub: _Subscription) -> _Push:
         batches = sub.backlog
-        take = len(batches)
+        limit = self.cp.limits.max_response_bytes
+        take = size = 0
         based: set[str] = set()
-        for i, b in enumerate(batches):
-            # A batch that changes a name an earlier one sent a base for waits for the
-            # next response: merged, the delta would replace the base it needs.
-            if based and any(name in based for name, _ in b.entries):
-                take = i
+        for b in batches:
+            # Batches merge up to max_response_bytes; and one that changes a name an earlier
+            # one sent a base for waits for the next response: merged, the delta would
+            # replace the base it needs.
+            if take and (
+                size + b.size > limit or (based and any(name in based for name, _ in b.entries))
+            ):
                 break
             based |= b.bases
+            size += b.size
+            take += 1
         batches, sub.backlog = batches[:take], batches[take:]
-        nonce = self._next_nonce(sub)
         if len(batches) == 1:
             b = batches[0]
-            payload = b.body + len_field(5, nonce.encode())
-            return _Push(payload, sub.type_url, b.version, nonce, b.resources, b.removed)
+            nonce = self._use_nonce(sub, b.nonce)
+            return _Push(b.response(), sub.type_url, b.version, nonce, b.resources, b.removed)
+        nonce = self._next_nonce(sub)
         # Behind by several: each resource once, as its latest batch has it.
-        latest: dict[str, bytes | None] = {}
+        latest: dict[str, Frame | None] = {}
         for b in batches:
             latest.update(b.entries)
         self.cp.stats.coalesced[sub.type_url] += sum(len(b.entries) for b in batches) - len(latest)
-        parts = [f for f in latest.values() if f is not None]
-        n = len(parts)
+        parts = [p for f in latest.values() if f is not None for p in f]
+        n = sum(1 for f in latest.values() if f is not None)
         removed = [len_field(6, name.encode()) for name, f in latest.items() if f is None]
         version = batches[-1].version
         parts.extend(removed)
@@ -699,11 +791,12 @@ class _Stream:
         # Every response carries the full subscribed set, so absence means removal (as LDS
         # and CDS). meshd's types carry no name of their own, so they travel wrapped in
         # envoy.service.discovery.v3.Resource (name + version), which SotW clients accept.
+        # (So a response is not bounded by max_response_bytes: it is the whole set.)
         frame = self.cp._frames.sotw
         if t == PREFIX_DIGEST_TYPE:
             parts = self._sotw_digests(sub, names, table)
         else:
-            parts = [frame(table[name]) for name in names]
+            parts = [p for name in names for p in frame(table[name])]
         version = str(cache.type_version(t))
         nonce = self._next_nonce(sub)
         parts.append(len_field(1, version.encode()))  # version_info
@@ -724,10 +817,10 @@ class _Stream:
             chain = bases.needed(name, r, sent.get(name))
             if chain is None:
                 sent[name] = r.version
-                parts.append(frame(r))
+                parts += frame(r)
             else:
                 sent[name] = chain.base.version
-                parts.append(chain.sotw_frame())
+                parts += chain.sotw_frame()
                 sub.pending.add(name)
                 self.cp.stats.digest_bases_sent += 1
         for name in [n for n in sent if n not in table]:
@@ -877,6 +970,7 @@ class ControlPlane:
         self._flushing = False
         self._last_flush = float("-inf")
         self._lockstep: dict[str, _Lockstep] = {}  # type URL -> its lockstep group
+        self._batch_nonces = itertools.count(1)  # "b1", "b2"...: no stream's own nonce
         self._unwatch = self.cache.watch(self._on_change)
         self._published_at: dict[str, float] = {}  # resource name -> last publish
         self._sweeper: asyncio.Task[None] | None = None
@@ -967,10 +1061,11 @@ class ControlPlane:
 
     def validate(self, type_url: str, resources: Mapping[str, bytes]) -> dict[str, Any]:
         """Raise ResourceError unless every resource decodes as `type_url`; returns the
-        decoded values by name (empty for a type without a decoder)."""
+        decoded values by name (empty for a type without a decoder; a PrefixDigest's
+        header only, its hashes checked but left packed)."""
         if type_url not in self.limits.accepted_types:
             raise ResourceError(f"type {type_url!r} not accepted")
-        decoder = DECODERS.get(type_url)
+        decoder = _VALIDATORS.get(type_url)
         values: dict[str, Any] = {}
         for name, body in resources.items():
             if not name:
@@ -1005,7 +1100,7 @@ class ControlPlane:
             # Before any flush (the cache's watcher only schedules one).
             for name, value in values.items():
                 r = self.cache.get(type_url, name)
-                if isinstance(value, PrefixDigest) and r is not None:
+                if isinstance(value, DigestHeader) and r is not None:
                     self._digest_bases.published(name, value, r)
         return changed
 
@@ -1071,10 +1166,9 @@ class ControlPlane:
     ) -> None:
         sent, frame = group.sent, self._frames.delta
         bases = self._digest_bases if t == PREFIX_DIGEST_TYPE else None
-        parts: list[bytes] = []
-        removed: list[bytes] = []
-        entries: list[tuple[str, bytes | None]] = []
-        based: list[str] = []  # names whose frame is a full digest (a base)
+        # (name, frame, its size, whether it is a full digest deltas build on)
+        changes: list[tuple[str, Frame, int, bool]] = []
+        removed: list[str] = []
         again: list[str] = []  # names whose delta waits for the next flush
         for name in names:
             r = table.get(name)
@@ -1082,42 +1176,73 @@ class ControlPlane:
             if r is None:
                 if old is not None:
                     del sent[name]
-                    removed.append(len_field(6, name.encode()))  # removed_resources
-                    entries.append((name, None))
+                    removed.append(name)
             elif old != r.version:
                 if bases is not None and (chain := bases.needed(name, r, old)) is not None:
                     # The group lacks the base (coalesced away): it goes now, the delta
                     # with the next flush.
                     sent[name] = chain.base.version
-                    f = chain.delta_frame()
-                    based.append(name)
+                    f, n = chain.delta_frame()
+                    changes.append((name, f, n, True))
                     again.append(name)
                     self.stats.digest_bases_sent += len(group.members)
                 else:
                     sent[name] = r.version
-                    f = frame(r)
-                    if bases is not None and bases.is_base(name, r):
-                        based.append(name)
-                parts.append(f)
-                entries.append((name, f))
-        if not entries:
+                    _, f, n = frame(r)
+                    changes.append((name, f, n, bases is not None and bases.is_base(name, r)))
+        if not changes and not removed:
             return
         if again:
             self._on_change(t, frozenset(again))
-        version = str(self.cache.type_version(t))
-        n = len(parts)
-        parts.extend(removed)
-        parts.append(len_field(1, version.encode()))  # system_version_info
-        parts.append(len_field(4, t.encode()))  # type_url
-        batch = _Batch(b"".join(parts), version, n, len(removed), tuple(entries), frozenset(based))
+        batches = self._batches(t, changes, removed)
         behind: list[_Subscription] = []
         for sub, stream in group.members.items():
-            sub.backlog.append(batch)
+            sub.backlog.extend(batches)
             if len(sub.backlog) > MAX_BACKLOG:
                 behind.append(sub)
             stream.wake.set()
         for sub in behind:
             self._leave_lockstep(sub)
+
+    def _batches(
+        self, t: str, changes: list[tuple[str, Frame, int, bool]], removed: list[str]
+    ) -> list[_Batch]:
+        """A flush's changes as lockstep batches of at most max_response_bytes of frames
+        (at least one resource each; the removals go with the last)."""
+        limit = self.limits.max_response_bytes
+        chunks: list[list[tuple[str, Frame, int, bool]]] = [[]]
+        size = 0
+        for change in changes:
+            if chunks[-1] and size + change[2] > limit:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(change)
+            size += change[2]
+        version = str(self.cache.type_version(t))
+        trailer = len_field(1, version.encode()) + len_field(4, t.encode())
+        out: list[_Batch] = []
+        for k, chunk in enumerate(chunks):
+            gone = removed if k == len(chunks) - 1 else []
+            nonce = f"b{next(self._batch_nonces)}"
+            parts = [p for _, f, _, _ in chunk for p in f]
+            parts.extend(len_field(6, name.encode()) for name in gone)  # removed_resources
+            parts.append(trailer)  # system_version_info, type_url
+            parts.append(len_field(5, nonce.encode()))
+            entries: list[tuple[str, Frame | None]] = [(name, f) for name, f, _, _ in chunk]
+            entries.extend((name, None) for name in gone)
+            out.append(
+                _Batch(
+                    tuple(parts),
+                    sum(map(len, parts)),
+                    version,
+                    nonce,
+                    len(chunk),
+                    len(gone),
+                    tuple(entries),
+                    frozenset(name for name, _, _, base in chunk if base),
+                )
+            )
+        return out
 
     def _join_lockstep(self, sub: _Subscription, stream: _Stream) -> None:
         """Make an idle delta wildcard subscription a member when it holds the group's

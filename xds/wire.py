@@ -7,7 +7,7 @@ fields' frames."""
 
 from __future__ import annotations
 
-__all__ = ["len_field", "varint"]
+__all__ = ["len_field", "len_header", "varint"]
 
 
 def varint(n: int) -> bytes:
@@ -25,3 +25,9 @@ def varint(n: int) -> bytes:
 def len_field(number: int, payload: bytes) -> bytes:
     """Field `number` with wire type 2 (bytes, string, embedded message) holding `payload`."""
     return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+
+def len_header(number: int, length: int) -> bytes:
+    """What goes before `length` bytes of field `number` (wire type 2): the payload can
+    then follow as a part of its own, not copied."""
+    return varint(number << 3 | 2) + varint(length)
