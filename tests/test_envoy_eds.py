@@ -6,6 +6,7 @@ unhealthy. Asserted at the backends."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import time
@@ -62,31 +63,40 @@ def test_the_config_as_written_is_valid() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.fixture
-async def stubs() -> AsyncIterator[tuple[list[int], list[str]]]:
-    """Two stub engines on port 0, recording which served each request."""
+@contextlib.asynccontextmanager
+async def stub_engines(names: list[str]) -> AsyncIterator[tuple[list[int], list[str]]]:
+    """Stub engines on port 0, recording which served each request."""
     served: list[str] = []
     runners: list[web.AppRunner] = []
     ports: list[int] = []
-    for name in ("a", "b"):
+    try:
+        for name in names:
 
-        @web.middleware
-        async def record(
-            request: web.Request, handler: Handler, name: str = name
-        ) -> web.StreamResponse:
-            served.append(name)
-            return await handler(request)
+            @web.middleware
+            async def record(
+                request: web.Request, handler: Handler, name: str = name
+            ) -> web.StreamResponse:
+                served.append(name)
+                return await handler(request)
 
-        app = make_app(StubConfig(default_tokens=4))
-        app.middlewares.append(record)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        ports.append(runner.addresses[0][1])
-    yield ports, served
-    for r in runners:
-        await r.cleanup()
+            app = make_app(StubConfig(default_tokens=4))
+            app.middlewares.append(record)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            runners.append(runner)
+            ports.append(runner.addresses[0][1])
+        yield ports, served
+    finally:
+        for r in runners:
+            await r.cleanup()
+
+
+@pytest.fixture
+async def stubs() -> AsyncIterator[tuple[list[int], list[str]]]:
+    """Two stub engines, a and b."""
+    async with stub_engines(["a", "b"]) as got:
+        yield got
 
 
 def engine(port: int, **kw: Any) -> bytes:
@@ -173,3 +183,75 @@ async def test_envoy_balances_with_the_eds_view_and_drops_an_unhealthy_engine(
             envoy.stop()
         await pub.close()
         await plane.stop(0)
+
+
+async def test_envoy_on_one_shard_balances_over_every_shards_engines(tmp_path: Path) -> None:
+    """Control-plane shards (meshd control-plane --shard ...): Envoy follows one of them
+    and still gets every shard's engines (xds/eds_shards.py). The other shard stopped: its
+    engines stay for the stale window, then Envoy drops them; restarted and published to
+    again, they come back."""
+    from meshd.shards import shard_for
+
+    stale_s = 1.0
+    planes = [ControlPlane(eds_shards=[("pending",)], eds_shard_stale_s=stale_s) for _ in "ab"]
+    pubs: list[Publisher] = []
+    envoy: EnvoyProcess | None = None
+    async with stub_engines(["a0", "a1", "b0", "b1"]) as (ports, served):
+        try:
+            for p in planes:
+                await p.start("127.0.0.1", 0)
+            shards: list[tuple[str, ...]] = [(f"127.0.0.1:{p.port}",) for p in planes]
+            for k, p in enumerate(planes):
+                assert p.eds_shards is not None
+                p.eds_shards.shards = [shards[1 - k]]
+            # Two engines in each shard, named so that meshd/shards.py puts them there.
+            names: list[list[str]] = [[], []]
+            for i in range(10_000):
+                k = shards.index(shard_for(f"engine-{i}", shards))
+                if len(names[k]) < 2:
+                    names[k].append(f"engine-{i}")
+            pubs = [Publisher(s[0]) for s in shards]
+            port_of = dict(zip(names[0] + names[1], ports, strict=True))
+            for k in (0, 1):
+                await pubs[k].publish(
+                    ENDPOINT_STATE_TYPE, {n: engine(port_of[n], gpu_count=1) for n in names[k]}
+                )
+            config = render(planes[0].port)
+            envoy = await asyncio.to_thread(start_envoy, config, tmp_path / "envoy")
+            every, b_ports = set(ports), {port_of[n] for n in names[1]}
+            await until_hosts(envoy, lambda h: set(h) == every)
+            await send(envoy, 40)
+            assert set(Counter(served)) == {"a0", "a1", "b0", "b1"}, Counter(served)
+
+            # Shard b goes: Envoy keeps its engines for the stale window, then drops them.
+            b_port = planes[1].port
+            await pubs[1].close()
+            stopped = time.monotonic()
+            await planes[1].stop(0)
+            follower = planes[0].eds_shards.subscribers[0]  # type: ignore[union-attr]
+            await asyncio.wait_for(follower.wait_until(lambda: not follower.connected), WAIT_S)
+            assert set(await asyncio.to_thread(envoy_hosts, envoy)) == every
+            await until_hosts(envoy, lambda h: set(h) == every - b_ports)
+            assert time.monotonic() - stopped >= stale_s
+            served.clear()
+            await send(envoy, 12)
+            assert set(Counter(served)) == {"a0", "a1"}
+
+            # Shard b back on its address, its agents publish again: Envoy has them again.
+            planes[1] = ControlPlane(eds_shards=[shards[0]], eds_shard_stale_s=stale_s)
+            await planes[1].start("127.0.0.1", b_port)
+            pubs[1] = Publisher(shards[1][0])
+            await pubs[1].publish(
+                ENDPOINT_STATE_TYPE, {n: engine(port_of[n], gpu_count=1) for n in names[1]}
+            )
+            await until_hosts(envoy, lambda h: set(h) == every)
+            served.clear()
+            await send(envoy, 40)
+            assert set(Counter(served)) == {"a0", "a1", "b0", "b1"}, Counter(served)
+        finally:
+            if envoy is not None:
+                envoy.stop()
+            for pub in pubs:
+                await pub.close()
+            for p in planes:
+                await p.stop(0)

@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
+import socket
 import time
 from pathlib import Path
 
+import grpc
 from aiohttp import web
 
 from xds.allocator import pin_mmap_threshold
@@ -77,6 +80,29 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="do not serve the pools as Envoy ClusterLoadAssignments (EDS)",
     )
     p.add_argument(
+        "--shard",
+        action="append",
+        default=[],
+        metavar="ADDR[,REPLICA...]",
+        help="a control-plane shard of the fleet, this one included (repeat for each; "
+        "agents use the same list, `meshd agent --shard`): the EDS view is then every "
+        "shard's engines, the others' followed over ADS, so an Envoy may follow any shard",
+    )
+    p.add_argument(
+        "--shard-self",
+        default=socket.gethostname(),
+        metavar="NAME",
+        help="which --shard is this one: the one with a replica whose address, host or host's "
+        "first DNS label is NAME (default: the host name, a StatefulSet pod's name)",
+    )
+    p.add_argument(
+        "--shard-stale-s",
+        type=float,
+        default=30.0,
+        help="another shard unreachable this long: its engines leave the EDS view until it "
+        "answers again (0: never) (default %(default)s)",
+    )
+    p.add_argument(
         "--admin",
         default="127.0.0.1:15014",
         metavar="HOST:PORT",
@@ -100,6 +126,34 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
+
+
+def other_shards(shards: list[str], me: str) -> list[tuple[str, ...]]:
+    """The --shard values but this control plane's own (see --shard-self); SystemExit
+    unless exactly one of them is its own."""
+    from meshd.shards import parse_shard
+
+    parsed = [parse_shard(s) for s in shards]
+
+    def names(address: str) -> set[str]:
+        host = address.rpartition(":")[0].strip("[]")
+        return {address, host, host.split(".")[0]}
+
+    mine = [s for s in parsed if any(me in names(a) for a in s)]
+    if len(mine) != 1:
+        raise SystemExit(
+            f"--shard: {len(mine)} of the shards name this control plane ({me!r}); "
+            "give --shard-self"
+        )
+    return [s for s in parsed if s is not mine[0]]
+
+
+def _shard_credentials(tls: TlsConfig | None) -> grpc.ChannelCredentials | None:
+    """What this control plane shows the other shards: its own certificate (the chart's
+    are for client and server auth) and the CA of its clients."""
+    if tls is None:
+        return None
+    return grpc.ssl_channel_credentials(tls.client_ca, tls.private_key, tls.cert_chain)
 
 
 def _loopback(host: str) -> bool:
@@ -132,7 +186,7 @@ async def _start_admin(address: str, plane: ControlPlane) -> web.AppRunner:
     from xds.metrics import ServerStatsCollector
 
     registry = CollectorRegistry()
-    registry.register(ServerStatsCollector(plane.stats, plane.eds))
+    registry.register(ServerStatsCollector(plane.stats, plane.eds, plane.eds_shards))
     fleet = FleetDemand(plane)
     registry.register(FleetDemandCollector(fleet))
 
@@ -193,8 +247,17 @@ def run(args: argparse.Namespace) -> int:
             "meshd-control-plane", args.otlp_endpoint, args.trace_sample_ratio
         )
 
+    siblings = other_shards(args.shard, args.shard_self) if len(args.shard) > 1 else []
+
     async def serve() -> None:
-        plane = ControlPlane(limits=limits, eds=not args.no_eds, tracer_provider=provider)
+        plane = ControlPlane(
+            limits=limits,
+            eds=not args.no_eds,
+            eds_shards=siblings,
+            eds_shard_stale_s=args.shard_stale_s if args.shard_stale_s > 0 else math.inf,
+            shard_credentials=_shard_credentials(tls),
+            tracer_provider=provider,
+        )
         admin = await _start_admin(args.admin, plane)
         bound = await plane.start(host.strip("[]") or "0.0.0.0", int(port), tls)
         print(f"meshd control plane on {host}:{bound}", flush=True)

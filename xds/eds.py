@@ -28,6 +28,7 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from envoy.config.core.v3 import address_pb2, base_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
@@ -42,9 +43,12 @@ from xds.wire import varint
 __all__ = [
     "CLA_TYPE",
     "METADATA_NAMESPACE",
+    "SHARD_CLA_TYPE",
     "EdsEntry",
     "EdsView",
+    "Framed",
     "encode_assignment",
+    "encode_groups",
     "entry_for",
     "weight",
 ]
@@ -52,6 +56,9 @@ __all__ = [
 log = logging.getLogger("meshd.xds.eds")
 
 CLA_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+# A shard's own engines of a pool, as a ClusterLoadAssignment named by the pool: what each
+# shard of a sharded fleet follows of the others (xds/eds_shards.py).
+SHARD_CLA_TYPE = "type.googleapis.com/meshd.v1.ShardLoadAssignment"
 METADATA_NAMESPACE = "meshd"
 _NAMESPACE_BYTES = METADATA_NAMESPACE.encode()
 # Weight per GPU at full headroom, for a GPU of the reference ("unknown": A100) speed.
@@ -255,10 +262,19 @@ def encode_assignment(pool: str, entries: Iterable[EdsEntry]) -> bytes:
     by_gpu: dict[str, list[EdsEntry]] = {}
     for e in sorted(entries, key=lambda e: e.engine):
         by_gpu.setdefault(e.gpu, []).append(e if e.lb_endpoint else _with_bytes(e))
-    return _encode(pool, [(gpu, by_gpu[gpu]) for gpu in sorted(by_gpu)])
+    return encode_groups(pool, [(gpu, by_gpu[gpu]) for gpu in sorted(by_gpu)])
 
 
-def _encode(pool: str, groups: Iterable[tuple[str, Iterable[EdsEntry]]]) -> bytes:
+class Framed(Protocol):
+    """An engine's serialized LbEndpoint, framed as LocalityLbEndpoints.lb_endpoints."""
+
+    @property
+    def lb_endpoint(self) -> bytes: ...
+
+
+def encode_groups(pool: str, groups: Iterable[tuple[str, Iterable[Framed]]]) -> bytes:
+    """The pool's serialized ClusterLoadAssignment from its engines' LbEndpoints grouped by
+    GPU generation (one locality each, sub_zone = the GPU), in the order given."""
     parts = [_len_field(1, pool.encode())]  # cluster_name
     for gpu, entries in groups:
         locality = base_pb2.Locality(sub_zone=gpu).SerializeToString()
@@ -283,9 +299,18 @@ class EdsView:
     """
 
     def __init__(
-        self, cache: SnapshotCache, *, default_pool: str = "default", deferred: bool = False
+        self,
+        cache: SnapshotCache,
+        *,
+        default_pool: str = "default",
+        deferred: bool = False,
+        type_url: str = CLA_TYPE,
     ) -> None:
+        """`type_url`: what the assignments are kept under (a shard of a sharded fleet
+        keeps its own engines' under xds/eds_shards.py's SHARD_CLA_TYPE, and serves Envoy
+        every shard's, merged)."""
         self.cache = cache
+        self.type_url = type_url
         self.default_pool = default_pool
         self.deferred = deferred
         self._entries: dict[str, EdsEntry] = {}  # engine name -> its entry
@@ -314,7 +339,7 @@ class EdsView:
 
     def assignment(self, pool: str) -> endpoint_pb2.ClusterLoadAssignment | None:
         self.flush()
-        r = self.cache.get(CLA_TYPE, pool)
+        r = self.cache.get(self.type_url, pool)
         return None if r is None else endpoint_pb2.ClusterLoadAssignment.FromString(r.body)
 
     def hint(self, name: str, body: bytes, state: EndpointState) -> None:
@@ -382,7 +407,7 @@ class EdsView:
         if not dirty:
             return
         self.rebuilds += len(dirty)
-        self.cache.update(CLA_TYPE, {pool: self._encode_pool(pool) for pool in dirty})
+        self.cache.update(self.type_url, {pool: self._encode_pool(pool) for pool in dirty})
 
     def _encode_pool(self, pool: str) -> bytes:
         order = self._order.get(pool)
@@ -392,7 +417,7 @@ class EdsView:
                 by_gpu.setdefault(self._entries[n].gpu, []).append(n)
             order = self._order[pool] = [(g, by_gpu[g]) for g in sorted(by_gpu)]
         entries = self._entries
-        return _encode(pool, [(g, [entries[n] for n in names]) for g, names in order])
+        return encode_groups(pool, [(g, [entries[n] for n in names]) for g, names in order])
 
     def drop_empty(self, pool: str) -> bool:
         """Remove an empty pool's assignment; False when it still has engines."""
@@ -401,4 +426,4 @@ class EdsView:
             return False
         self._pools.pop(pool, None)
         self._order.pop(pool, None)
-        return self.cache.remove(CLA_TYPE, pool)
+        return self.cache.remove(self.type_url, pool)

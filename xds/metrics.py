@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from xds.eds import EdsView
+from xds.eds_shards import ShardedEds
 from xds.server import ServerStats
 
 __all__ = ["ServerStatsCollector"]
@@ -19,9 +20,12 @@ MAX_DETAIL_CHARS = 200
 
 
 class ServerStatsCollector(Collector):
-    def __init__(self, stats: ServerStats, eds: EdsView | None = None) -> None:
+    def __init__(
+        self, stats: ServerStats, eds: EdsView | None = None, shards: ShardedEds | None = None
+    ) -> None:
         self.stats = stats
         self.eds = eds
+        self.shards = shards
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily]:
         s = self.stats
@@ -65,3 +69,20 @@ class ServerStatsCollector(Collector):
                 "Engines left out of EDS (address not IP:port)",
                 len(self.eds.skipped),
             )
+        if self.shards is not None:
+            connected = GaugeMetricFamily(
+                "meshd_xds_eds_shard_connected",
+                "Another control-plane shard followed for EDS: 1 while connected",
+                labels=["shard"],
+            )
+            in_view = GaugeMetricFamily(
+                "meshd_xds_eds_shard_in_view",
+                "Another shard's engines in the EDS view: 0 once it was unreachable for "
+                "--shard-stale-s",
+                labels=["shard"],
+            )
+            for h in self.shards.health():
+                connected.add_metric([str(h["target"])], float(bool(h["connected"])))
+                in_view.add_metric([str(h["target"])], float(bool(h["in_view"])))
+            yield connected
+            yield in_view

@@ -60,16 +60,16 @@ import itertools
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.service.discovery.v3 import discovery_pb2 as pb
 from grpc import aio
 
 from xds.cache import Resource, SnapshotCache
-from xds.eds import CLA_TYPE, EdsView
+from xds.eds import CLA_TYPE, SHARD_CLA_TYPE, EdsView
 from xds.resources import (
     DECODERS,
     ENDPOINT_STATE_TYPE,
@@ -80,6 +80,9 @@ from xds.resources import (
     decode_prefix_digest_header,
 )
 from xds.wire import len_field, len_header
+
+if TYPE_CHECKING:
+    from xds.eds_shards import ShardedEds
 
 __all__ = [
     "PUBLISH_METHOD",
@@ -540,8 +543,12 @@ class _Stream:
 
     def _first_subscription(self, type_url: str) -> None:
         eds = self.cp.eds
-        if type_url == CLA_TYPE and eds is not None:
+        if eds is not None and type_url in (CLA_TYPE, SHARD_CLA_TYPE):
             eds.flush()  # the view waits while no one follows it (ControlPlane._eds_wanted)
+            shards = self.cp.eds_shards
+            if shards is not None and type_url == CLA_TYPE:
+                shards.start()  # an Envoy: the other shards' engines join the view
+                shards.flush()
 
     def _ack(self, sub: _Subscription, nonce: str, error: Any | None) -> None:
         """Account for an ACK (error None) or a NACK of `nonce`."""
@@ -733,6 +740,8 @@ class _Stream:
 
     def next_push(self, sub: _Subscription) -> _Push | None:
         """The response to send `sub` now, if any (the caller checks flow control)."""
+        if sub.type_url == CLA_TYPE and not self.cp.eds_ready():
+            return None  # not a view with a shard missing (xds/eds_shards.py)
         if sub.backlog:
             return self._shared(sub)
         if sub.lockstep is not None:
@@ -945,10 +954,17 @@ class ControlPlane:
         limits: ServerLimits | None = None,
         *,
         eds: bool = True,
+        eds_shards: Sequence[Sequence[str]] = (),
+        eds_shard_stale_s: float = 30.0,
+        shard_credentials: grpc.ChannelCredentials | None = None,
         clock: Callable[[], float] = time.monotonic,
         tracer_provider: Any = None,
     ) -> None:
         """`eds`: also serve the pools as ClusterLoadAssignments (xds/eds.py).
+        `eds_shards`: the fleet's other control-plane shards (each its replicas'
+        addresses); then the assignments are every shard's engines, the others' followed
+        from the first Envoy on (xds/eds_shards.py; `shard_credentials` for their
+        channels), a shard unreachable for `eds_shard_stale_s` leaving them.
         `tracer_provider`: an OpenTelemetry TracerProvider (meshd.telemetry.setup_tracing);
         then each accepted or refused publish makes a SPAN_XDS_PUBLISH span and each
         response a SPAN_XDS_PUSH span, open until the client answers it (a NACK sets
@@ -956,7 +972,23 @@ class ControlPlane:
         self.cache = cache if cache is not None else SnapshotCache()
         self.limits = limits or ServerLimits()
         self.stats = ServerStats()
-        self.eds = EdsView(self.cache, deferred=True) if eds else None
+        self.eds: EdsView | None = None
+        self.eds_shards: ShardedEds | None = None
+        if eds and eds_shards:
+            from xds.eds_shards import ShardedEds  # (it imports xds.client, which imports us)
+
+            self.eds = EdsView(self.cache, deferred=True, type_url=SHARD_CLA_TYPE)
+            self.eds_shards = ShardedEds(
+                self.cache,
+                eds_shards,
+                stale_after_s=eds_shard_stale_s,
+                credentials=shard_credentials,
+                on_change=self._eds_shards_changed,
+                clock=clock,
+            )
+        elif eds:
+            self.eds = EdsView(self.cache, deferred=True)
+        self._eds_ready_seen = False
         self._tracer = tracer_provider.get_tracer("meshd.xds") if tracer_provider else None
         self._clock = clock
         self._server: aio.Server | None = None
@@ -1044,6 +1076,8 @@ class ControlPlane:
         return bound
 
     async def stop(self, grace: float | None = None) -> None:
+        if self.eds_shards is not None:
+            await self.eds_shards.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -1107,9 +1141,21 @@ class ControlPlane:
     # -- fan-out --------------------------------------------------------------------------
 
     def _eds_wanted(self) -> bool:
-        """Whether a stream follows the EDS view (else it waits, dirty, until one does or
-        it is read: an engine's publish costs nothing for EDS while no Envoy listens)."""
-        return any(CLA_TYPE in s.subs for s in self._streams)
+        """Whether a stream follows the EDS view, or another shard this one's part of it
+        (else it waits, dirty, until one does or it is read: an engine's publish costs
+        nothing for EDS while no Envoy listens)."""
+        if self.eds_shards is not None and self.eds_shards.started:
+            return True
+        return any(CLA_TYPE in s.subs or SHARD_CLA_TYPE in s.subs for s in self._streams)
+
+    def eds_ready(self) -> bool:
+        """Whether Envoy may have the EDS view: always, but with shards not before every
+        other shard answered once (or a timeout: ShardedEds.ready)."""
+        return self.eds_shards is None or self.eds_shards.ready()
+
+    def _eds_shards_changed(self) -> None:
+        if not self._flushing and self._flush_handle is None:
+            self._schedule_flush()
 
     def _on_change(self, type_url: str, names: frozenset[str]) -> None:
         pending = self._dirty.get(type_url)
@@ -1137,12 +1183,20 @@ class ControlPlane:
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
-        if self.eds is not None and self.eds.dirty and self._eds_wanted():
+        shards = self.eds_shards
+        if self.eds is not None and self._eds_wanted():
             self._flushing = True
             try:
                 self.eds.flush()  # its assignments join this flush
+                if shards is not None:
+                    shards.flush()  # and the shards' merge, which they change
             finally:
                 self._flushing = False
+            if shards is not None and not self._eds_ready_seen and shards.ready():
+                self._eds_ready_seen = True  # Envoys waiting for their first view get it
+                for stream in self._streams:
+                    if CLA_TYPE in stream.subs:
+                        stream.wake.set()
         with contextlib.suppress(RuntimeError):
             self._last_flush = asyncio.get_running_loop().time()
         dirty, self._dirty = self._dirty, {}
