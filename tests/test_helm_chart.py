@@ -1037,6 +1037,37 @@ def test_sharded_control_planes_a_statefulset_that_agents_and_sidecars_address_b
         render(chart, {"controlPlane": {"shards": 2, "replicas": 2}})
 
 
+def test_sharded_control_planes_each_serve_envoy_every_shards_engines(chart: Any) -> None:
+    """Each shard is told every shard and finds itself by its pod's name, so each serves
+    the whole fleet's EDS view (xds/eds_shards.py): Envoy may follow any of them."""
+    from meshd.cli import build_parser
+    from xds.cli import other_shards
+
+    docs = render(chart, {"controlPlane": {"shards": 3, "resourceTTLSeconds": 45}})
+    (sts,) = find(docs, "StatefulSet", "meshd-control-plane")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args(container["args"])
+    pods = [
+        f"meshd-control-plane-{i}.meshd-control-plane-headless.{NAMESPACE}.svc:15010"
+        for i in range(3)
+    ]
+    assert args.shard == pods
+    assert (args.shard_self, args.shard_stale_s) == ("$(POD_NAME)", 45.0)
+    (pod_name,) = [e for e in container["env"] if e["name"] == "POD_NAME"]
+    assert pod_name["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    # What the kubelet makes of $(POD_NAME) in the second pod:
+    assert other_shards(args.shard, "meshd-control-plane-1") == [(pods[0],), (pods[2],)]
+    # No EDS, or one shard: nothing to follow.
+    for values in ({"shards": 3, "eds": False}, {"shards": 1}, {"replicas": 2}):
+        docs = render(chart, {"controlPlane": values})
+        (cp,) = find(docs, "StatefulSet", "meshd-control-plane") or find(
+            docs, "Deployment", "meshd-control-plane"
+        )
+        (container,) = cp["spec"]["template"]["spec"]["containers"]
+        assert "--shard" not in container["args"], values
+        assert all(e["name"] != "POD_NAME" for e in container["env"])
+
+
 def test_control_plane_replicas_each_get_every_update_and_sidecars_fail_over(
     rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
