@@ -138,12 +138,15 @@ def _publisher(conn: Connection, target: str, engines: list[int], args: dict[str
     digests = {i: EngineDigests(i, args["blocks"], args["delta_blocks"]) for i in engines}
 
     async def main() -> None:
-        pub = Publisher(target, channel_options=[("grpc.max_send_message_length", 2**30)])
-        for node in nodes:
+        # A publish stream per node, as each node's agent has its link (the control plane
+        # holds per stream what it last received).
+        options = [("grpc.max_send_message_length", 2**30)]
+        pubs = [Publisher(target, channel_options=options) for _ in nodes]
+        for pub, node in zip(pubs, nodes, strict=True):
             await pub.publish(T, {engine_name(i): engine_body_us(i, 0, 0) for i in node})
         conn.send("states")
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)
-        for node in nodes:  # every body made just before its message, as agents do
+        for pub, node in zip(pubs, nodes, strict=True):  # each body made just before sending
             await pub.publish(DIGEST_T, {engine_name(i): digests[i].full() for i in node})
         conn.send("restart")
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)
@@ -157,11 +160,12 @@ def _publisher(conn: Connection, target: str, engines: list[int], args: dict[str
                 else digests[i].delta()
                 for i in nodes[n % len(nodes)]
             }
-            await pub.publish(DIGEST_T, bodies)
+            await pubs[n % len(nodes)].publish(DIGEST_T, bodies)
             n += 1
             await asyncio.sleep(max(0.0, period - 0.0005))
         conn.send("churn")
-        await pub.close()
+        for pub in pubs:
+            await pub.close()
 
     asyncio.run(main())
 
@@ -332,10 +336,10 @@ def report(
 ) -> list[str]:
     by = {p.name: p for p in phases}
     old = {p.name: p for p in before or ()}
-    lines = [f"{'phase':8} {'settled':>14} {'peak':>14}" + ("   now/before" if before else "")]
+    lines = [f"{'phase':8} {'settled':>17} {'peak':>17}" + ("   now/before" if before else "")]
     for p in phases:
-        line = f"{p.name:8} {p.settled_mib:7.0f} MiB" + f"{p.settled_mib * 2**20 / 1e6:4.0f} MB"
-        line += f" {p.peak_mib:7.0f} MiB{p.peak_mib * 2**20 / 1e6:4.0f} MB"
+        line = f"{p.name:8} {p.settled_mib:6.0f} MiB {p.settled_mib * 2**20 / 1e6:5.0f} MB"
+        line += f" {p.peak_mib:6.0f} MiB {p.peak_mib * 2**20 / 1e6:5.0f} MB"
         o = old.get(p.name)
         if o is not None:
             line += f"   settled {p.settled_mib / o.settled_mib:.2f}x, peak "

@@ -234,6 +234,13 @@ def _control_plane(conn: Connection, push_interval_s: float) -> None:
     import xds  # noqa: F401
     from xds.server import ControlPlane, ServerLimits
 
+    try:  # what `meshd control-plane` does first (xds/allocator.py; older trees: none)
+        from xds.allocator import pin_mmap_threshold
+    except ImportError:
+        pass
+    else:
+        pin_mmap_threshold()
+
     async def main() -> None:
         # (ServerLimits() alone when 0, so the bench also runs against an older server.)
         limits = ServerLimits(push_interval_s=push_interval_s) if push_interval_s else None
