@@ -46,7 +46,9 @@ base it does not hold gives it the base instead, and the delta goes in the next 
 lets a delta replace a base).
 
 Besides meshd's own types the cache holds the EDS view (xds/eds.py): one
-ClusterLoadAssignment per pool, derived from the EndpointStates, for Envoy. With
+ClusterLoadAssignment per pool, derived from the EndpointStates, for Envoy; with
+control-plane shards (`eds_shards`), every shard's engines, the others' followed
+(xds/eds_shards.py), since an Envoy follows one management server. With
 `resource_ttl_s` set, an engine whose agent has published nothing for that long (agents
 heartbeat their EndpointState every couple of seconds) has all its resources removed, so
 a dead agent's last report does not linger as if current.
