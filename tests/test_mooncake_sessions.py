@@ -11,7 +11,7 @@ from loadtest.bench import matrix as M
 from loadtest.bench.client import ClientSettings, RequestOutcome, request_headers
 from loadtest.workloads.registry import WORKLOADS
 from loadtest.workloads.request import render
-from loadtest.workloads.traces import mooncake_sessions, parse_mooncake
+from loadtest.workloads.traces import first_sessions, mooncake_sessions, parse_mooncake
 
 BLOCK = 4  # tokens per block in these tests
 
@@ -83,6 +83,40 @@ def test_the_workload_is_registered_and_real_traces_give_sessions():
     follow = [r for r in out if r.step]
     assert follow and all(r.depends_on_previous for r in follow)
     assert len(out) == 400
+
+
+def test_first_sessions_takes_whole_sessions_in_arrival_order():
+    _, out = plan(
+        rows(
+            (0, 6, [1, 2]),  # session A: t:1 -> t:3 -> t:5
+            (50, 5, [7, 8]),  # B: t:2, alone
+            (100, 11, [1, 2, 3]),
+            (150, 5, [9, 10]),  # C: t:4 -> t:6
+            (200, 15, [1, 2, 3, 4]),
+            (250, 9, [9, 10, 11]),
+        )
+    )
+    sessions = lambda rs: {r.session_id for r in rs}  # noqa: E731
+    by = {r.request_id: r for r in out}
+    a, b, c = (by[f"t:{i}"].session_id for i in (1, 2, 4))
+    # A's three steps reach 2 at once; 4 needs B too; 5 needs C (never a session cut).
+    assert sessions(first_sessions(out, 2)) == {a}
+    assert sessions(first_sessions(out, 4)) == {a, b}
+    picked = first_sessions(out, 5)
+    assert sessions(picked) == {a, b, c} and len(picked) == 6
+    assert picked == [r for r in out if r in picked]  # the input's order
+    with pytest.raises(ValueError):
+        first_sessions(out, 0)
+
+
+def test_the_matrix_sessions_keep_their_follow_ups():
+    # Sessions found in the whole trace, then cut: a third of the requests are follow-ups
+    # (found in the trace's first rows only, a twentieth).
+    out = M._base_requests("sessions", 8, quick=True)
+    follow = sum(1 for r in out if r.step)
+    assert len(out) >= 300 and follow >= 0.25 * len(out)
+    firsts = {r.session_id for r in out if not r.step}
+    assert {r.session_id for r in out} == firsts  # whole sessions only
 
 
 def test_a_client_may_withhold_its_session_header():

@@ -14,12 +14,14 @@ The cells vary one axis at a time around a centre (8 identical H100s, small cach
 0.8), per workload; `--full` runs the whole cross product instead. Axes:
 
 - workload: `mooncake` (the Mooncake trace, open loop, real lengths), `sessions` (its
-  conversations as closed-loop sessions, traces.mooncake_sessions: the next turn 2 s
-  after the answer, at most 8 turns, each task due in 3 s + 50 ms per output token per
-  turn), `sessions-nohdr` (the same, the client names no session), `agentic` (3 to 50
-  steps per task, tool delays of ~1 s, a 2,048-token tool prompt), `shared-prefix` (16
-  system prompts of 1,024 tokens) and `azure-conv` (Azure's conversation trace, no
-  shared prefixes: load balance alone);
+  conversations as closed-loop sessions, traces.mooncake_sessions over the whole trace,
+  then its first whole sessions up to the cell's request count, traces.first_sessions:
+  a third of the requests are follow-ups; the next turn 2 s after the answer, at most 8
+  turns, each task due in 3 s + 50 ms per output token per turn), `sessions-nohdr`
+  (the same, the client names no session), `agentic` (3 to 50 steps per task, tool
+  delays of ~1 s, a 2,048-token tool prompt), `shared-prefix` (16 system prompts of
+  1,024 tokens) and `azure-conv` (Azure's conversation trace, no shared prefixes: load
+  balance alone);
 - engines: 4, 8, 16, 64; cache: `small` (KV for ~10 of the workload's mean prompts per
   engine, and at least a batch of 32 mean requests: ~32 of Mooncake's) or `large`
   (~1,000); load: 0.5, 0.8, 1.0, 1.5 of the fleet's nominal capacity
@@ -144,15 +146,17 @@ def _base_requests(workload: str, engines: int, quick: bool) -> list[PlannedRequ
     """The workload at its own pace (time scale 1), sized for the fleet."""
     from loadtest.workloads.generators import agentic, shared_prefix
     from loadtest.workloads.registry import azure_conv, mooncake
-    from loadtest.workloads.traces import mooncake_sessions
+    from loadtest.workloads.traces import first_sessions, mooncake_sessions
 
     n = 300 if quick else max(600, min(2000, 125 * engines))
     if workload == "mooncake":
         return mooncake(cap=n, token_scale=1.0)
     if workload in ("sessions", "sessions-nohdr"):
-        rows = mooncake(cap=n, token_scale=1.0)
+        # Conversations found across the whole trace, then its first sessions (whole)
+        # up to n requests: a third of them follow-ups (traces.first_sessions).
+        rows = mooncake(token_scale=1.0)
         out = mooncake_sessions(rows, think_s=SESSION_THINK_S, max_steps=SESSION_MAX_STEPS)
-        return _with_task_deadlines(out)
+        return _with_task_deadlines(first_sessions(out, n))
     if workload == "agentic":
         return agentic(
             tasks=max(8, n // 25),

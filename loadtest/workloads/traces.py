@@ -13,7 +13,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -402,3 +402,26 @@ def mooncake_sessions(
             )
     out.sort(key=lambda r: r.at_s)
     return out
+
+
+def first_sessions(requests: Sequence[PlannedRequest], n: int) -> list[PlannedRequest]:
+    """Whole sessions of `requests` (mooncake_sessions' output), in the order their first
+    steps arrive, until they hold at least `n` requests (at least one session). A trace's
+    next turn often comes minutes of trace time after the one it continues, so sessions
+    found in a whole trace and cut this way keep their follow-ups, where sessions found in
+    the trace's first `n` rows lose most of theirs (Mooncake: 1,303 follow-ups in 3,993
+    rows; 49 in the first 1,000)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    sizes: dict[str | None, int] = {}
+    for r in sorted(requests, key=lambda r: r.at_s):
+        if r.step in (None, 0):
+            sizes[r.session_id] = r.steps_in_task or 1
+    keep: set[str | None] = set()
+    total = 0
+    for sid, size in sizes.items():
+        if total >= n:
+            break
+        keep.add(sid)
+        total += size
+    return [r for r in requests if r.session_id in keep]
