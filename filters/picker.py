@@ -177,8 +177,14 @@ Decision
    distinct cold groups spread over comparable engines, and many clients agree on one
    engine without talking). A prefix cached somewhere takes part too: when what it saves
    is under the window (a shared chat-template header) the hash decides; when it saves
-   more, the holder is alone in the window ("prefix-affinity"). With no block hashes at
-   all, the lowest J ("least-cost"). Fallbacks follow by J: within the bound
+   more, the holder is alone in the window ("prefix-affinity"). Within the window the
+   least loaded per unit of capacity weight goes first, its load counting home_weight
+   (1) per cold prompt homed there lately, decaying over home_window_s (30 s): a new
+   session's first step brings follow-ups later, and between steps a session has nothing
+   in flight, so load alone sent new sessions where a dozen had just started (8 H100s,
+   64 new sessions a second apart, none in flight: 8 an engine with homes, 3 to 16 by the
+   hash alone; tests/test_picker_spread.py). With no block hashes at all, the lowest J
+   ("least-cost"). Fallbacks follow by J: within the bound
    ("fallback"), then over it ("over-load-bound"). Ties: lower J, then endpoint name.
 6. Speculation: the primary is recorded in the PrefixIndex and the task map at pick time.
 
@@ -219,7 +225,17 @@ decode pricing): next turns kept 0.47 -> 0.94, token hit rate 0.050 -> 0.120
 (cache_aware 0.127), task makespan p50 7.1 -> 5.6 s (cache_aware 6.1), E2E p50 3.3 ->
 3.0 s (cache_aware 3.6), TTFT p90 2.30 -> 2.12 s (cache_aware 2.11).
 affinity_redo_weight 1 -> 2 on the matrix's sessions cell (load 0.8): kept 0.78 -> 0.88,
-TTFT p90 3.99 -> 3.72 s.
+TTFT p90 3.99 -> 3.72 s. 2 -> 8 once the matrix's sessions came from the whole trace (a
+third of the requests follow-ups; 8 H100s, small caches, load 0.8): kept 0.87 -> 0.98,
+hit rate 0.481 -> 0.503, TTFT p90 2.47 -> 2.39 s, task success 0.809 -> 0.836 (cache_aware
+1.00, 0.507, 2.15 s, 0.834): a departure that won this request a few tenths of a second
+recomputed the session's prefix elsewhere, and the queue it then made, and the copy it
+evicted, cost the requests after it more (TTFT p90 was worse, not better). Cold-prompt
+homes on top (same cell): TTFT p90 2.39 -> 2.13 s, task success 0.836 -> 0.876, kept
+0.96. Over 18 cells (the 9 sessions cells and one of each other workload, virtual clock,
+2026-12-06), against the previous defaults, geometric means of meshd / best peer: TTFT
+p90 x0.96, E2E p50 x0.96, hit rate x1.04, task success x1.07, makespan p50 x0.96 (redo
+weight 8 alone: x1.00, x0.99, x1.01, x1.05, x1.00); cells missing a target 74 -> 57.
 
 The prefix index's capacity is learnt (observe_cached): an engine whose KV capacity nobody
 gave starts at INDEX_CAPACITY_UNKNOWN_START (4) x the default GPU's, x1.1 when the engine
@@ -366,7 +382,12 @@ class PickerConfig:
     affinity_min_fraction: float = 0.3
     affinity_imbalance: float = 3.0
     affinity_margin_s: float = 0.05
-    affinity_redo_weight: float = 2.0
+    affinity_redo_weight: float = 8.0
+    # Cold-prompt homes (module docstring, 5): a cold prompt (a new session's first step)
+    # counts against its endpoint for the rendezvous window's load order, this weight per
+    # home, decaying with this time constant: the follow-ups it brings later.
+    home_weight: float = 1.0
+    home_window_s: float = 30.0
     sticky_output_fraction: float = 0.5
     tokens_per_block: float = 64 / CHARS_PER_TOKEN  # 64-byte blocks, ~4 chars per token
     group_blocks: int = 4
@@ -422,6 +443,8 @@ class PickerConfig:
             raise ValueError("affinity_min_fraction must be in (0, 1], affinity_imbalance >= 1")
         if self.affinity_margin_s < 0 or self.affinity_redo_weight < 0:
             raise ValueError("affinity_margin_s and affinity_redo_weight must be >= 0")
+        if self.home_weight < 0 or not self.home_window_s > 0:
+            raise ValueError("home_weight must be >= 0 and home_window_s > 0")
         if self.decode_weight < 0 or self.prefill_delay_weight < 0:
             raise ValueError("decode_weight and prefill_delay_weight must be >= 0")
 
@@ -877,6 +900,8 @@ class Picker:
         # Affinity departures by reason ("deadline", "overloaded", "faster-elsewhere"):
         # follow-up steps sent away from the endpoint holding their prefix.
         self.departures: dict[str, int] = {}
+        # Cold-prompt homes per endpoint: (count, when), decaying by home_window_s.
+        self._homes: dict[str, tuple[float, float]] = {}
         self.last_departure: str | None = None  # the last pick's, if any
         # Learnt factor on each endpoint's prefix-index capacity (observe_cached).
         self._cap_scale: dict[str, float] = {}
@@ -1099,11 +1124,14 @@ class Picker:
                 # Nowhere cached, or cached where it saves less than the window (a shared
                 # chat-template header): consistent hashing among the comparable endpoints.
                 top = self._cold_hash(
-                    meet, best, group_key, c.cold_tolerance, big_m, big_p, lam_d, within
+                    meet, best, group_key, c.cold_tolerance, big_m, big_p, lam_d, within, now
                 )
                 if top is not best or best[1] not in cached_of:
                     primary = top
                     reason = "cold-hash"
+                if record:  # the prompt makes its home here (a new session's first step)
+                    name = primary[1]
+                    self._homes[name] = (self._homes_now(name, now) + 1.0, now)
         if not bound_ok:
             reason = "over-load-bound"
 
@@ -1252,6 +1280,7 @@ class Picker:
         self._cap_scale.pop(endpoint, None)
         self._cap_known.pop(endpoint, None)
         self._cap_guessed.discard(endpoint)
+        self._homes.pop(endpoint, None)
         old = self._cal_of.pop(endpoint, None)
         if old is not None:
             k = old.cls
@@ -1780,8 +1809,10 @@ class Picker:
         prompt: int,
         lam_d: float,
         within: Callable[[_Cand], bool],
+        now: float,
     ) -> _Cand:
-        """The least loaded per unit of capacity weight, then weighted rendezvous hashing
+        """The least loaded per unit of capacity weight (its load plus home_weight per cold
+        prompt homed there lately, _homes_now), then weighted rendezvous hashing
         (Thaler & Ravishankar; the weighted form: each endpoint draws -ln(u) / w_e from the
         key's hash and the lowest wins, so an endpoint wins a share of keys proportional to
         its capacity weight) among equals, over the endpoints within the
@@ -1805,6 +1836,7 @@ class Picker:
         top = best
         top_score = (_INF, _INF)
         draws = self._draws
+        home_w = self.config.home_weight
         for t in meet:
             if t[0] > window:
                 tv = t[2]
@@ -1829,7 +1861,7 @@ class Picker:
             # Least loaded per unit of capacity first (a cold prompt gains nothing from
             # any one of them), the rendezvous draw among equals: idle or equally loaded
             # fleets, and so sidecars that see little of each other's load, still agree.
-            s = (v.load / v.weight, draw / v.weight)
+            s = ((v.load + home_w * self._homes_now(t[1], now)) / v.weight, draw / v.weight)
             if s < top_score:
                 top, top_score = t, s
         return top
@@ -1873,6 +1905,13 @@ class Picker:
                 step,
             ),
         )
+
+    def _homes_now(self, name: str, now: float) -> float:
+        """Cold prompts homed at `name`, each weighing exp(-age / home_window_s)."""
+        h = self._homes.get(name)
+        if h is None:
+            return 0.0
+        return h[0] * math.exp((h[1] - now) / self.config.home_window_s)
 
     def _commit(self, req: PickRequest, choice: Choice, now: float) -> None:
         if req.block_hashes:

@@ -72,7 +72,9 @@ routing:
     affinity_min_fraction: 0.3 # a prompt this much cached at one endpoint stays there...
     affinity_imbalance: 3.0    # ...unless its load is over 3x its fair share,
     affinity_margin_s: 0.05    # ...or another is faster by more than this or than the
-    affinity_redo_weight: 2.0  # recompute x (this + requests waiting there)
+    affinity_redo_weight: 8.0  # recompute x (this + requests waiting there)
+    home_weight: 1.0           # a new session's first step counts as this much load...
+    home_window_s: 30          # ...on its endpoint, decaying over this (its follow-ups)
   unhealthy_after_failures: 3  # consecutive connect failures before an endpoint rests
   unhealthy_cooldown_s: 10
   learn_chars_per_token: false # learn chars per prompt token per model from usage (else 4)

@@ -296,7 +296,12 @@ class PickerSettings(_Strict):
     affinity_min_fraction: float = Field(default=0.3, gt=0, le=1)
     affinity_imbalance: float = Field(default=3.0, ge=1)
     affinity_margin_s: float = Field(default=0.05, ge=0)
-    affinity_redo_weight: float = Field(default=2.0, ge=0)
+    affinity_redo_weight: float = Field(default=8.0, ge=0)
+    # A cold prompt (a new session's first step) counts against the endpoint it was sent
+    # to, home_weight per prompt decaying over home_window_s, when the next cold prompt
+    # picks among comparable endpoints: the follow-ups it will bring.
+    home_weight: float = Field(default=1.0, ge=0)
+    home_window_s: float = Field(default=30.0, gt=0)
 
 
 class Tokenizer(_Strict):

@@ -47,6 +47,8 @@ def build_routers(
         affinity_imbalance=routing.picker.affinity_imbalance,
         affinity_margin_s=routing.picker.affinity_margin_s,
         affinity_redo_weight=routing.picker.affinity_redo_weight,
+        home_weight=routing.picker.home_weight,
+        home_window_s=routing.picker.home_window_s,
         ramp_yield_s=config.reliability.slow_start.yield_queue_s,
     )
     if picker_overrides:

@@ -5,6 +5,7 @@ calibration, and engine token blocks (PickRequest.tokens_per_block). Fake clock 
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from dataclasses import dataclass, fields
@@ -177,6 +178,41 @@ def test_shallow_shared_header_does_not_pin_everything_to_one_engine():
         p.pick(req(unrelated(rng, k, header)), eps, k * 0.5)[0].endpoint for k in range(400)
     )
     assert len(used) == 4 and min(used.values()) >= 60, used
+
+
+@pytest.mark.parametrize("home_weight", [1.0, 0.0])
+def test_new_sessions_spread_by_the_homes_they_made_lately(home_weight):
+    # Agent sessions between steps have nothing in flight: load alone cannot tell an engine
+    # that 12 sessions made their home on a minute ago from one that has none. Each cold
+    # prompt counts against its endpoint (home_weight, decaying over home_window_s), so 64
+    # new sessions, one a second, none in flight, land 8 an engine; by the hash alone
+    # (home_weight 0) they land as the draws fall.
+    eps = fleet(*["H100"] * 8)
+    p = Picker(PickerConfig(home_weight=home_weight))
+    rng = random.Random(11)
+    used = Counter(p.pick(req(unrelated(rng, k)), eps, float(k))[0].endpoint for k in range(64))
+    spread = max(used.values()) - min(used.get(e.name, 0) for e in eps)
+    if home_weight:
+        assert spread <= 1, used
+    else:
+        assert spread >= 4, used
+
+
+def test_homes_decay_and_leave_with_their_endpoint():
+    eps = fleet("H100", "H100")
+    p = Picker(PickerConfig(home_window_s=10.0))
+    rng = random.Random(2)
+    (c,) = p.pick(req(unrelated(rng, 0)), eps, 0.0, record=True)[:1]
+    assert p._homes_now(c.endpoint, 0.0) == pytest.approx(1.0)
+    assert p._homes_now(c.endpoint, 10.0) == pytest.approx(math.exp(-1.0))
+    p.pick(req(unrelated(rng, 1)), eps, 0.0, record=False)  # a look, not a routing
+    assert sum(p._homes_now(e.name, 0.0) for e in eps) == pytest.approx(1.0)
+    p.forget(c.endpoint)
+    assert p._homes_now(c.endpoint, 0.0) == 0.0
+    with pytest.raises(ValueError):
+        PickerConfig(home_window_s=0.0)
+    with pytest.raises(ValueError):
+        PickerConfig(home_weight=-1.0)
 
 
 def test_shared_prefixes_still_stick():

@@ -34,6 +34,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "bounded load (epsilon)": {"picker_config": {"epsilon": 1e9}},
     "load floor": {"picker_config": {"load_floor": 0.0}},
     "cold-hash window": {"picker_config": {"cold_tolerance": 0.0}},
+    "cold-prompt homes": {"picker_config": {"home_weight": 0.0}},
     "replication": {"picker_config": {"replicate_utilisation": 1e9}},
     "affinity holder": {"picker_config": {"affinity_min_fraction": 1.0}},
     "imbalance bound": {"picker_config": {"affinity_imbalance": 1e9}},
