@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import pytest
+from aiohttp import web
 
 from loadtest import real_vllm
 from loadtest.envoy_bin import EnvoyNotInstalled, envoy_binary
+from loadtest.stub_backend import StubConfig, make_app
 from meshd.config import Config, load_config
 from meshd.sidecar import Sidecar
 
@@ -60,3 +63,38 @@ NEEDS_REAL_VLLM = [
         reason="no real vLLM here: run `python -m loadtest.real_vllm setup` (.venv-vllm)",
     ),
 ]
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@contextlib.asynccontextmanager
+async def stub_engines(
+    names: list[str], default_tokens: int = 4
+) -> AsyncIterator[tuple[list[int], list[str]]]:
+    """Stub engines (loadtest.stub_backend) on port 0, one per name: their ports, and the
+    name of the engine that served each request, in order."""
+    served: list[str] = []
+    runners: list[web.AppRunner] = []
+    ports: list[int] = []
+    try:
+        for name in names:
+
+            @web.middleware
+            async def record(
+                request: web.Request, handler: Handler, name: str = name
+            ) -> web.StreamResponse:
+                served.append(name)
+                return await handler(request)
+
+            app = make_app(StubConfig(default_tokens=default_tokens))
+            app.middlewares.append(record)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            runners.append(runner)
+            ports.append(runner.addresses[0][1])
+        yield ports, served
+    finally:
+        for r in runners:
+            await r.cleanup()

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import yaml
-from aiohttp import web
-from harness import NEEDS_ENVOY
+from harness import NEEDS_ENVOY, stub_engines
 
 from loadtest.envoy_bin import (
     STATIC_CONFIG,
@@ -21,11 +20,9 @@ from loadtest.envoy_bin import (
     validate_config,
 )
 from loadtest.openloop import Endpoint, LoadGenerator, completion_request
-from loadtest.stub_backend import StubConfig, answer_text, make_app
+from loadtest.stub_backend import answer_text
 
 pytestmark = NEEDS_ENVOY
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def test_the_config_as_written_is_valid() -> None:
@@ -67,28 +64,8 @@ def test_a_broken_config_is_rejected(tmp_path: Path) -> None:
 @pytest.fixture
 async def stub_backends() -> AsyncIterator[tuple[list[tuple[str, int]], list[str]]]:
     """Two in-process stub backends on port 0, recording which one served each request."""
-    served: list[str] = []
-    runners: list[web.AppRunner] = []
-    addresses: list[tuple[str, int]] = []
-    for name in ("a", "b"):
-
-        @web.middleware
-        async def record(
-            request: web.Request, handler: Handler, name: str = name
-        ) -> web.StreamResponse:
-            served.append(name)
-            return await handler(request)
-
-        app = make_app(StubConfig(default_tokens=200))
-        app.middlewares.append(record)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        addresses.append(("127.0.0.1", runner.addresses[0][1]))
-    yield addresses, served
-    for r in runners:
-        await r.cleanup()
+    async with stub_engines(["a", "b"], default_tokens=200) as (ports, served):
+        yield [("127.0.0.1", port) for port in ports], served
 
 
 async def test_envoy_relays_streams_round_robin(

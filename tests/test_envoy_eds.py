@@ -6,20 +6,18 @@ unhealthy. Asserted at the backends."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 import yaml
-from aiohttp import web
-from harness import NEEDS_ENVOY
+from harness import NEEDS_ENVOY, stub_engines
 
 from loadtest.envoy_bin import (
     REPO_ROOT,
@@ -27,7 +25,6 @@ from loadtest.envoy_bin import (
     start_envoy,
     validate_config,
 )
-from loadtest.stub_backend import StubConfig, make_app
 from xds.client import Publisher
 from xds.resources import ENDPOINT_STATE_TYPE, EndpointState
 from xds.server import ControlPlane
@@ -37,7 +34,6 @@ pytestmark = NEEDS_ENVOY
 EDS_CONFIG = REPO_ROOT / "envoy" / "eds.yaml"
 POOL = "gpu-pool"
 WAIT_S = 20.0
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def render(control_plane_port: int, *, pool: str = POOL, api_type: str = "DELTA_GRPC") -> Any:
@@ -61,35 +57,6 @@ def render(control_plane_port: int, *, pool: str = POOL, api_type: str = "DELTA_
 def test_the_config_as_written_is_valid() -> None:
     result = validate_config(EDS_CONFIG)
     assert result.returncode == 0, result.stdout + result.stderr
-
-
-@contextlib.asynccontextmanager
-async def stub_engines(names: list[str]) -> AsyncIterator[tuple[list[int], list[str]]]:
-    """Stub engines on port 0, recording which served each request."""
-    served: list[str] = []
-    runners: list[web.AppRunner] = []
-    ports: list[int] = []
-    try:
-        for name in names:
-
-            @web.middleware
-            async def record(
-                request: web.Request, handler: Handler, name: str = name
-            ) -> web.StreamResponse:
-                served.append(name)
-                return await handler(request)
-
-            app = make_app(StubConfig(default_tokens=4))
-            app.middlewares.append(record)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            runners.append(runner)
-            ports.append(runner.addresses[0][1])
-        yield ports, served
-    finally:
-        for r in runners:
-            await r.cleanup()
 
 
 @pytest.fixture
