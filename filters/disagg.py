@@ -28,16 +28,28 @@ each per item, as lists (`bootstrap_batch`). SGLang's decode engines refuse a re
 without a room ("Disaggregated request received without bootstrap room id"), so under
 this protocol nothing is served whole on the decode pool.
 
-The decider (llm-d's prefix-based pd-decider, in tokens): a request is split when the part
-of its prompt the prefill pool does not hold in cache is at least `min_prefill_tokens`; a
-shorter prefill is cheaper done where the decode runs than shipped as KV. The KV transfer
-it pays is the whole prompt's KV over the link: tokens x bytes per token / bandwidth.
+The decider (llm-d's prefix-based pd-decider, in tokens, and the link): with P prompt
+tokens, U of them not cached at the best prefill engine, the KV transfer T = P x KV bytes
+per token / the link's bandwidth (the whole prompt's KV crosses the link), a request is
+split when
+1. a prefill engine can take it (else whole: `no-prefill-engine`),
+2. U >= `min_prefill_tokens` (else `short-prefill`: a short prefill is cheaper done where
+   the decode runs than shipped as KV), and
+3. T < U x r, r the decode pool's seconds per prefilled token at its GPUs' nominal speed
+   (else `transfer-slower`: shipping the prompt's KV would keep the decode engine waiting
+   longer than computing the uncached part itself; a prompt mostly cached, or a slow link).
+At 50 GB/s and 128 KiB a token (2.6 us) against an H100's 36 us a token, rule 3 serves
+whole a prompt more than 93% cached; at 5 GB/s, more than 27%. Under SGLang's protocol
+every request that a prefill engine can take is split (its decode engines serve nothing
+whole). The transfer is also part of a split request's predicted TTFT: the prefill
+engine's predicted TTFT, then T, then the decode engine's wait (Picker.order_decode).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -45,19 +57,23 @@ from typing import Any
 
 __all__ = [
     "BOOTSTRAP_FIELDS",
+    "BOOTSTRAP_RETRY_S",
     "KV_PARAMS",
     "MAX_ROOM",
     "SGLANG_BOOTSTRAP_PORT",
+    "BootstrapPorts",
     "Split",
     "aggregated_body",
     "bootstrap_batch",
     "bootstrap_body",
+    "bootstrap_port_of",
     "decide_split",
     "decode_body",
     "leg_answer",
     "new_room",
     "prefill_body",
     "transfer_params",
+    "transfer_seconds",
 ]
 
 KV_PARAMS = "kv_transfer_params"
@@ -78,12 +94,19 @@ _PREFILL_PARAMS: dict[str, Any] = {
 
 @dataclass(frozen=True, slots=True)
 class Split:
-    """The decider's answer: split or not, why, and the transfer it would cost."""
+    """The decider's answer: split or not, why, the transfer it would cost, and the best
+    prefill engine's predicted TTFT (None: its router predicts none, or no engine)."""
 
     split: bool
-    reason: str  # split | short-prefill | no-prefill-engine
+    reason: str  # split | short-prefill | transfer-slower | no-prefill-engine
     uncached_tokens: int
     transfer_s: float
+    prefill_ttft_s: float | None = None
+
+
+def transfer_seconds(prompt_tokens: int, kv_bytes_per_token: int, kv_link_gb_per_s: float) -> float:
+    """The prompt's KV over the link: tokens x bytes per token / (GB/s x 1e9)."""
+    return prompt_tokens * kv_bytes_per_token / (kv_link_gb_per_s * 1e9)
 
 
 def decide_split(
@@ -93,19 +116,29 @@ def decide_split(
     min_prefill_tokens: int,
     kv_bytes_per_token: int,
     kv_link_gb_per_s: float,
+    recompute_s_per_token: float | None = None,
     prefill_available: bool = True,
     whole_allowed: bool = True,
+    prefill_ttft_s: float | None = None,
 ) -> Split:
     """Split a request of `prompt_tokens` whose best prefill engine holds `cached_tokens` of
-    it? (The module's docstring has the rule.) `whole_allowed` False: the decode engines
-    cannot serve a request whole (SGLang's), so every request that can be split is."""
+    it? (The module's docstring has the rule; `recompute_s_per_token` is its r, None: rule
+    3 is not applied.) `whole_allowed` False: the decode engines cannot serve a request
+    whole (SGLang's), so every request that can be split is. `prefill_ttft_s`, the best
+    prefill engine's predicted TTFT, is carried into the answer."""
     uncached = max(0, prompt_tokens - int(cached_tokens or 0))
-    transfer_s = prompt_tokens * kv_bytes_per_token / (kv_link_gb_per_s * 1e9)
+    transfer_s = transfer_seconds(prompt_tokens, kv_bytes_per_token, kv_link_gb_per_s)
     if not prefill_available:
         return Split(False, "no-prefill-engine", uncached, transfer_s)
     if whole_allowed and uncached < min_prefill_tokens:
-        return Split(False, "short-prefill", uncached, transfer_s)
-    return Split(True, "split", uncached, transfer_s)
+        return Split(False, "short-prefill", uncached, transfer_s, prefill_ttft_s)
+    if (
+        whole_allowed
+        and recompute_s_per_token is not None
+        and transfer_s >= uncached * recompute_s_per_token
+    ):
+        return Split(False, "transfer-slower", uncached, transfer_s, prefill_ttft_s)
+    return Split(True, "split", uncached, transfer_s, prefill_ttft_s)
 
 
 def prefill_body(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -191,6 +224,50 @@ def bootstrap_body(
             bootstrap_room=[new_room(rng) for _ in range(n)],
         )
     return body
+
+
+# How long a prefill engine that could not say its bootstrap port is not asked again (its
+# pairs meanwhile use the configured port, else SGLang's default).
+BOOTSTRAP_RETRY_S = 30.0
+
+
+def bootstrap_port_of(info: Any) -> int | None:
+    """The `disaggregation_bootstrap_port` of an SGLang engine's server info (a parsed JSON
+    body of /server_info or /get_server_info: its ServerArgs flattened into one object,
+    sgl-project/sglang python/sglang/srt/entrypoints/http_server.py, `get_server_info`
+    returning `{**dataclasses.asdict(server_args), ...}`), or None when it has none that
+    is a port."""
+    if not isinstance(info, dict):
+        return None
+    port = info.get("disaggregation_bootstrap_port")
+    if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
+        return port
+    return None
+
+
+class BootstrapPorts:
+    """The bootstrap ports learnt from SGLang prefill engines, by endpoint URL; and when an
+    engine that could not be asked may be asked again (BOOTSTRAP_RETRY_S after). Endpoints
+    come from configuration and discovery, not from clients."""
+
+    def __init__(self, retry_s: float = BOOTSTRAP_RETRY_S) -> None:
+        self.retry_s = retry_s
+        self._ports: dict[str, int] = {}
+        self._ask_after: dict[str, float] = {}
+
+    def get(self, url: str, now: float) -> tuple[int | None, bool]:
+        """(the port learnt, None when none) and whether to ask the engine now."""
+        port = self._ports.get(url)
+        if port is not None:
+            return port, False
+        return None, now >= self._ask_after.get(url, -math.inf)
+
+    def learnt(self, url: str, port: int) -> None:
+        self._ports[url] = port
+        self._ask_after.pop(url, None)
+
+    def failed(self, url: str, now: float) -> None:
+        self._ask_after[url] = now + self.retry_s
 
 
 def leg_answer(body: bytes, *, sse: bool) -> tuple[str | None, dict[str, Any] | None]:

@@ -52,6 +52,9 @@ class GpuProfile:
     # 128 KiB of KV per token at the GPU's effective bandwidth): the part of the step that
     # grows with the context the batch holds.
     kv_read_s_per_token: float = 8.57e-8
+    # KV bytes one token occupies (K and V, every layer), what a prefill/decode KV transfer
+    # moves: the reference model's 2 x 32 layers x 8 KV heads x 128 x 2 bytes (bf16).
+    kv_bytes_per_token: int = 131_072
 
     @property
     def price_per_s(self) -> float:
@@ -118,7 +121,7 @@ class GpuTable:
                     raise ValueError(f"gpu {raw_name!r}: {key} must be > 0, got {value!r}")
             key = normalise_gpu_name(raw_name) if raw_name != "unknown" else "unknown"
             base = table.get(key, UNKNOWN)
-            ints = {"kv_tokens", "max_num_batched_tokens", "max_num_seqs"}
+            ints = {"kv_tokens", "max_num_batched_tokens", "max_num_seqs", "kv_bytes_per_token"}
             typed = {k: (int(v) if k in ints else float(v)) for k, v in changes.items()}
             table[key] = replace(base, name=key, **typed)  # type: ignore[arg-type]
         self._table = table

@@ -188,7 +188,9 @@ Decision
    hash alone; tests/test_picker_spread.py). With no block hashes at all, the lowest J
    ("least-cost"). Fallbacks follow by J: within the bound
    ("fallback"), then over it ("over-load-bound"). Ties: lower J, then endpoint name.
-6. Speculation: the primary is recorded in the PrefixIndex and the task map at pick time.
+6. Speculation: the primary is recorded in the PrefixIndex and the task map at pick time
+   (with `record` false, when the driver dispatches there: a split request's prefill
+   pool, whose decider may serve it elsewhere; Picker.order_decode's decode legs).
 
 Affinity. Found from the outside (issue #27), on real multi-turn traffic this picker kept
 43% of a conversation's next turns on the engine that served the previous one, where the
@@ -534,6 +536,9 @@ class Choice(NamedTuple):
     fixed_s: float
     state: EndpointState
     step_s: float = 0.0  # predicted decode step it joins, uncalibrated (the decode sample)
+    # A primary picked without being recorded (pick's `record` false) whose prompt makes
+    # its home there (a cold prompt's): dispatch notes the home with the prompt.
+    home: bool = False
 
 
 # (model, adapter): the request class a view's J constants were computed for.
@@ -1073,6 +1078,7 @@ class Picker:
 
         gk = min(c.group_blocks, nb)
         group_key = hashes[gk - 1] if gk else None
+        home = False
         demand = 0.0
         if group_key is not None:
             # The group's work is what its holders would still compute: the prompt beyond
@@ -1131,7 +1137,10 @@ class Picker:
                 if top is not best or best[1] not in cached_of:
                     primary = top
                     reason = "cold-hash"
-                if record:  # the prompt makes its home here (a new session's first step)
+                # The prompt makes its home here (a new session's first step); unrecorded,
+                # when the request goes there (dispatch).
+                home = True
+                if record:
                     name = primary[1]
                     self._homes[name] = (self._homes_now(name, now) + 1.0, now)
         if not bound_ok:
@@ -1141,7 +1150,96 @@ class Picker:
         self._fallbacks(out, primary, everyone, within, limit, req, cached_of)
         if record:
             self._commit(req, out[0], now)
+        elif home:
+            out[0] = out[0]._replace(home=True)
         return out
+
+    def order_decode(
+        self,
+        req: PickRequest,
+        endpoints: Sequence[EndpointState],
+        now: float,
+        *,
+        lead_s: float = 0.0,
+    ) -> list[Choice]:
+        """The decode leg of a split request (prefill/decode disaggregation, issue #25), best
+        first. Its prompt's KV arrives by transfer, so where the prefix is cached does not
+        matter: what the stream will see is the engine's decode. For each eligible endpoint
+        that serves the model (pick's step 1), with P prompt and M output tokens::
+
+            H_e   = free_kv_e - (P + M)                the KV headroom the whole stream needs
+            ITL_e = step_e(r_e + 1, K_e + P + M / 2)   the decode step with this stream
+                                                       added (_step: the GPU's step model at
+                                                       the batch and the context held there,
+                                                       x the engine's decode calibration)
+            W_e   = cold_e + queue_e + max(0, -H_e) x kv_wait_per_token_e
+                                                       its wait to start there: weights not
+                                                       loaded, the queue ahead of it (slot
+                                                       waits, a refusal hold, the step;
+                                                       _queue_now) and, short of KV, the
+                                                       turnover of the shortfall
+
+        The rule: first the endpoints where the stream fits (H_e >= 0, reason "decode"),
+        then the rest ("decode-kv-short", a shortfall waits or preempts); within each, by
+        W_e + M x ITL_e, when the stream would end there; then by name. No bounded-load
+        rule and no hashing: every stream dispatched raises the step (batch and context)
+        of the engine it went to, so the next one weighs that load by what it does to
+        inter-token latency. Nothing is recorded (prefix, task, home, demand): dispatch
+        (recorded false) notes the prompt where the stream went, whose engine holds its KV
+        once it has landed. Each choice predicts TTFT = lead_s (the KV's way there: the
+        transfer, and under SGLang's protocol the prefill beside it) + W_e; its cached
+        tokens are P - 1 (the prompt comes as KV: no prefill queued there); nominal_s 0 (no
+        TTFT calibration sample: its first token times the transfer, not the engine), and
+        the step, uncalibrated, as the decode calibration's sample."""
+        kkeys = self._kkeys
+        kkey = kkeys.get((req.model, req.adapter))
+        if kkey is None:
+            if len(kkeys) >= MAX_REQUEST_CLASSES:
+                kkeys.clear()
+            kkey = kkeys[(req.model, req.adapter)] = (req.model, req.adapter)
+        if now >= self._min_until:
+            self._expire_views(now)
+        big_p = max(1, req.prompt_tokens)
+        big_m = max(0, req.max_tokens)
+        need = big_p + big_m
+        ctx = big_p + 0.5 * big_m
+        hook = self._eligible
+        rows: list[tuple[bool, float, str, _View, float, float]] = []
+        for e in endpoints:
+            v = e._pick_view
+            if v is None or v.kkey is not kkey:
+                v = self._refresh(e, v, kkey, now)
+            if v.kc is None or (hook is not None and not hook(e, req, now)):
+                continue
+            itl = _step(v, ctx)
+            short = need - v.free_kv
+            wait = v.cold_now + _queue_now(v, now)
+            if short > 0.0:
+                wait += short * v.kv_wait_per_token
+            rows.append((short > 0.0, wait + big_m * itl, v.name, v, itl, wait))
+        rows.sort(key=lambda r: r[:3])
+        limit = self.config.max_choices or len(rows)
+        return [
+            _new_choice(
+                Choice,
+                (
+                    name,
+                    v.url,
+                    lead_s + wait,
+                    v.decode_usd(big_m),
+                    big_p - 1,
+                    "decode-kv-short" if short else "decode",
+                    end,
+                    rank,
+                    0.0,
+                    0.0,
+                    v.state,
+                    itl / v.dcal,
+                    False,
+                ),
+            )
+            for rank, (short, end, name, v, itl, wait) in enumerate(rows[:limit])
+        ]
 
     def _fallbacks(
         self,
@@ -1169,11 +1267,24 @@ class Picker:
                 break
             out.append(self._choice(t, req, cached_of, "over-load-bound", len(out)))
 
-    def dispatch(self, choice: Choice, req: PickRequest, request_id: Hashable, now: float) -> None:
+    def dispatch(
+        self,
+        choice: Choice,
+        req: PickRequest,
+        request_id: Hashable,
+        now: float,
+        *,
+        recorded: bool = True,
+    ) -> None:
         """The driver sent `req` to `choice`: account it on the endpoint (and, for a
-        fallback, note it in the index and task map as pick() did for the primary)."""
-        if choice.rank:
+        fallback, note it in the index and task map as pick() did for the primary).
+        `recorded` false: the choice came from a pick that recorded nothing (pick's
+        `record`, order_decode), so the primary is noted now, with its home if it makes one."""
+        if choice.rank or not recorded:
             self._commit(req, choice, now)
+            if choice.home and not recorded:
+                name = choice.endpoint
+                self._homes[name] = (self._homes_now(name, now) + 1.0, now)
         name = choice.endpoint
         self._dispatched[name] = self._dispatched.get(name, 0) + 1
         uncached = max(1, req.prompt_tokens - choice.cached_tokens)
@@ -1913,6 +2024,7 @@ class Picker:
                 fixed,
                 v.state,
                 step,
+                False,
             ),
         )
 

@@ -5,6 +5,9 @@ ext_proc picker, the simulator) routes the same way whichever policy is configur
 Sans-I/O. The driver's protocol, per request::
 
     routes = router.order(req, now)                 # primary first, then fallbacks
+        (record=False: the meshd picker notes the request where an attempt starts,
+        not as it picks; order_decode(req, now, lead_s=...): a split request's
+        decode leg, by KV headroom, decode load and ITL)
     for r in routes: router.started(r, rid, req, now); ...connect
         on a connect failure: router.connect_failed(r, rid, now, reason); next route
     router.first_token(r, rid, now)                 # streams only
@@ -73,12 +76,16 @@ class Route:
     # On the primary: why the endpoint holding the request's prefix (its affinity holder)
     # was left ("deadline", "overloaded", "faster-elsewhere", "replicate"), else None.
     departure: str | None = None
+    # Whether ordering already noted the request at this route (the meshd picker records
+    # its primary as it picks); False: noted when an attempt starts there (`started`).
+    recorded: bool = True
 
 
 class PoolRouter(Protocol):
     policy: Policy
 
-    def order(self, req: PickRequest, now: float) -> list[Route]: ...
+    def order(self, req: PickRequest, now: float, *, record: bool = True) -> list[Route]: ...
+    def order_decode(self, req: PickRequest, now: float, *, lead_s: float = 0.0) -> list[Route]: ...
     def started(self, route: Route, rid: Hashable, req: PickRequest, now: float) -> None: ...
     def first_token(self, route: Route, rid: Hashable, now: float) -> None: ...
     def finished(
@@ -213,7 +220,8 @@ class BalancerRouter:
         self._reports: dict[str, _Report] = {}
         self._flags: dict[str, _Flags] = {}  # only endpoints with a flag or a ramp
 
-    def order(self, req: PickRequest, now: float) -> list[Route]:
+    def order(self, req: PickRequest, now: float, *, record: bool = True) -> list[Route]:
+        """The policy's order (it records nothing: `record` is for the meshd policy)."""
         urls = self._balancer.order(now)
         if not self._reports and not self._flags:
             return [Route(url, self.policy) for url in urls]
@@ -237,6 +245,11 @@ class BalancerRouter:
             reasons[u] = r.ineligible_reason(now) or reasons.get(u)
         urls.sort(key=lambda u: reasons.get(u) is not None)
         return [Route(url, reasons.get(url) or self.policy) for url in urls]
+
+    def order_decode(self, req: PickRequest, now: float, *, lead_s: float = 0.0) -> list[Route]:
+        """A split request's decode leg: the policy's own order (round robin's turn, or the
+        least outstanding requests); the balancers predict nothing, so no lead applies."""
+        return BalancerRouter.order(self, req, now)
 
     def set_flags(
         self,
@@ -353,7 +366,7 @@ class CacheAwareRouter(BalancerRouter):
         self.policy = "cache-aware"
         self.cache = CacheAwareBalancer([e.url for e in endpoints], config)
 
-    def order(self, req: PickRequest, now: float) -> list[Route]:
+    def order(self, req: PickRequest, now: float, *, record: bool = True) -> list[Route]:
         routes = super().order(req, now)
         # Not flagged, reported out or resting: what the balancer's order names by policy.
         ok = [r.url for r in routes if r.reason == self.policy]
@@ -396,24 +409,42 @@ class PickerRouter:
         self._digests: dict[str, ReportedBlocks] = {}  # endpoint name -> its blocks
         self._digest_live: set[str] = set()  # names whose blocks are in the index now
 
-    def order(self, req: PickRequest, now: float) -> list[Route]:
+    def order(self, req: PickRequest, now: float, *, record: bool = True) -> list[Route]:
+        """The picker's order. `record` false: the primary is not noted in the prefix index
+        and task map as it is picked, but when an attempt starts there (the prefill pool of
+        a split request, whose decider may serve it elsewhere)."""
         if self._digests:
             self._materialize(req.block_hashes, now)
-        choices = self.picker.pick(req, self.states, now)
-        routes = [Route(c.url, c.reason, c.predicted_ttft_s, c.cached_tokens, c) for c in choices]
+        choices = self.picker.pick(req, self.states, now, record=record)
+        routes = [
+            Route(c.url, c.reason, c.predicted_ttft_s, c.cached_tokens, c, recorded=record)
+            for c in choices
+        ]
         left = self.picker.last_departure
         if left is not None and routes:
             routes[0] = replace(routes[0], departure=left)
-        if not routes:
-            # Every endpoint is ejected or draining: try them anyway, least failing first,
-            # rather than refusing outright (static stability).
-            ranked = sorted(self.states, key=lambda s: (s.consecutive_failures, s.name))
-            routes = [Route(s.url, "no-eligible-endpoint") for s in ranked]
-        return routes
+        return routes or self._anyway()
+
+    def order_decode(self, req: PickRequest, now: float, *, lead_s: float = 0.0) -> list[Route]:
+        """A split request's decode leg (Picker.order_decode: KV headroom, then the stream's
+        predicted decode time; `lead_s` the KV's way there, in each predicted TTFT). The
+        request is noted where its attempt starts."""
+        choices = self.picker.order_decode(req, self.states, now, lead_s=lead_s)
+        routes = [
+            Route(c.url, c.reason, c.predicted_ttft_s, c.cached_tokens, c, recorded=False)
+            for c in choices
+        ]
+        return routes or self._anyway()
+
+    def _anyway(self) -> list[Route]:
+        """Every endpoint is ejected or draining: try them anyway, least failing first,
+        rather than refusing outright (static stability)."""
+        ranked = sorted(self.states, key=lambda s: (s.consecutive_failures, s.name))
+        return [Route(s.url, "no-eligible-endpoint") for s in ranked]
 
     def started(self, route: Route, rid: Hashable, req: PickRequest, now: float) -> None:
         if route.choice is not None:
-            self.picker.dispatch(route.choice, req, rid, now)
+            self.picker.dispatch(route.choice, req, rid, now, recorded=route.recorded)
         else:
             self._by_url[route.url].start(rid, now, prompt_tokens=max(1, req.prompt_tokens))
 
@@ -432,7 +463,13 @@ class PickerRouter:
         completion_tokens: int | None = None,
     ) -> None:
         self._by_url[route.url].finish(rid, now, ok=ok, output_tokens=completion_tokens)
-        if ok and cached_tokens is not None and route.choice is not None:
+        # A decode leg's cached tokens are its transfer's, not the index's to learn from.
+        if (
+            ok
+            and cached_tokens is not None
+            and route.choice is not None
+            and not route.reason.startswith("decode")
+        ):
             self.picker.observe_cached(route.choice, req, cached_tokens, now)
 
     def connect_failed(self, route: Route, rid: Hashable, now: float, reason: str) -> None:

@@ -55,8 +55,11 @@ class RecordingRouter:
 
     policy: Policy = "meshd"
 
-    def order(self, req: PickRequest, now: float) -> list[Route]:
-        return self.inner.order(req, now)
+    def order(self, req: PickRequest, now: float, *, record: bool = True) -> list[Route]:
+        return self.inner.order(req, now, record=record)
+
+    def order_decode(self, req: PickRequest, now: float, *, lead_s: float = 0.0) -> list[Route]:
+        return self.inner.order_decode(req, now, lead_s=lead_s)
 
     def started(self, route: Route, rid: Hashable, req: PickRequest, now: float) -> None:
         self.calls.append(("started", route.url))

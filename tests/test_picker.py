@@ -54,6 +54,7 @@ def test_gpu_table_agrees_with_the_engine_simulator(gpu):
     assert ours.max_num_batched_tokens == sim.max_num_batched_tokens
     assert ours.max_num_seqs == sim.max_num_seqs
     assert ours.kv_read_s_per_token == pytest.approx(sim.kv_read_s_per_token, rel=0.01)
+    assert ours.kv_bytes_per_token == sim.kv_bytes_per_token
     # The split step model reproduces the simulator at long context too.
     base, per_seq, kv = ours.decode_step_parts()
     for batch, context in ((1, 1024), (8, 20_000), (64, 4_000)):
