@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from filters.chars_per_token import CharsPerToken, utf8_length
 from filters.guard import OVERLOAD_STATUSES, Screened
+from filters.picker import PickRequest
 from filters.pool_router import Route
 from filters.retry_budget import parse_retry_after
 from meshd.accounting import Accounting
@@ -71,21 +72,19 @@ class Attempts:
         plane = self.plane
         assert plane.upstream is not None and ctx.pick is not None
         now = time.monotonic()
-        routes = plane.routers[ctx.pool].order(ctx.pick, now)
-        if routes and routes[0].departure is not None:
-            plane.metrics.affinity_departures.labels(ctx.pool, routes[0].departure).inc()
-        ctx.trace.picked(routes, asyncio.get_running_loop().time())
-        if ctx.hold_refusal and routes and (move := move_before_trying(ctx, routes[0])):
-            return self.acct.refuse(ctx, 503, move[1], move[0], retry_after_s=1)
-        plane.retry_budgets[ctx.pool].deposit(now)
         if self.pd is not None and self.pd.applies(ctx):
-            if (refused := await self.pd.prefill(ctx)) is not None:
-                return refused
-            if ctx.pd_params is not None or ctx.pd_pair is not None:
-                # The decode engine gets the prompt's KV by transfer: where the prefix is
-                # cached does not matter, its load, KV room and speed do.
-                bare = dataclasses.replace(ctx.pick, block_hashes=(), context_key=None)
-                routes = plane.routers[ctx.pool].order(bare, time.monotonic())
+            routes_or_refusal = await self._split(ctx, now)
+            if isinstance(routes_or_refusal, Reply):
+                return routes_or_refusal
+            routes = routes_or_refusal
+        else:
+            routes = plane.routers[ctx.pool].order(ctx.pick, now)
+            if routes and routes[0].departure is not None:
+                plane.metrics.affinity_departures.labels(ctx.pool, routes[0].departure).inc()
+            ctx.trace.picked(routes, asyncio.get_running_loop().time())
+            if ctx.hold_refusal and routes and (move := move_before_trying(ctx, routes[0])):
+                return self.acct.refuse(ctx, 503, move[1], move[0], retry_after_s=1)
+            plane.retry_budgets[ctx.pool].deposit(now)
         tries = _Tries(routes)
         while tries.made < plane.config.upstream.max_attempts:
             route = await self._next_route(ctx, tries)
@@ -113,6 +112,44 @@ class Attempts:
             "upstream_unavailable" if made else "no_healthy_upstream",
             **({} if made else {"retry_after_s": 1}),
         )
+
+    async def _split(self, ctx: RequestContext, now: float) -> list[Route] | Reply:
+        """A request for a decode pool (meshd/disagg.py): the decider, then the decode pool's
+        order, each pool ordered once. Split, the prefill pool's order serves the decider
+        and the prefill step (or the pairs' legs) and the decode pool is ordered for the
+        decode leg (its KV comes by transfer: KV headroom, decode load and ITL decide,
+        PoolRouter.order_decode) once the prefill step is done, so the engine is chosen on
+        its load as the leg starts; served whole, the decode pool is ordered as any pool.
+        A request that has a fallback pool moves on before any step when the prefill pool's
+        best predicts its deadline missed or its cost over its cap (fallback.py)."""
+        assert self.pd is not None and ctx.pick is not None
+        plane = self.plane
+        pd = self.pd
+        plan = pd.decide(ctx)
+        if isinstance(plan, Reply):
+            return plan
+        if plan is not None:
+            if ctx.hold_refusal and (move := move_before_trying(ctx, plan.routes[0])):
+                return self.acct.refuse(ctx, 503, move[1], move[0], retry_after_s=1)
+            plane.retry_budgets[ctx.pool].deposit(now)
+            if ctx.pd_pair is None:
+                await pd.prefill(ctx, plan)  # vLLM's protocol: the prefill step runs first
+        loop_now = asyncio.get_running_loop().time()
+        if ctx.pd_params is None and ctx.pd_pair is None:  # whole, or every prefill failed
+            routes = plane.routers[ctx.pool].order(ctx.pick, time.monotonic())
+            if routes and routes[0].departure is not None:
+                plane.metrics.affinity_departures.labels(ctx.pool, routes[0].departure).inc()
+            ctx.trace.picked(routes, loop_now)
+            if plan is None:
+                if ctx.hold_refusal and routes and (move := move_before_trying(ctx, routes[0])):
+                    return self.acct.refuse(ctx, 503, move[1], move[0], retry_after_s=1)
+                plane.retry_budgets[ctx.pool].deposit(now)
+            return routes
+        routes = pd.order_decode(ctx, time.monotonic())
+        ttft = pd.predicted_ttft_s(ctx, routes[0] if routes else None)
+        shown = [dataclasses.replace(routes[0], predicted_ttft_s=ttft), *routes[1:]]
+        ctx.trace.picked(shown if routes else routes, loop_now)
+        return routes
 
     async def _next_route(self, ctx: RequestContext, tries: _Tries) -> Route | Reply | object:
         """The next endpoint to try, a refusal, _NEXT (ask again) or _STOP."""
@@ -153,7 +190,7 @@ class Attempts:
         leg: PrefillLeg | None = None
         if ctx.pd_pair is not None and self.pd is not None and ctx.inference is not None:
             # SGLang's protocol: this try is a pair, its prefill leg the first attempt.
-            opened = self.pd.open_leg(ctx, ctx.inference.doc or {})
+            opened = await self.pd.open_leg(ctx, ctx.inference.doc or {})
             if isinstance(opened, str):
                 tries.failures.append(opened)
                 return _STOP
@@ -303,22 +340,25 @@ class Attempts:
         *,
         pool: str | None = None,
         overlap: bool = False,
+        pick: PickRequest | None = None,
     ) -> Attempt:
         """An attempt begins: the router and the guard count it in flight. `pool`: the
         pool the route is of, when not the request's (a prefill step). `overlap`: it runs
-        beside the attempt before it (a pair's decode leg beside its prefill leg)."""
+        beside the attempt before it (a pair's decode leg beside its prefill leg). `pick`:
+        what the router was asked for, when not ctx.pick (a prefill step's: one token)."""
         plane = self.plane
         assert ctx.pick is not None
+        pick = pick or ctx.pick
         pool = pool or ctx.pool
         router = plane.routers[pool]
         guard = plane.guards[pool] if ctx.inference is not None else None
         now = asyncio.get_running_loop().time()
         trace = ctx.trace.attempt(route.url, None, now, reason=reason, overlap=overlap)
-        attempt = Attempt(router, route, next(plane.ids), pool, ctx.pick, guard, trace)
+        attempt = Attempt(router, route, next(plane.ids), pool, pick, guard, trace)
         if reason != "resume":  # a continuation's prompt is not the text the pick estimated
             attempt.inference = ctx.inference
         now = time.monotonic()
-        router.started(route, attempt.rid, ctx.pick, now)
+        router.started(route, attempt.rid, pick, now)
         if guard is not None:
             guard.started(route.url, attempt.rid, ctx.tokens, now, model=ctx.pick.model)
             if ctx.item_id is not None and (ev := guard.routed(ctx.item_id, now)) is not None:

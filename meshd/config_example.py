@@ -27,10 +27,11 @@ pools:
     max_cost_usd: null         # predicted $ over which a request goes to the first fallback
     role: both                 # or prefill (runs decode pools' prefill steps), or decode:
     disaggregation: null       # {prefill_pool: p, min_prefill_tokens: 256, kv_link_gb_per_s: 50,
-                               #  kv_bytes_per_token: 131072} for a decode pool; protocol:
-                               #  vllm-nixl (default) or sglang (SGLang's bootstrap rooms,
-                               #  every request split; bootstrap_port: 8998, or per prefill
-                               #  endpoint: {url: ..., bootstrap_port: 8998})
+                               #  kv_bytes_per_token: null (the GPU profile's, 131072)} for a
+                               #  decode pool; protocol: vllm-nixl (default) or sglang
+                               #  (SGLang's bootstrap rooms, every request split; the port a
+                               #  prefill engine's /server_info says, else bootstrap_port:
+                               #  8998, or per prefill endpoint: {url: .., bootstrap_port: ..})
     autoscaling:               # meshd_pool_desired_replicas (docs/autoscaling.md)
       slo_ttft_s: null         # the TTFT p90 to keep (null: demand and queue alone)
       target_utilization: 0.7  # busy share of a replica's capacity aimed at

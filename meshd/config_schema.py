@@ -88,9 +88,10 @@ class Endpoint(_Strict):
     # replay ROUTER for gaps. Read only when routing.tokenizers has the pool's model.
     kv_events: KVEvents | None = None
     # Prefill/decode disaggregation, SGLang's protocol (meshd/disagg.py): a prefill
-    # engine's --disaggregation-bootstrap-port (its /get_server_info says it), which the
-    # decode engine joins to fetch the KV. Unset: the decode pool's
-    # disaggregation.bootstrap_port. Only on the endpoints of an sglang prefill pool.
+    # engine's --disaggregation-bootstrap-port, which the decode engine joins to fetch the
+    # KV. Unset: the port the engine's /server_info says (asked before its first pair, kept),
+    # else the decode pool's disaggregation.bootstrap_port. Only on the endpoints of an
+    # sglang prefill pool.
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
 
     @field_validator("url")
@@ -143,18 +144,22 @@ class Disaggregation(_Strict):
     # SGLang's decode engines serve nothing whole, so every request is split (and
     # min_prefill_tokens does not apply).
     protocol: Literal["vllm-nixl", "sglang"] = "vllm-nixl"
-    # sglang: the bootstrap port of a prefill endpoint that does not set its own
-    # (endpoints[].bootstrap_port). Unset: 8998, SGLang's --disaggregation-bootstrap-port
-    # default.
+    # sglang: the bootstrap port of a prefill endpoint that neither sets its own
+    # (endpoints[].bootstrap_port) nor says it (/server_info's disaggregation_bootstrap_port).
+    # Unset: 8998, SGLang's --disaggregation-bootstrap-port default.
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
     # Uncached prompt tokens (the prefill pool's predicted prefix hit taken off) under which
     # a request is served whole on the decode pool: a short prefill is not worth a transfer.
     min_prefill_tokens: int = Field(default=256, ge=0)
-    # The KV link between the two pools' engines, in gigaBYTES per second (one 400 Gb/s
-    # RDMA NIC per GPU, as on a DGX H100, moves 50 GB/s).
+    # The KV link between this pool's engines and its prefill pool's (the pair of pools), in
+    # gigaBYTES per second (one 400 Gb/s RDMA NIC per GPU, as on a DGX H100, moves 50 GB/s):
+    # a transfer takes prompt tokens x kv_bytes_per_token / this, counted in the decider
+    # and in a split request's predicted TTFT.
     kv_link_gb_per_s: float = Field(default=50.0, gt=0)
-    # KV bytes one token occupies (Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 x 2 x 2).
-    kv_bytes_per_token: int = Field(default=131_072, ge=1)
+    # KV bytes one token of the served model occupies. Unset: the prefill engine's GPU
+    # profile's (filters/gpu.py), its reference model's: Llama-3-8B in bf16, 32 layers x 8
+    # KV heads x 128 x 2 (K and V) x 2 bytes = 131,072.
+    kv_bytes_per_token: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _protocol(self) -> Disaggregation:

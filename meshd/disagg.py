@@ -1,10 +1,16 @@
 """Prefill/decode disaggregation at the sidecar's edge (issue #25; the protocol and the
 decider are filters/disagg.py). A request for a pool of role `decode` first asks the
-decider; when it splits, the prefill step runs on the pool's prefill pool (its own router:
-the picker's prefix hit and TTFT/price, its guard and retry budget), and the request goes
-on to the decode pool's attempts with the prefill's `kv_transfer_params` in its body. When
-it does not split, or no prefill engine answers, the request is served whole on the decode
-pool (its engines can prefill too: vLLM's kv_both).
+decider (`decide`), which orders the pool's prefill pool once, for the prefill leg alone
+(the request with one output token: the picker's prefix hit and prefill TTFT/price), and
+records nothing there until a step starts. When it splits, the prefill step runs on that
+order (its guard and retry budget), then the decode pool is ordered once for the decode
+leg (`order_decode`, Picker.order_decode: KV headroom, decode load and ITL; the transfer
+in its predicted TTFT), and the request goes to the decode pool's attempts with the
+prefill's `kv_transfer_params` in its body. When it does not split, or no prefill engine
+answers, the decode pool is ordered as any pool and the request served whole there (its
+engines can prefill too: vLLM's kv_both). Each pool is ordered once a request, so round
+robin takes one turn a leg, and the prefix index notes the prompt only where a step or a
+leg went.
 
 Failures: a prefill step that fails is tried on the next prefill engine, within the prefill
 pool's retry budget; then the request goes whole. A decode step refused before its first
@@ -19,13 +25,15 @@ SGLang's protocol (`disaggregation.protocol: sglang`; the body is filters/disagg
 `bootstrap_body`): every request is split (SGLang's decode engines serve nothing whole),
 and no prefill step runs ahead: each try of the decode pool's attempts is a pair. Its
 prefill leg (`open_leg`: the next prefill engine in the picker's order whose leg has not
-failed for this request) and its decode leg get the same body, with a fresh room, at once
-(`send_pair`); the decode engine's answer goes to the client once its head came and the
-prefill leg ended well, as sgl-model-gateway drains the prefill answer before it forwards
-the decode's; the prefill answer is read and dropped. A prefill leg that fails before
-then fails the pair (PrefillLegFailed): the decode engine is not blamed, and the pair is
-tried again, on another prefill engine, within the decode pool's retry budget (and the
-prefill pool's, as a prefill retry). A decode leg refused before its first byte is a
+failed for this request; its bootstrap port configured, else asked of the engine's
+/server_info once and kept, else the pool's or 8998: `bootstrap_port`) and its decode leg
+get the same body, with a fresh room, at once (`send_pair`); the decode engine's answer
+goes to the client once its head came and the prefill leg ended well, as
+sgl-model-gateway drains the prefill answer before it forwards the decode's; the prefill
+answer is read and dropped. A prefill leg that fails before then fails the pair
+(PrefillLegFailed): the decode engine is not blamed, and the pair is tried again, on
+another prefill engine, within the decode pool's retry budget (and the prefill pool's, as
+a prefill retry). A decode leg refused before its first byte is a
 failed try as any: the next try is a new pair, a new room and a new prefill leg (the old
 leg is dropped, so the prefill engine frees the KV). A stream that breaks mid-way resumes
 as a pair too: the continuation goes to a prefill and a decode engine with a fresh room.
@@ -36,7 +44,10 @@ access log and the cost ledger see both, and the prefill engine's guard counts i
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,26 +58,37 @@ import msgspec
 
 from filters.disagg import (
     SGLANG_BOOTSTRAP_PORT,
+    BootstrapPorts,
     aggregated_body,
     bootstrap_body,
+    bootstrap_port_of,
     decide_split,
     decode_body,
     leg_answer,
     prefill_body,
     transfer_params,
 )
+from filters.gpu import GpuTable
 from filters.guard import OVERLOAD_STATUSES
 from meshd.context import Attempt, Plane, RequestContext
 from meshd.http_message import Reply
 from meshd.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
+    from filters.picker import PickRequest
     from filters.pool_router import Route
     from meshd.attempts import Attempts
+
+log = logging.getLogger("meshd.disagg")
 
 _encoder = msgspec.json.Encoder()
 # An answer to the prefill step larger than this is not one (it is one token).
 _MAX_PREFILL_ANSWER = 1 << 20
+# SGLang's server info (ServerArgs as JSON; its disaggregation_bootstrap_port): /server_info
+# since it was renamed, /get_server_info before (and still, as its deprecated alias).
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+# How long asking a prefill engine its bootstrap port may take (on its first pair's way).
+BOOTSTRAP_ASK_TIMEOUT_S = 2.0
 
 
 async def _read_prefill_answer(up: Any, url: str, what: str) -> bytes:
@@ -97,11 +119,14 @@ class PrefillLegFailed(Exception):
 
 @dataclass(slots=True, eq=False)
 class PairPlan:
-    """A request split under SGLang's protocol: the prefill pool's routes its pairs take
-    (the picker's order, screened when it was split) and those whose leg failed."""
+    """A split request's prefill side: the prefill pool's routes (the picker's order,
+    screened when it was decided), the prefill leg's pick (the request with one output
+    token: a prefill engine is chosen by its prefill alone) and the routes whose step or
+    leg failed. Under SGLang's protocol, ctx.pd_pair: the routes its pairs take."""
 
     source: str
     routes: list[Route]
+    pick: PickRequest
     failed: set[str] = field(default_factory=set)
 
 
@@ -120,73 +145,144 @@ class Disaggregator:
     def __init__(self, plane: Plane, attempts: Attempts) -> None:
         self.plane = plane
         self.attempts = attempts
-        self.pools = {
-            p.name: p.disaggregation for p in plane.config.pools if p.disaggregation is not None
-        }
-        # SGLang's protocol: (decode pool, prefill url) -> the prefill engine's bootstrap port.
-        self.bootstrap_ports: dict[tuple[str, str], int] = {}
+        config = plane.config
+        self.pools = {p.name: p.disaggregation for p in config.pools if p.disaggregation}
+        gpus = GpuTable()
+        self._gpus = gpus
+        # The configured GPU of each endpoint (an engine's report may name it later).
+        self._gpu_of = {ep.url: ep.gpu for p in config.pools for ep in p.endpoints if ep.gpu}
+        # The decider's r (filters/disagg.py): per decode pool, its seconds per prefilled
+        # token at its GPUs' nominal speed, the mean over its configured endpoints.
+        self.recompute_s: dict[str, float] = {}
+        # SGLang's protocol: an endpoint's own bootstrap port (endpoints[].bootstrap_port),
+        # and the ports learnt from the engines (filters/disagg.py BootstrapPorts).
+        self.endpoint_ports: dict[str, int] = {}
+        self.learnt_ports = BootstrapPorts()
+        self._asking: dict[str, asyncio.Future[int | None]] = {}
         for name, cfg in self.pools.items():
+            assert cfg is not None
+            eps = config.pool(name).endpoints
+            self.recompute_s[name] = sum(
+                1.0 / gpus.get(ep.gpu).prefill_tokens_per_s for ep in eps
+            ) / len(eps)
             if cfg.protocol != "sglang":
                 continue
-            for ep in plane.config.pool(cfg.prefill_pool).endpoints:
-                port = ep.bootstrap_port or cfg.bootstrap_port or SGLANG_BOOTSTRAP_PORT
-                self.bootstrap_ports[(name, ep.url)] = port
+            for ep in config.pool(cfg.prefill_pool).endpoints:
+                if ep.bootstrap_port is not None:
+                    self.endpoint_ports[ep.url] = ep.bootstrap_port
 
     def applies(self, ctx: RequestContext) -> bool:
-        return ctx.pool in self.pools and ctx.inference is not None and ctx.pd is None
+        return (
+            ctx.pool in self.pools
+            and ctx.inference is not None
+            and ctx.inference.doc is not None
+            and ctx.pd is None
+        )
 
-    async def prefill(self, ctx: RequestContext) -> Reply | None:
-        """Decide, and when the request splits run its prefill step; on success the
-        request's body becomes the decode step's. Under SGLang's protocol only decide: the
-        request's tries are pairs (`ctx.pd_pair`), or it is refused (no prefill engine)."""
+    def decide(self, ctx: RequestContext) -> PairPlan | Reply | None:
+        """Order the prefill pool (once, recording nothing: the engine is noted when a step
+        or leg starts there) and decide (ctx.pd). The plan of a split request (under
+        SGLang's protocol also ctx.pd_pair: its tries are pairs), None for a request served
+        whole, or, under SGLang's protocol with no prefill engine, the refusal."""
         cfg = self.pools[ctx.pool]
-        assert cfg is not None and ctx.pick is not None and ctx.inference is not None
-        doc = ctx.inference.doc
-        if doc is None:
-            return None
+        assert cfg is not None and ctx.pick is not None
         plane = self.plane
         source = cfg.prefill_pool
         now = time.monotonic()
-        routes = plane.routers[source].order(ctx.pick, now)
+        pick = dataclasses.replace(ctx.pick, max_tokens=1)
+        routes = plane.routers[source].order(pick, now, record=False)
         screened = self.attempts.screen(ctx, routes, pool=source).routes
         sglang = cfg.protocol == "sglang"
+        best = screened[0] if screened else None
         split = decide_split(
             ctx.pick.prompt_tokens,
-            screened[0].cached_tokens if screened else None,
+            best.cached_tokens if best is not None else None,
             min_prefill_tokens=cfg.min_prefill_tokens,
-            kv_bytes_per_token=cfg.kv_bytes_per_token,
+            kv_bytes_per_token=self.kv_bytes_per_token(ctx.pool, best, now),
             kv_link_gb_per_s=cfg.kv_link_gb_per_s,
-            prefill_available=bool(screened),
+            recompute_s_per_token=self.recompute_s[ctx.pool],
+            prefill_available=best is not None,
             whole_allowed=not sglang,
+            prefill_ttft_s=best.predicted_ttft_s if best is not None else None,
         )
         ctx.pd = split
         if sglang:
-            return self._pair(ctx, source, screened)
+            return self._pair(ctx, source, screened, pick)
         if not split.split:
             plane.metrics.pd_requests.labels(ctx.pool, "whole", split.reason).inc()
             ctx.trace.pd = f"whole:{split.reason}"
             return None
+        return PairPlan(source, screened, pick)
+
+    def kv_bytes_per_token(self, pool: str, route: Route | None, now: float) -> int:
+        """The KV bytes a token of the prompt moves: disaggregation.kv_bytes_per_token when
+        set (the served model's), else the prefill engine's GPU profile's (filters/gpu.py:
+        its reference model's, 131,072 for an engine whose GPU nobody named)."""
+        cfg = self.pools[pool]
+        if cfg is not None and cfg.kv_bytes_per_token is not None:
+            return cfg.kv_bytes_per_token
+        gpu = None
+        if route is not None:
+            choice = route.choice
+            gpu = choice.state.gpu_name(now) if choice is not None else self._gpu_of.get(route.url)
+        return self._gpus.get(gpu).kv_bytes_per_token
+
+    async def prefill(self, ctx: RequestContext, plan: PairPlan) -> None:
+        """vLLM's protocol: the prefill step of a split request on the plan's routes in turn
+        (within the prefill pool's retry budget); on success the request's body becomes
+        the decode step's (ctx.pd_params), else it is served whole."""
+        assert ctx.inference is not None and ctx.inference.doc is not None
+        doc = ctx.inference.doc
+        plane = self.plane
+        source = plan.source
         body = _encoder.encode(prefill_body(doc))
         budget = plane.retry_budgets[source]
-        budget.deposit(now)
-        for made, route in enumerate(screened[: plane.config.upstream.max_attempts]):
+        budget.deposit(time.monotonic())
+        for made, route in enumerate(plan.routes[: plane.config.upstream.max_attempts]):
             if made and not budget.withdraw(time.monotonic(), made):
                 plane.metrics.retry_budget_exhausted.labels(source).inc()
                 break
-            params = await self._prefill_on(ctx, source, route, body)
+            params = await self._prefill_on(ctx, plan, route, body)
             if params is not None:
                 ctx.body = _encoder.encode(decode_body(doc, params))
                 ctx.pd_params = params
+                if ctx.pd is not None and route is not plan.routes[0]:
+                    ctx.pd = dataclasses.replace(ctx.pd, prefill_ttft_s=route.predicted_ttft_s)
                 plane.metrics.pd_requests.labels(ctx.pool, "split", "split").inc()
                 ctx.trace.pd = "split"
-                return None
+                return
         plane.metrics.pd_requests.labels(ctx.pool, "whole", "prefill-failed").inc()
         ctx.trace.pd = "whole:prefill-failed"
-        return None
+
+    def order_decode(self, ctx: RequestContext, now: float) -> list[Route]:
+        """The decode pool's order for a split request's decode leg (PoolRouter.order_decode),
+        each route's predicted TTFT from when its attempt starts: the transfer, and under
+        SGLang's protocol the prefill leg beside it, then the decode engine's wait."""
+        split = ctx.pd
+        assert split is not None and ctx.pick is not None
+        lead = split.transfer_s
+        if ctx.pd_pair is not None:
+            lead += split.prefill_ttft_s or 0.0
+        return self.plane.routers[ctx.pool].order_decode(ctx.pick, now, lead_s=lead)
+
+    def predicted_ttft_s(self, ctx: RequestContext, decode: Route | None) -> float | None:
+        """A split request's predicted TTFT, its decode leg on `decode`: the prefill's, the
+        transfer and the decode engine's wait (the decode route's prediction holds the
+        transfer, and under SGLang's protocol the prefill too). None: not predicted."""
+        split = ctx.pd
+        if split is None or decode is None or decode.predicted_ttft_s is None:
+            return None
+        if ctx.pd_pair is not None:
+            return decode.predicted_ttft_s
+        if split.prefill_ttft_s is None:
+            return None
+        return split.prefill_ttft_s + decode.predicted_ttft_s
 
     # ---- SGLang's protocol -----------------------------------------------------------
 
-    def _pair(self, ctx: RequestContext, source: str, screened: list[Route]) -> Reply | None:
+    def _pair(
+        self, ctx: RequestContext, source: str, screened: list[Route], pick: PickRequest
+    ) -> PairPlan | Reply:
         """A request for an sglang decode pool: its tries will be pairs, or, with no prefill
         engine to take a leg, it is refused (SGLang's decode engines serve nothing whole;
         the pool's fallbacks may)."""
@@ -203,12 +299,12 @@ class Disaggregator:
                 retry_after_s=1,
             )
         plane.retry_budgets[source].deposit(time.monotonic())
-        ctx.pd_pair = PairPlan(source, list(screened))
+        plan = ctx.pd_pair = PairPlan(source, list(screened), pick)
         plane.metrics.pd_requests.labels(ctx.pool, "split", "split").inc()
         ctx.trace.pd = "split"
-        return None
+        return plan
 
-    def open_leg(self, ctx: RequestContext, doc: Mapping[str, Any]) -> PrefillLeg | str:
+    async def open_leg(self, ctx: RequestContext, doc: Mapping[str, Any]) -> PrefillLeg | str:
         """The prefill leg of the request's next pair, for the body `doc` (the request, or a
         resumed stream's continuation): its attempt begun, nothing sent yet. Or why there
         is none: no prefill engine left, or no retry budget for another leg."""
@@ -224,12 +320,9 @@ class Disaggregator:
             plane.metrics.retry_budget_exhausted.labels(plan.source).inc()
             return f"no retry budget left in prefill pool {plan.source!r} for another leg"
         route = candidates[0]
-        port = self.bootstrap_ports.get((ctx.pool, route.url))
-        if port is None:  # an endpoint that came from discovery, not the config
-            cfg = self.pools[ctx.pool]
-            port = (cfg.bootstrap_port if cfg is not None else None) or SGLANG_BOOTSTRAP_PORT
+        port = await self.bootstrap_port(ctx.pool, route.url)
         body = bootstrap_body(aggregated_body(doc), bootstrap_host(route.url), port, plane.rng)
-        attempt = self.attempts.start(ctx, route, "prefill", pool=plan.source)
+        attempt = self.attempts.start(ctx, route, "prefill", pool=plan.source, pick=plan.pick)
         ctx.tried.discard(route.url)  # the decode pool may hold the same engine
         assert ctx.inference is not None
         if doc is not ctx.inference.doc:
@@ -237,6 +330,56 @@ class Disaggregator:
         room = body["bootstrap_room"]
         _name_room(attempt, room)
         return PrefillLeg(route, attempt, _encoder.encode(body), room)
+
+    async def bootstrap_port(self, pool: str, url: str) -> int:
+        """The bootstrap port of the SGLang prefill engine at `url`, for decode pool `pool`:
+        the endpoint's own (endpoints[].bootstrap_port), else the one its engine says
+        (/server_info, asked once and kept; a failed ask is tried again after
+        BOOTSTRAP_RETRY_S), else disaggregation.bootstrap_port, else 8998 (SGLang's
+        default)."""
+        port = self.endpoint_ports.get(url)
+        if port is not None:
+            return port
+        port, ask = self.learnt_ports.get(url, time.monotonic())
+        if port is None and ask:
+            port = await self._ask_port(url)
+        if port is not None:
+            return port
+        cfg = self.pools[pool]
+        return (cfg.bootstrap_port if cfg is not None else None) or SGLANG_BOOTSTRAP_PORT
+
+    async def _ask_port(self, url: str) -> int | None:
+        """Ask the engine at `url` its bootstrap port (one ask at a time per engine)."""
+        pending = self._asking.get(url)
+        if pending is None:
+            pending = self._asking[url] = asyncio.ensure_future(self._fetch_port(url))
+            pending.add_done_callback(lambda _: self._asking.pop(url, None))
+        return await asyncio.shield(pending)
+
+    async def _fetch_port(self, url: str) -> int | None:
+        """GET /server_info (SGLang's, /get_server_info before it was renamed, and still
+        its alias): its `disaggregation_bootstrap_port`, learnt; None when it says none."""
+        plane = self.plane
+        assert plane.upstream is not None
+        headers = [("accept", "application/json")]
+        port = None
+        try:
+            async with asyncio.timeout(BOOTSTRAP_ASK_TIMEOUT_S):
+                for path in SERVER_INFO_PATHS:
+                    up = await plane.upstream.request(url, "GET", path, headers, b"")
+                    data = await _read_prefill_answer(up, url, "the server info")
+                    if up.status == 200:
+                        with contextlib.suppress(ValueError):
+                            port = bootstrap_port_of(json.loads(data))
+                        break
+        except (UpstreamError, OSError, TimeoutError) as exc:
+            log.info("bootstrap port of %s not learnt: %s", url, exc)
+        now = time.monotonic()
+        if port is None:
+            self.learnt_ports.failed(url, now)
+        else:
+            self.learnt_ports.learnt(url, port)
+        return port
 
     async def send_pair(
         self, ctx: RequestContext, leg: PrefillLeg, attempt: Attempt, url: str
@@ -328,14 +471,14 @@ class Disaggregator:
         return None
 
     async def _prefill_on(
-        self, ctx: RequestContext, pool: str, route: Route, body: bytes
+        self, ctx: RequestContext, plan: PairPlan, route: Route, body: bytes
     ) -> dict[str, Any] | None:
         """One prefill step on `route`: the transfer params, or None (settled as failed)."""
         from meshd.relay import describe, take_usage
 
         plane = self.plane
         assert plane.upstream is not None
-        attempt = self.attempts.start(ctx, route, "prefill", pool=pool)
+        attempt = self.attempts.start(ctx, route, "prefill", pool=plan.source, pick=plan.pick)
         ctx.tried.discard(route.url)  # the decode pool may hold the same engine
         loop = asyncio.get_running_loop()
         try:

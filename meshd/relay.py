@@ -223,7 +223,12 @@ class Relay:
             plane.metrics.retry_budget_exhausted.labels(ctx.pool).inc()
             return "no retry budget left to resume the stream"
         data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-        routes = [r for r in plane.routers[ctx.pool].order(ctx.pick, now) if r.url not in ctx.tried]
+        pd = self.attempts.pd
+        if ctx.pd_pair is not None and pd is not None:  # a pair again: its decode leg's order
+            ordered = pd.order_decode(ctx, now)
+        else:
+            ordered = plane.routers[ctx.pool].order(ctx.pick, now)
+        routes = [r for r in ordered if r.url not in ctx.tried]
         for route in self.attempts.screen(ctx, routes, continuation=True).routes[:2]:
             up = await self._continue_on(ctx, route, data, body)
             if up is not None:
@@ -241,7 +246,7 @@ class Relay:
         pd = self.attempts.pd
         leg = None
         if ctx.pd_pair is not None and pd is not None:
-            opened = pd.open_leg(ctx, doc)
+            opened = await pd.open_leg(ctx, doc)
             if isinstance(opened, str):
                 return None
             leg = opened

@@ -374,6 +374,66 @@ async def test_a_decode_engine_dying_mid_stream_resumes_as_a_pair(
     assert other.core.stats.kv_remote_decode_steps == 1
 
 
+async def test_the_bootstrap_port_is_learnt_from_the_engine(
+    engines: Callable[..., Awaitable[SimEngine]],
+    sidecar: Callable[..., Awaitable[Sidecar]],
+    tmp_path: Path,
+) -> None:
+    p, d = await engines("prefill"), await engines("decode")
+    assert p.bootstrap_port != 8998
+    # No port configured: the engine's /server_info says it (else every pair would go to
+    # 8998, where no prefill engine is, and fail).
+    s = await sidecar(pd_config([{"url": p.url}], [d], tmp_path))
+    for _ in range(2):
+        status, raw = await post(s, ask())
+        assert status == 200, raw
+    pd = s.relay.attempts.pd
+    assert pd is not None and pd.learnt_ports.get(p.url, 0.0) == (p.bootstrap_port, False)
+    assert p.core.stats.kv_holds_fetched == 2
+
+
+async def test_a_bootstrap_port_is_asked_once_and_an_engine_that_cannot_say_falls_back(
+    sidecar: Callable[..., Awaitable[Sidecar]], tmp_path: Path
+) -> None:
+    from aiohttp import web
+
+    asked: list[str] = []
+
+    async def old_info(request: web.Request) -> web.Response:  # an SGLang before /server_info
+        asked.append(request.path)
+        return web.json_response({"disaggregation_bootstrap_port": 4321, "version": "0.4"})
+
+    async def not_found(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response({"detail": "Not Found"}, status=404)
+
+    urls, runners = [], []
+    for get_server_info in (old_info, not_found):
+        app = web.Application()
+        app.router.add_get("/server_info", not_found)
+        app.router.add_get("/get_server_info", get_server_info)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    try:
+        cfg = pd_config([{"url": u} for u in urls], [dead_url()], tmp_path)
+        pools = [p.model_dump() for p in cfg.pools]
+        pools[1]["disaggregation"]["bootstrap_port"] = 7000
+        s = await sidecar(sidecar_config(["http://unused:1"], pools=pools))
+        pd = s.relay.attempts.pd
+        assert pd is not None
+        assert [await pd.bootstrap_port("decode", urls[0]) for _ in range(3)] == [4321] * 3
+        assert asked == ["/server_info", "/get_server_info"]  # asked once, kept
+        asked.clear()
+        assert [await pd.bootstrap_port("decode", urls[1]) for _ in range(3)] == [7000] * 3
+        assert asked == ["/server_info", "/get_server_info"]  # not again for a while
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
 def test_the_protocol_is_checked_where_it_is_configured() -> None:
     def load(*pools: dict[str, Any]) -> Any:
         base = {"listeners": {"outbound": {"port": 0}, "admin": {"port": 0}}}

@@ -18,6 +18,7 @@ from backends import TestBackend as Backend
 from backends import sse_events
 from harness import sidecar_config, url
 
+from filters.pool_router import PickerRouter
 from meshd.access_log import read_access_log
 from meshd.config import ConfigError, load_config
 from meshd.sidecar import Sidecar
@@ -299,3 +300,46 @@ async def test_a_decode_pool_that_fails_falls_back_with_the_request_as_it_came(
     (moved,) = spare.requests
     assert moved.body is not None and "kv_transfer_params" not in moved.body
     assert moved.body["max_tokens"] == 4 and moved.body["model"] == "tiny"
+
+
+async def test_round_robin_takes_each_decode_engine_in_turn(
+    engines: Callable[[str], Awaitable[PDEngine]], sidecar: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    # The decode pool is ordered once per split request (for its decode leg): round robin's
+    # turn moves one engine a request (it moved two when the pool was also ordered for the
+    # request whole, and with two engines every decode step went to the same one).
+    p, d0, d1 = await engines("p0"), await engines("d0"), await engines("d1")
+    cfg = pd_config([p.url], [d0.url, d1.url])
+    pools = [pool.model_dump() for pool in cfg.pools]
+    s = await sidecar(sidecar_config([p.url], pools=pools, routing={"policy": "round-robin"}))
+    for i in range(4):
+        status, _ = await post(s, ask(LONG + f" question {i}"))
+        assert status == 200
+    assert len(p.requests) == 4
+    assert (len(d0.requests), len(d1.requests)) == (2, 2)
+
+
+async def test_only_the_engines_a_request_went_to_hold_its_prompt_in_the_index(
+    engines: Callable[[str], Awaitable[PDEngine]], sidecar: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    p0, p1 = await engines("p0"), await engines("p1")
+    decode = [await engines(f"d{i}") for i in range(3)]
+    s = await sidecar(pd_config([p0.url, p1.url], [d.url for d in decode]))
+    prefill, dpool = s.plane.routers["prefill"], s.plane.routers["decode"]
+    assert isinstance(prefill, PickerRouter) and isinstance(dpool, PickerRouter)
+
+    def held(router: PickerRouter) -> dict[str, int]:
+        return {st.url: router.picker.index.used_blocks(st.name) for st in router.states}
+
+    # Served whole (a short prompt): the prefill pool's order noted nothing.
+    status, _ = await post(s, ask("hi " * 40))
+    assert status == 200 and sum(held(prefill).values()) == 0
+    for i in range(6):
+        before = {d.url: len(d.requests) for d in decode}
+        status, _ = await post(s, ask(f"{i} " + LONG))
+        assert status == 200
+        (used,) = [d.url for d in decode if len(d.requests) > before[d.url]]
+        assert held(dpool)[used] > 0
+    went = {d.url for d in decode if d.requests}
+    assert {u for u, n in held(dpool).items() if n} == went
+    assert {u for u, n in held(prefill).items() if n} == {e.url for e in (p0, p1) if e.requests}

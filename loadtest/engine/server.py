@@ -19,7 +19,8 @@ Prefill/decode disaggregation (kv_transfer.py): the engine joins a KV transfer f
 (the process-wide one unless given another) while it runs, under its engine id (and, with
 SGLang's protocol, its bootstrap address). SGLang's legs: a decode leg waits here for its
 room's KV before it is submitted; a prefill leg's answer waits for its KV to be fetched.
-GET /get_server_info answers SGLang's disaggregation_mode and bootstrap port.
+GET /server_info (and /get_server_info, its older name) answers SGLang's disaggregation_mode
+and bootstrap port.
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ class SimEngine:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/version", self._version)
         app.router.add_get("/get_server_info", self._server_info)
+        app.router.add_get("/server_info", self._server_info)  # its newer name
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_post("/admin/fault", self._admin_fault)
@@ -575,8 +577,8 @@ class SimEngine:
         }.get(fate, fate)
 
     async def _server_info(self, request: web.Request) -> web.StreamResponse:
-        """SGLang's /get_server_info, the parts a router reads: the disaggregation mode and
-        the prefill engine's bootstrap port."""
+        """SGLang's /server_info (/get_server_info), the parts a router reads: the
+        disaggregation mode and the prefill engine's bootstrap port."""
         spec = self.spec
         mode = "null" if self.replica.role == "both" else self.replica.role
         return web.json_response(
