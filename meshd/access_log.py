@@ -66,6 +66,8 @@ class AttemptRecord:
     cached_tokens: int | None = None
     gpu_seconds: float | None = None  # reported by the engine (ORCA request_cost), else None
     ttft_s: float | None = None
+    # A split request's decode leg: the predicted seconds of the prompt's KV transfer.
+    kv_transfer_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _ATTEMPT_FIELDS}
@@ -81,6 +83,7 @@ class AttemptRecord:
             cached_tokens=_opt_int(obj, "cached_tokens"),
             gpu_seconds=_opt_float(obj, "gpu_seconds"),
             ttft_s=_opt_float(obj, "ttft_s"),
+            kv_transfer_s=_opt_float(obj, "kv_transfer_s"),
         )
 
 

@@ -38,6 +38,7 @@ class AttemptTrace:
         "gpu",
         "gpu_seconds",
         "index",
+        "kv_transfer_s",
         "outcome",
         "predicted_cached_tokens",
         "prompt_tokens",
@@ -74,6 +75,14 @@ class AttemptTrace:
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
         self.gpu_seconds: float | None = None
+        self.kv_transfer_s: float | None = None
+
+    def kv_transfer(self, seconds: float) -> None:
+        """This try is a split request's decode leg, whose KV crosses the link for the
+        predicted `seconds` (access log kv_transfer_s, span meshd.pd.kv_transfer_s)."""
+        self.kv_transfer_s = seconds
+        if self.span is not None and self.span.is_recording():
+            self.span.set_attribute(t.ATTR_KV_TRANSFER_S, seconds)
 
     @property
     def ended(self) -> bool:
@@ -192,4 +201,5 @@ class AttemptTrace:
             cached_tokens=self.cached_tokens,
             gpu_seconds=self.gpu_seconds,
             ttft_s=None if self.first_token_at is None else self.first_token_at - started,
+            kv_transfer_s=self.kv_transfer_s,
         )

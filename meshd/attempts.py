@@ -355,6 +355,8 @@ class Attempts:
         now = asyncio.get_running_loop().time()
         trace = ctx.trace.attempt(route.url, None, now, reason=reason, overlap=overlap)
         attempt = Attempt(router, route, next(plane.ids), pool, pick, guard, trace)
+        if ctx.pd is not None and reason != "prefill" and self._leg_transfers(ctx, reason):
+            trace.kv_transfer(ctx.pd.transfer_s)
         if reason != "resume":  # a continuation's prompt is not the text the pick estimated
             attempt.inference = ctx.inference
         now = time.monotonic()
@@ -365,6 +367,13 @@ class Attempts:
                 self.gate.apply(ctx.pool, ev)  # the next held new task may be judged
         ctx.tried.add(route.url)
         return attempt
+
+    @staticmethod
+    def _leg_transfers(ctx: RequestContext, reason: str) -> bool:
+        """Whether a decode pool attempt of a split request fetches the prompt's KV: a
+        pair's decode leg (SGLang's), or the decode step with transfer params (vLLM's; its
+        continuation after a broken stream is served whole)."""
+        return ctx.pd_pair is not None or (ctx.pd_params is not None and reason != "resume")
 
     def settle(self, attempt: Attempt, outcome: str, error: str | None = None) -> None:
         """Tell the router, the guard and the trace how an attempt ended (once)."""

@@ -158,6 +158,8 @@ EVENT_FALLBACK = "meshd.fallback"
 ATTR_RESPONSE_CACHE = "meshd.response_cache"  # hit, coalesced, miss, refresh
 ATTR_AVOIDED_GPU_S = "meshd.response_cache.avoided_gpu_seconds"
 ATTR_GPU_SECONDS = "meshd.gpu_seconds"
+# A split request's decode leg (meshd/disagg.py): the predicted seconds of its KV transfer.
+ATTR_KV_TRANSFER_S = "meshd.pd.kv_transfer_s"
 ATTR_QUEUE_S = "meshd.queue_s"
 ATTR_TTFT_S = "meshd.ttft_s"
 ATTR_TOKENS_SENT = "meshd.tokens_sent"

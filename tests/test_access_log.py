@@ -78,6 +78,7 @@ def test_round_trip_through_the_writer(tmp_path: Path) -> None:
         "cached_tokens": None,
         "gpu_seconds": None,
         "ttft_s": None,
+        "kv_transfer_s": None,
     }
 
 

@@ -241,6 +241,7 @@ async def test_both_legs_at_once_streamed_and_not(
         assert r.pd == "split" and r.outcome == "ok"
         assert legs(r) == [(p.url, "prefill", "ok"), (d.url, "", "ok")]
         assert r.attempts[0].completion_tokens == 1  # the prefill leg's usage, charged
+        assert r.attempts[0].kv_transfer_s is None and (r.attempts[1].kv_transfer_s or 0) > 0
 
 
 async def test_a_failed_prefill_leg_retries_both_legs_on_another_prefill_engine(

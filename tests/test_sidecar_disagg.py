@@ -176,6 +176,10 @@ async def test_a_long_prompt_is_prefilled_on_the_prefill_pool_then_decoded(
         (d.url, "", "ok"),
     ]
     assert record.pool == "decode" and record.outcome == "ok" and record.pd == "split"
+    # The decode step waited for the prompt's KV: ~400 tokens x 128 KiB over 50 GB/s.
+    prefill_step, decode_step = record.attempts
+    assert prefill_step.kv_transfer_s is None
+    assert decode_step.kv_transfer_s is not None and 0.5e-3 < decode_step.kv_transfer_s < 2e-3
 
 
 async def test_a_short_prompt_is_served_whole_on_the_decode_pool(
