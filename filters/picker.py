@@ -144,9 +144,12 @@ Decision
 1. Eligible: not draining, breaker closed, not ejected, reported healthy (when fresh),
    serves the model and adapter, passes the optional `eligible` hook.
 2. Deadline (`x-meshd-deadline-ms`: the whole answer's, as a client or an agent's task
-   budget means it): endpoints whose predicted end, TTFT_e plus max_tokens at e's decode
-   step with this request in its batch, misses it are dropped; if all miss, the answer
-   is every eligible endpoint by predicted end, each with reason "deadline-unmeetable",
+   budget means it): endpoints whose TTFT_e alone misses it are dropped (a necessary
+   condition; dropping those whose TTFT plus max_tokens at their decode step missed it
+   moved more sessions off their engine and measured worse on the matrix's 9 sessions
+   cells, 2026-12-06: cells missing a target 29 -> 35, TTFT p99 x1.11, task success
+   x0.96); if all miss, the answer is every eligible endpoint by TTFT, each with reason
+   "deadline-unmeetable",
    the affinity holder (below) first: moving would recompute its prefix for a request
    that is late anyway (on the matrix's Mooncake sessions, 8 H100s at load 0.8, this
    took next turns kept 0.80 -> 0.92 and makespan p50 1.14x -> 0.97x cache_aware's).
@@ -1033,13 +1036,13 @@ class Picker:
         limit = len(cands) if c.max_choices is None else c.max_choices
         if req.deadline_s is not None:
             budget = req.deadline_s - now
-            meet = [t for t in cands if self._end(t, big_p, big_m, cached_of, now) <= budget]
+            meet = [t for t in cands if self._ttft(t, big_p, big_m, cached_of, now) <= budget]
             if not meet:
                 # Late anywhere: the holder first (moving would recompute its prefix for a
-                # request that misses anyway), then by predicted end.
+                # request that misses anyway), then by predicted TTFT.
                 late = min(holders) if holders else None
                 cands.sort(
-                    key=lambda t: (t is not late, self._end(t, big_p, big_m, cached_of, now), t[1])
+                    key=lambda t: (t is not late, self._ttft(t, big_p, big_m, cached_of, now), t[1])
                 )
                 out = [
                     self._choice(t, req, cached_of, "deadline-unmeetable", i)
@@ -1788,14 +1791,6 @@ class Picker:
         if unc + max_tokens > v.free_kv:
             ttft += (unc + max_tokens - v.free_kv) * v.kv_wait_per_token
         return ttft
-
-    def _end(
-        self, t: _Cand, prompt: int, max_tokens: int, cached_of: dict[str, float], now: float
-    ) -> float:
-        """Predicted seconds to the request's last token at t's endpoint (what a deadline
-        bounds): its TTFT, then max_tokens at the decode step of the batch it joins."""
-        ctx = prompt + 0.5 * max_tokens
-        return self._ttft(t, prompt, max_tokens, cached_of, now) + max_tokens * _step(t[2], ctx)
 
     def _model_cold(self, e: EndpointState, model: str, now: float) -> float | None:
         warm = e.model_warm(model, now)
