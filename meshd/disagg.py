@@ -467,6 +467,7 @@ class Disaggregator:
             self.attempts.settle(attempt, "prefill_error", why)
             plan.failed.add(url)
             return why
+        _prefilled(attempt)
         self.attempts.settle(attempt, "ok")
         return None
 
@@ -511,6 +512,7 @@ class Disaggregator:
         if up.status != 200:
             self.attempts.settle(attempt, f"http_{up.status}")
             return None
+        _prefilled(attempt)
         try:
             answer = json.loads(data)
         except ValueError:
@@ -521,6 +523,21 @@ class Disaggregator:
             take_usage(attempt, answer["usage"])
         self.attempts.settle(attempt, "ok" if params is not None else "no_transfer_params")
         return params
+
+
+def _prefilled(attempt: Attempt) -> None:
+    """A prefill step's (or leg's) answer came whole: its engine's first token, the prefill
+    done. Its router and guard are told as of a stream's first token, so the engine's queue
+    moves on in the picker's model (EndpointState.first_token: the next request's prefill
+    starts; without it a prefill engine busy for longer than its queue looked idle, its
+    queue taken to drain by the clock) and its TTFT is a calibration sample and the token
+    breaker's outlier test. Not the request's TTFT: its trace is not told (the client's
+    first token comes from the decode leg). A leg of SGLang's answers once its KV was
+    fetched: its sample holds the transfer too."""
+    now = time.monotonic()
+    attempt.router.first_token(attempt.route, attempt.rid, now)
+    if attempt.guard is not None:
+        attempt.guard.first_token(attempt.rid, now, predicted_ttft_s=attempt.route.predicted_ttft_s)
 
 
 def kv_fetch_failed(status: int, body: bytes) -> bool:

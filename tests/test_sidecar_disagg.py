@@ -347,3 +347,19 @@ async def test_only_the_engines_a_request_went_to_hold_its_prompt_in_the_index(
     went = {d.url for d in decode if d.requests}
     assert {u for u, n in held(dpool).items() if n} == went
     assert {u for u, n in held(prefill).items() if n} == {e.url for e in (p0, p1) if e.requests}
+
+
+async def test_a_prefill_answer_is_its_engines_first_token(
+    engines: Callable[[str], Awaitable[PDEngine]], sidecar: Callable[..., Awaitable[Sidecar]]
+) -> None:
+    # The prefill step's answer is its engine's first token: the picker's queue there moves
+    # on and its TTFT calibrates the engine (before, a prefill engine never had a first
+    # token: its queue looked drained by the clock once it had been busy that long).
+    p, d = await engines("p0"), await engines("d0")
+    s = await sidecar(pd_config([p.url], [d.url]))
+    prefill = s.plane.routers["prefill"]
+    assert isinstance(prefill, PickerRouter)
+    (state,) = prefill.states
+    status, _ = await post(s, ask())
+    assert status == 200 and state.outstanding == 0
+    assert state.ttft_sampled is not None  # a sample: the step's TTFT against its prediction
