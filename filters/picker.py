@@ -1144,8 +1144,7 @@ class Picker:
                 # when the request goes there (dispatch).
                 home = True
                 if record:
-                    name = primary[1]
-                    self._homes[name] = (self._homes_now(name, now) + 1.0, now)
+                    self._add_home(primary[1], now)
         if not bound_ok:
             reason = "over-load-bound"
 
@@ -1286,8 +1285,7 @@ class Picker:
         if choice.rank or not recorded:
             self._commit(req, choice, now)
             if choice.home and not recorded:
-                name = choice.endpoint
-                self._homes[name] = (self._homes_now(name, now) + 1.0, now)
+                self._add_home(choice.endpoint, now)
         name = choice.endpoint
         self._dispatched[name] = self._dispatched.get(name, 0) + 1
         uncached = max(1, req.prompt_tokens - choice.cached_tokens)
@@ -2022,6 +2020,9 @@ class Picker:
                 False,
             ),
         )
+
+    def _add_home(self, name: str, now: float) -> None:
+        self._homes[name] = (self._homes_now(name, now) + 1.0, now)
 
     def _homes_now(self, name: str, now: float) -> float:
         """Cold prompts homed at `name`, each weighing exp(-age / home_window_s)."""
