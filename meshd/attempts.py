@@ -78,13 +78,9 @@ class Attempts:
                 return routes_or_refusal
             routes = routes_or_refusal
         else:
-            routes = plane.routers[ctx.pool].order(ctx.pick, now)
-            if routes and routes[0].departure is not None:
-                plane.metrics.affinity_departures.labels(ctx.pool, routes[0].departure).inc()
-            ctx.trace.picked(routes, asyncio.get_running_loop().time())
-            if ctx.hold_refusal and routes and (move := move_before_trying(ctx, routes[0])):
-                return self.acct.refuse(ctx, 503, move[1], move[0], retry_after_s=1)
-            plane.retry_budgets[ctx.pool].deposit(now)
+            routes = self._order(ctx, now, asyncio.get_running_loop().time())
+            if (refused := self._before_trying(ctx, routes, now)) is not None:
+                return refused
         tries = _Tries(routes)
         while tries.made < plane.config.upstream.max_attempts:
             route = await self._next_route(ctx, tries)
@@ -123,33 +119,45 @@ class Attempts:
         A request that has a fallback pool moves on before any step when the prefill pool's
         best predicts its deadline missed or its cost over its cap (fallback.py)."""
         assert self.pd is not None and ctx.pick is not None
-        plane = self.plane
         pd = self.pd
         plan = pd.decide(ctx)
         if isinstance(plan, Reply):
             return plan
         if plan is not None:
-            if ctx.hold_refusal and (move := move_before_trying(ctx, plan.routes[0])):
-                return self.acct.refuse(ctx, 503, move[1], move[0], retry_after_s=1)
-            plane.retry_budgets[ctx.pool].deposit(now)
+            if (refused := self._before_trying(ctx, plan.routes, now)) is not None:
+                return refused
             if ctx.pd_pair is None:
                 await pd.prefill(ctx, plan)  # vLLM's protocol: the prefill step runs first
         loop_now = asyncio.get_running_loop().time()
         if ctx.pd_params is None and ctx.pd_pair is None:  # whole, or every prefill failed
-            routes = plane.routers[ctx.pool].order(ctx.pick, time.monotonic())
-            if routes and routes[0].departure is not None:
-                plane.metrics.affinity_departures.labels(ctx.pool, routes[0].departure).inc()
-            ctx.trace.picked(routes, loop_now)
-            if plan is None:
-                if ctx.hold_refusal and routes and (move := move_before_trying(ctx, routes[0])):
-                    return self.acct.refuse(ctx, 503, move[1], move[0], retry_after_s=1)
-                plane.retry_budgets[ctx.pool].deposit(now)
+            routes = self._order(ctx, time.monotonic(), loop_now)
+            if plan is None and (refused := self._before_trying(ctx, routes, now)) is not None:
+                return refused
             return routes
         routes = pd.order_decode(ctx, time.monotonic())
         ttft = pd.predicted_ttft_s(ctx, routes[0] if routes else None)
         shown = [dataclasses.replace(routes[0], predicted_ttft_s=ttft), *routes[1:]]
         ctx.trace.picked(shown if routes else routes, loop_now)
         return routes
+
+    def _order(self, ctx: RequestContext, now: float, loop_now: float) -> list[Route]:
+        """The request's pool ordered for it; its affinity departure counted, the pick
+        traced."""
+        assert ctx.pick is not None
+        routes = self.plane.routers[ctx.pool].order(ctx.pick, now)
+        if routes and routes[0].departure is not None:
+            self.plane.metrics.affinity_departures.labels(ctx.pool, routes[0].departure).inc()
+        ctx.trace.picked(routes, loop_now)
+        return routes
+
+    def _before_trying(self, ctx: RequestContext, routes: list[Route], now: float) -> Reply | None:
+        """Before the first try: a request with a fallback pool moves on when the best
+        route predicts its deadline missed or its cost over its cap (fallback.py);
+        otherwise it counts toward the pool's retry budget."""
+        if ctx.hold_refusal and routes and (move := move_before_trying(ctx, routes[0])):
+            return self.acct.refuse(ctx, 503, move[1], move[0], retry_after_s=1)
+        self.plane.retry_budgets[ctx.pool].deposit(now)
+        return None
 
     async def _next_route(self, ctx: RequestContext, tries: _Tries) -> Route | Reply | object:
         """The next endpoint to try, a refusal, _NEXT (ask again) or _STOP."""
