@@ -81,6 +81,14 @@ class Attempt:
     settled: bool = False
     inference: InferenceRequest | None = None  # the prompt usage.prompt_tokens counts
 
+    def engine_first_token(self, now: float) -> None:
+        """The engine's first token came (a stream's, or a prefill step's whole answer):
+        the router and the guard are told (the picker's queue model moves on, a TTFT
+        calibration sample, the token breaker's outlier test)."""
+        self.router.first_token(self.route, self.rid, now)
+        if self.guard is not None:
+            self.guard.first_token(self.rid, now, predicted_ttft_s=self.route.predicted_ttft_s)
+
 
 @dataclass(slots=True)
 class RequestContext:

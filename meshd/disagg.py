@@ -534,10 +534,7 @@ def _prefilled(attempt: Attempt) -> None:
     breaker's outlier test. Not the request's TTFT: its trace is not told (the client's
     first token comes from the decode leg). A leg of SGLang's answers once its KV was
     fetched: its sample holds the transfer too."""
-    now = time.monotonic()
-    attempt.router.first_token(attempt.route, attempt.rid, now)
-    if attempt.guard is not None:
-        attempt.guard.first_token(attempt.rid, now, predicted_ttft_s=attempt.route.predicted_ttft_s)
+    attempt.engine_first_token(time.monotonic())
 
 
 def kv_fetch_failed(status: int, body: bytes) -> bool:

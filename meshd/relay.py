@@ -179,11 +179,7 @@ class Relay:
     def first_token(self, attempt: Attempt) -> None:
         now = time.monotonic()
         attempt.first_token_at = now
-        attempt.router.first_token(attempt.route, attempt.rid, now)
-        if attempt.guard is not None:
-            attempt.guard.first_token(
-                attempt.rid, now, predicted_ttft_s=attempt.route.predicted_ttft_s
-            )
+        attempt.engine_first_token(now)
         attempt.trace.first_token(asyncio.get_running_loop().time())
 
     async def resume(self, ctx: RequestContext, sent: list[bytes]) -> Resumed | bytes | str:
