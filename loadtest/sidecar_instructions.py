@@ -62,8 +62,15 @@ async def _drive(child: Child, endpoint: Endpoint, tokens: int, warmup: int, n: 
         await gen.close()
 
 
-def measure(requests: int, tokens: int, warmup: int, overrides: Sequence[str] = ()) -> float:
-    """Sidecar instructions per request over `requests` serial streamed completions."""
+def measure(
+    requests: int,
+    tokens: int,
+    warmup: int,
+    overrides: Sequence[str] = (),
+    keep: Path | None = None,
+) -> float:
+    """Sidecar instructions per request over `requests` serial streamed completions.
+    `keep`: where to copy the callgrind output (for callgrind_annotate)."""
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
             raise RuntimeError(f"{tool} is not installed")
@@ -94,6 +101,8 @@ def measure(requests: int, tokens: int, warmup: int, overrides: Sequence[str] = 
         asyncio.run(_drive(sidecar, endpoint, tokens, warmup, requests))
         sidecar.stop(timeout_s=_VALGRIND_START_S)
         sidecar = None
+        if keep is not None:
+            shutil.copyfile(out, keep)
         return total_instructions(out) / requests
     finally:
         if sidecar is not None:
@@ -117,9 +126,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="KEY.PATH=VALUE",
         help="a sidecar config key for the run (YAML value), e.g. routing.policy=round-robin",
     )
+    parser.add_argument(
+        "--keep", type=Path, metavar="FILE", help="copy the callgrind output here (annotate it)"
+    )
     args = parser.parse_args(argv)
     try:
-        per_request = measure(args.requests, args.tokens, args.warmup, args.set)
+        per_request = measure(args.requests, args.tokens, args.warmup, args.set, args.keep)
     except (RuntimeError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
