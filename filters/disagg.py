@@ -51,7 +51,7 @@ import copy
 import json
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +59,9 @@ __all__ = [
     "BOOTSTRAP_FIELDS",
     "BOOTSTRAP_RETRY_S",
     "KV_PARAMS",
+    "MAX_NAMED_PREFILL",
     "MAX_ROOM",
+    "PREFILL_HEADERS",
     "SGLANG_BOOTSTRAP_PORT",
     "BootstrapPorts",
     "Split",
@@ -70,6 +72,7 @@ __all__ = [
     "decide_split",
     "decode_body",
     "leg_answer",
+    "named_prefill_endpoints",
     "new_room",
     "prefill_body",
     "transfer_params",
@@ -77,6 +80,15 @@ __all__ = [
 ]
 
 KV_PARAMS = "kv_transfer_params"
+# The prefill endpoints an endpoint picker chose for a request it routes to a decode
+# endpoint, `ip:port[,ip:port...]`, first to try first: the Gateway API Inference
+# Extension's proposed standard header (kubernetes-sigs/gateway-api-inference-extension,
+# the proposal "Upstreaming Prefill/Decode Disaggregation Support"), then llm-d's (its
+# routing sidecar reads `x-prefiller-host-port`, llm-d-inference-scheduler
+# pkg/sidecar/proxy/chat_completions.go). Read in this order; `meshd picker` sets both.
+PREFILL_HEADERS = ("x-gateway-prefill-endpoints", "x-prefiller-host-port")
+# At most this many endpoints are read from one header (the rest are ignored).
+MAX_NAMED_PREFILL = 8
 # SGLang: the fields its router adds, its default --disaggregation-bootstrap-port
 # (server_args.py), and the largest room (random.randint(0, 2**63 - 1) in mini_lb.py).
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
@@ -139,6 +151,27 @@ def decide_split(
     ):
         return Split(False, "transfer-slower", uncached, transfer_s, prefill_ttft_s)
     return Split(True, "split", uncached, transfer_s, prefill_ttft_s)
+
+
+def named_prefill_endpoints(headers: Iterable[tuple[str, str]]) -> tuple[str, ...]:
+    """The `host:port` prefill endpoints the request's prefill header names (PREFILL_HEADERS,
+    the first present; one header line or several, each a comma-separated list), in order,
+    without repeats and at most MAX_NAMED_PREFILL; () when it names none."""
+    by_name: dict[str, list[str]] = {}
+    for name, value in headers:
+        lname = name.lower()
+        if lname in PREFILL_HEADERS:
+            by_name.setdefault(lname, []).append(value)
+    for name in PREFILL_HEADERS:
+        if name in by_name:
+            out: list[str] = []
+            for value in by_name[name]:
+                for item in value.split(","):
+                    item = item.strip()
+                    if item and item not in out and len(out) < MAX_NAMED_PREFILL:
+                        out.append(item)
+            return tuple(out)
+    return ()
 
 
 def prefill_body(doc: Mapping[str, Any]) -> dict[str, Any]:

@@ -57,14 +57,17 @@ from urllib.parse import urlsplit
 import msgspec
 
 from filters.disagg import (
+    PREFILL_HEADERS,
     SGLANG_BOOTSTRAP_PORT,
     BootstrapPorts,
+    Split,
     aggregated_body,
     bootstrap_body,
     bootstrap_port_of,
     decide_split,
     decode_body,
     leg_answer,
+    named_prefill_endpoints,
     prefill_body,
     transfer_params,
 )
@@ -107,6 +110,17 @@ async def _read_prefill_answer(up: Any, url: str, what: str) -> bytes:
         raise
     up.release()
     return b"".join(chunks)
+
+
+# The endpoint picker protocol's destination header (meshd/extproc_messages.py's; not
+# imported from there, which loads Envoy's protobufs): Envoy passes it on to the endpoint,
+# so its presence says an endpoint picker routed the request.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+
+
+def host_port(url: str) -> str:
+    """`host:port` of an endpoint URL, as the endpoint picker protocol names endpoints."""
+    return url.split("://", 1)[-1].rstrip("/")
 
 
 # The span attribute that names a pair's bootstrap room (SGLang logs it as bootstrap_room).
@@ -189,10 +203,30 @@ class Disaggregator:
         plane = self.plane
         source = cfg.prefill_pool
         now = time.monotonic()
+        sglang = cfg.protocol == "sglang"
+        named = self._picker_named(ctx)
+        if named == () and not sglang:  # an endpoint picker routed it here to be served whole
+            self._whole(ctx, Split(False, "picker", 0, 0.0))
+            return None
         pick = dataclasses.replace(ctx.pick, max_tokens=1)
         routes = plane.routers[source].order(pick, now, record=False)
         screened = self.attempts.screen(ctx, routes, pool=source).routes
-        sglang = cfg.protocol == "sglang"
+        if named:
+            # The endpoint picker chose the prefill engine(s): the decider is not asked
+            # again; only endpoints of the prefill pool are ever sent to (no SSRF).
+            by_addr = {host_port(r.url): r for r in screened}
+            picked = [by_addr[a] for a in named if a in by_addr]
+            if len(picked) < len(named):
+                known = {host_port(ep.url) for ep in plane.config.pool(source).endpoints}
+                if unknown := [a for a in named if a not in known]:
+                    log.warning("prefill endpoints not in pool %r ignored: %s", source, unknown)
+            if picked:
+                screened = picked
+            elif not sglang:
+                self._whole(ctx, Split(False, "no-prefill-engine", 0, 0.0))
+                return None
+            else:  # SGLang's decode engines serve nothing whole: pair with our own choice
+                named = None
         best = screened[0] if screened else None
         split = decide_split(
             ctx.pick.prompt_tokens,
@@ -205,14 +239,38 @@ class Disaggregator:
             whole_allowed=not sglang,
             prefill_ttft_s=best.predicted_ttft_s if best is not None else None,
         )
+        if named and best is not None:
+            split = dataclasses.replace(split, split=True, reason="picker")
         ctx.pd = split
         if sglang:
             return self._pair(ctx, source, screened, pick)
         if not split.split:
-            plane.metrics.pd_requests.labels(ctx.pool, "whole", split.reason).inc()
-            ctx.trace.pd = f"whole:{split.reason}"
+            self._whole(ctx, split)
             return None
         return PairPlan(source, screened, pick)
+
+    def _whole(self, ctx: RequestContext, split: Split) -> None:
+        """The request is served whole on its decode pool (`split` says why)."""
+        ctx.pd = split
+        self.plane.metrics.pd_requests.labels(ctx.pool, "whole", split.reason).inc()
+        ctx.trace.pd = f"whole:{split.reason}"
+
+    @staticmethod
+    def _picker_named(ctx: RequestContext) -> tuple[str, ...] | None:
+        """What an endpoint picker (Envoy's ext_proc, `meshd picker` or llm-d's) decided for
+        a request it routed here: the prefill endpoints it named (PREFILL_HEADERS), () for
+        none (serve it whole), None when no picker routed it (a trusted peer's request
+        without x-gateway-destination-endpoint, or any untrusted one: this sidecar
+        decides). The prefill headers are consumed here: not passed on to an engine."""
+        headers = ctx.upstream_headers
+        names = {name.lower() for name, _ in headers}
+        if not names.intersection(PREFILL_HEADERS) and DESTINATION_HEADER not in names:
+            return None
+        named = named_prefill_endpoints(headers)
+        ctx.upstream_headers = [(k, v) for k, v in headers if k.lower() not in PREFILL_HEADERS]
+        if not ctx.trusted or DESTINATION_HEADER not in names:
+            return None
+        return named
 
     def kv_bytes_per_token(self, pool: str, route: Route | None, now: float) -> int:
         """The KV bytes a token of the prompt moves: disaggregation.kv_bytes_per_token when
@@ -248,7 +306,8 @@ class Disaggregator:
                 ctx.pd_params = params
                 if ctx.pd is not None and route is not plan.routes[0]:
                     ctx.pd = dataclasses.replace(ctx.pd, prefill_ttft_s=route.predicted_ttft_s)
-                plane.metrics.pd_requests.labels(ctx.pool, "split", "split").inc()
+                reason = ctx.pd.reason if ctx.pd is not None else "split"
+                plane.metrics.pd_requests.labels(ctx.pool, "split", reason).inc()
                 ctx.trace.pd = "split"
                 return
         plane.metrics.pd_requests.labels(ctx.pool, "whole", "prefill-failed").inc()
@@ -300,7 +359,8 @@ class Disaggregator:
             )
         plane.retry_budgets[source].deposit(time.monotonic())
         plan = ctx.pd_pair = PairPlan(source, list(screened), pick)
-        plane.metrics.pd_requests.labels(ctx.pool, "split", "split").inc()
+        reason = ctx.pd.reason if ctx.pd is not None else "split"
+        plane.metrics.pd_requests.labels(ctx.pool, "split", reason).inc()
         ctx.trace.pd = "split"
         return plan
 

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from filters.disagg import PREFILL_HEADERS
 from filters.pool_router import POLICIES, EndpointSpec, PoolRouter
 from meshd.extproc_messages import (
     DESTINATION_HEADER,
@@ -65,6 +66,7 @@ from meshd.extproc_messages import (
     METADATA_NAMESPACE,
     immediate,
 )
+from meshd.extproc_pd import PdSettings
 from meshd.extproc_picker import (
     DEFAULT_DRAIN_GRACE_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -95,9 +97,12 @@ class PickerServer:
         listen: str = "127.0.0.1:9002",
         *,
         router: PoolRouter | None = None,
+        prefill_router: PoolRouter | None = None,
         tracer: Tracer | None = None,
     ) -> None:
-        self.picker = EndpointPicker(settings, router=router, tracer=tracer)
+        self.picker = EndpointPicker(
+            settings, router=router, prefill_router=prefill_router, tracer=tracer
+        )
         self.listen = listen
         self.port = 0
         self._server: grpc.aio.Server | None = None
@@ -166,6 +171,38 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="an engine endpoint; repeat for each (GPU e.g. H100)",
     )
     p.add_argument("--policy", choices=POLICIES, default="meshd")
+    pd = p.add_argument_group(
+        "prefill/decode",
+        "With --prefill-endpoint the --endpoints are decode endpoints (each behind a proxy "
+        "that runs the prefill step: a meshd sidecar, or llm-d's routing sidecar); a request "
+        f"worth splitting names its prefill endpoint in {', '.join(PREFILL_HEADERS)}.",
+    )
+    pd.add_argument(
+        "--prefill-endpoint",
+        action="append",
+        default=[],
+        type=endpoint_spec,
+        metavar="HOST:PORT[=GPU]",
+        help="a prefill engine endpoint; repeat for each",
+    )
+    pd.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        default=256,
+        help="uncached prompt tokens under which a request is served whole (default %(default)s)",
+    )
+    pd.add_argument(
+        "--kv-link-gb-per-s",
+        type=float,
+        default=50.0,
+        help="the KV link between prefill and decode engines, GB/s (default %(default)s)",
+    )
+    pd.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=None,
+        help="KV bytes a token of the model occupies (default: the GPU profile's)",
+    )
     p.add_argument("--max-in-flight", type=int, default=None, help="shed with 429 above this")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument(
@@ -204,6 +241,14 @@ def run(args: argparse.Namespace) -> int:
         max_in_flight=args.max_in_flight,
         fallbacks=args.fallbacks,
         drain_grace_s=args.drain_grace_s,
+        pd=PdSettings(
+            tuple(args.prefill_endpoint),
+            min_prefill_tokens=args.min_prefill_tokens,
+            kv_link_gb_per_s=args.kv_link_gb_per_s,
+            kv_bytes_per_token=args.kv_bytes_per_token,
+        )
+        if args.prefill_endpoint
+        else None,
     )
     provider: TracerProvider | None = None
     if args.otlp_endpoint:

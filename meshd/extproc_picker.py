@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
+from filters.disagg import PREFILL_HEADERS, Split
 from filters.guard import OVERLOAD_STATUSES
 from filters.hotpath import block_hashes, parse_routing_headers
 from filters.picker import PickRequest
@@ -36,6 +37,7 @@ from meshd.extproc_messages import (
     set_header,
     subset_hint,
 )
+from meshd.extproc_pd import PdSettings, PrefillPlanner
 from meshd.extproc_spans import continue_trace, end_span, reject_span, start_span
 from meshd.telemetry import EVENT_FIRST_TOKEN
 
@@ -68,6 +70,9 @@ class PickerSettings:
     cache_salt: str = ""
     retry_after_s: float = 1.0
     drain_grace_s: float = DEFAULT_DRAIN_GRACE_S
+    # Prefill/decode (meshd/extproc_pd.py): the prefill side; `endpoints` are then the
+    # decode endpoints. None: an aggregated pool.
+    pd: PdSettings | None = None
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -87,6 +92,9 @@ class Decision:
     pick: PickRequest
     decided_s: float  # time spent deciding (parse + hash + order)
     routes: tuple[Route, ...] = ()  # primary, then the fallbacks, as in `destination`
+    # Prefill/decode: the decider's answer and the prefill endpoints named (() when whole).
+    pd: Split | None = None
+    prefill: tuple[Route, ...] = ()
 
 
 @dataclass
@@ -112,6 +120,9 @@ class _Stream:
     tail: bytes = b""
     counted: bool = False
     span: Span | None = None
+    # Prefill/decode: the prefill route charged with this request until the answer's head.
+    prefill: Route | None = None
+    prefill_pick: PickRequest | None = None
 
 
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):
@@ -123,11 +134,17 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         settings: PickerSettings,
         *,
         router: PoolRouter | None = None,
+        prefill_router: PoolRouter | None = None,
         clock: Callable[[], float] = time.monotonic,
         tracer: Tracer | None = None,
     ) -> None:
         self.settings = settings
         self.router = router or make_router(settings.policy, settings.endpoints)
+        self.pd = (
+            PrefillPlanner(settings.pd, settings.endpoints, settings.policy, router=prefill_router)
+            if settings.pd is not None
+            else None
+        )
         self.clock = clock
         # None: no spans at all (the default; costs one attribute test per decision).
         self.tracer = tracer
@@ -288,7 +305,13 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             pick = PickRequest.build(inference, routing, now, block_hashes=hashes)
         else:
             pick = _headers_only(routing)
-        routes = self.router.order(pick, now)
+        plan = None
+        if self.pd is not None and inference is not None:
+            plan = self.pd.plan(pick, now, 1 + cfg.fallbacks)
+        if plan is not None and plan.split.split:
+            routes = self.router.order_decode(pick, now, lead_s=plan.split.transfer_s)
+        else:
+            routes = self.router.order(pick, now)
         if s.subset is not None:
             routes = [r for r in routes if host_port(r.url) in s.subset]
         if not routes or all(r.reason == "no-eligible-endpoint" for r in routes):
@@ -301,8 +324,15 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         s.route = chosen[0]
         s.counted = True
         self.in_flight += 1
+        prefill: tuple[Route, ...] = ()
+        if plan is not None and plan.prefill and self.pd is not None:
+            prefill = plan.prefill
+            self.pd.router.started(prefill[0], s.rid, plan.pick, now)
+            s.prefill, s.prefill_pick = prefill[0], plan.pick
         decided = time.perf_counter() - t0
-        s.decision = Decision(value, chosen[0], pick, decided, chosen)
+        s.decision = Decision(
+            value, chosen[0], pick, decided, chosen, plan.split if plan else None, prefill
+        )
         self.decisions += 1
         if len(self.decision_s) < 100_000:
             self.decision_s.append(decided)
@@ -311,6 +341,11 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         if self.on_decision is not None:
             self.on_decision(s.decision)
         mutation = pb.HeaderMutation(set_headers=[set_header(DESTINATION_HEADER, value)])
+        if prefill:
+            named = ",".join(host_port(r.url) for r in prefill)
+            mutation.set_headers.extend(set_header(h, named) for h in PREFILL_HEADERS)
+        elif self.pd is not None:  # served whole: nobody else may name a prefill endpoint
+            mutation.remove_headers.extend(PREFILL_HEADERS)
         if s.span is not None:
             continue_trace(mutation, s.span, routing)
         common = pb.CommonResponse(
@@ -351,6 +386,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             if h.key == ":status":
                 v = header_value(h)
                 s.status = int(v) if v.isdigit() else 0
+        self._prefill_over(s, ok=0 < s.status < 500)
         if s.decision is not None and s.counted:
             served = served_endpoint(req)
             if served is not None:
@@ -438,8 +474,19 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
 
     def _close(self, s: _Stream) -> None:
         """The stream ended (request done, client gone, or Envoy reset it)."""
+        self._prefill_over(s, ok=False)
         if s.decision is not None and s.counted:
             self._finish(s)
+
+    def _prefill_over(self, s: _Stream, *, ok: bool) -> None:
+        """A split request's prefill leg is over: the decode answer's head came (the decode
+        endpoint's proxy sends the decode step once the prefill step answered), or the
+        request ended before it (extproc_pd.py)."""
+        route, pick = s.prefill, s.prefill_pick
+        if route is None or pick is None or self.pd is None:
+            return
+        s.prefill = None
+        self.pd.router.finished(route, s.rid, pick, self.clock(), ok=ok)
 
     def _end_span(self, s: _Stream, *, ok: bool, cached_tokens: int | None = None) -> None:
         span, s.span = s.span, None

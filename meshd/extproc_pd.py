@@ -1,0 +1,119 @@
+"""`meshd picker` for a prefill/decode disaggregated pool (issue #25): with prefill endpoints
+(`--prefill-endpoint`) the `--endpoint`s are decode endpoints, and for each inference
+request the picker decides as the sidecar does (filters/disagg.py `decide_split`: the
+prefill pool ordered for the prefill leg alone, one output token, recording nothing), then
+orders the decode endpoints: for the decode leg (Picker.order_decode: KV headroom, decode
+load and ITL, the transfer in each predicted TTFT) when it splits, as any request when it
+does not.
+
+The answer is the Gateway API Inference Extension's P/D protocol, as llm-d's endpoint
+picker speaks it (its disagg profile handler and prefill header handler): the destination
+is always the decode endpoint (`x-gateway-destination-endpoint`), and a split request
+carries the chosen prefill endpoint in a header (filters/disagg.py PREFILL_HEADERS: GIE's
+proposed `x-gateway-prefill-endpoints` and llm-d's `x-prefiller-host-port`, the same
+`ip:port` value; removed when it is served whole). The prefill step runs at the decode
+endpoint: its proxy (a meshd sidecar in front of the decode engine, meshd/disagg.py, or
+llm-d's routing sidecar) sends the prefill step to the named engine, then the decode step
+with its `kv_transfer_params` to its engine. So the picker stays a decision server (no
+I/O to engines), and a decode engine is chosen before its KV is ready (the sidecar
+chooses it after).
+
+The picker sees only the decode leg's answer; the prefill engine is charged from the
+decision (in flight, its prefix noted) to the decode answer's head, which comes once the
+prefill step is over: its end, not a first token (the time holds the decode engine's
+wait, no TTFT sample for the prefill engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from filters.disagg import Split, decide_split
+from filters.gpu import GpuTable
+from filters.picker import PickRequest
+from filters.pool_router import EndpointSpec, Policy, PoolRouter, Route, make_router
+
+__all__ = ["PdPlan", "PdSettings", "PrefillPlanner"]
+
+
+@dataclass(frozen=True, slots=True)
+class PdSettings:
+    """The prefill side of `meshd picker` (the sidecar's `disaggregation` section, for a
+    protocol whose prefill step runs at the decode endpoint)."""
+
+    prefill_endpoints: tuple[EndpointSpec, ...]
+    min_prefill_tokens: int = 256
+    kv_link_gb_per_s: float = 50.0
+    kv_bytes_per_token: int | None = None  # None: the prefill engine's GPU profile's
+
+    def __post_init__(self) -> None:
+        if not self.prefill_endpoints:
+            raise ValueError("at least one prefill endpoint")
+        if self.min_prefill_tokens < 0 or not self.kv_link_gb_per_s > 0:
+            raise ValueError("min_prefill_tokens must be >= 0 and kv_link_gb_per_s > 0")
+        if self.kv_bytes_per_token is not None and self.kv_bytes_per_token < 1:
+            raise ValueError("kv_bytes_per_token must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class PdPlan:
+    """One request's P/D decision: the decider's answer, the prefill routes to name (the
+    first is charged; () when served whole) and the prefill leg's pick."""
+
+    split: Split
+    prefill: tuple[Route, ...]
+    pick: PickRequest
+
+
+class PrefillPlanner:
+    """The prefill pool's router and the decider, for one decode pool of endpoints."""
+
+    def __init__(
+        self,
+        settings: PdSettings,
+        decode_endpoints: Sequence[EndpointSpec],
+        policy: Policy = "meshd",
+        *,
+        router: PoolRouter | None = None,
+    ) -> None:
+        self.settings = settings
+        self.router = router or make_router(policy, settings.prefill_endpoints)
+        self._gpus = GpuTable()
+        self._gpu_of = {e.url: e.gpu for e in settings.prefill_endpoints}
+        # The decider's r: the decode endpoints' seconds per prefilled token at their GPUs'
+        # nominal speed, the mean (meshd/disagg.py computes it so for a decode pool).
+        self.recompute_s = sum(
+            1.0 / self._gpus.get(e.gpu).prefill_tokens_per_s for e in decode_endpoints
+        ) / max(1, len(decode_endpoints))
+
+    def plan(self, pick: PickRequest, now: float, names: int = 1) -> PdPlan:
+        """Decide for `pick`: split (the first `names` eligible prefill routes) or whole."""
+        cfg = self.settings
+        leg = dataclasses.replace(pick, max_tokens=1)
+        ordered = self.router.order(leg, now, record=False)
+        routes = [r for r in ordered if r.reason != "no-eligible-endpoint"]
+        best = routes[0] if routes else None
+        split = decide_split(
+            pick.prompt_tokens,
+            best.cached_tokens if best is not None else None,
+            min_prefill_tokens=cfg.min_prefill_tokens,
+            kv_bytes_per_token=self.kv_bytes_per_token(best, now),
+            kv_link_gb_per_s=cfg.kv_link_gb_per_s,
+            recompute_s_per_token=self.recompute_s,
+            prefill_available=best is not None,
+            prefill_ttft_s=best.predicted_ttft_s if best is not None else None,
+        )
+        chosen = tuple(routes[: max(1, names)]) if split.split else ()
+        return PdPlan(split, chosen, leg)
+
+    def kv_bytes_per_token(self, route: Route | None, now: float) -> int:
+        """--kv-bytes-per-token, else the prefill engine's GPU profile's."""
+        if self.settings.kv_bytes_per_token is not None:
+            return self.settings.kv_bytes_per_token
+        gpu = None
+        if route is not None:
+            choice = route.choice
+            gpu = choice.state.gpu_name(now) if choice is not None else self._gpu_of.get(route.url)
+        return self._gpus.get(gpu).kv_bytes_per_token
