@@ -12,6 +12,7 @@ import os
 
 from filters import blockhash as _blockhash_py
 from filters import chunked as _chunked_py
+from filters import response_head as _response_head_py
 from filters import routing_headers as _routing_headers_py
 from filters import sse as _sse_py
 from filters.routing_headers import RoutingHeaders, TraceContext
@@ -21,13 +22,20 @@ block_hashes = _blockhash_py.block_hashes
 parse_routing_headers = _routing_headers_py.parse_routing_headers
 SSEScanner: type[_sse_py.SSEScanner] = _sse_py.SSEScanner
 ChunkedDecoder: type[_chunked_py.ChunkedDecoder] = _chunked_py.ChunkedDecoder
+parse_response_head = _response_head_py.parse_response_head
 IMPLEMENTATION = "python (forced by MESHD_PURE_PYTHON)"
 
 if not os.environ.get("MESHD_PURE_PYTHON"):
     try:
         _compiled = [
             importlib.import_module(f"filters.{name}")
-            for name in ("_blockhash_c", "_routing_headers_c", "_sse_c", "_chunked_c")
+            for name in (
+                "_blockhash_c",
+                "_routing_headers_c",
+                "_sse_c",
+                "_chunked_c",
+                "_response_head_c",
+            )
         ]
     except ImportError:
         IMPLEMENTATION = "python (compiled extensions not built)"
@@ -36,6 +44,7 @@ if not os.environ.get("MESHD_PURE_PYTHON"):
         parse_routing_headers = _compiled[1].parse_routing_headers
         SSEScanner = _compiled[2].SSEScanner
         ChunkedDecoder = _compiled[3].ChunkedDecoder
+        parse_response_head = _compiled[4].parse_response_head
         IMPLEMENTATION = "cython"
 
 __all__ = [
@@ -45,5 +54,6 @@ __all__ = [
     "SSEScanner",
     "TraceContext",
     "block_hashes",
+    "parse_response_head",
     "parse_routing_headers",
 ]

@@ -1,6 +1,7 @@
 """One upstream HTTP/1.1 connection on a raw asyncio protocol: it writes a request, parses
-the response head (status line and fields, RFC 9112 sections 4 and 5, obs-fold replaced by
-SP as 5.2 allows; the body's length by 6.3) into an UpstreamResponse, and hands that
+the response head (filters/response_head.py: status line and fields, RFC 9112 sections 4
+and 5, obs-fold replaced by SP as 5.2 allows; the body's length by 6.3; compiled twin by
+filters.hotpath) into an UpstreamResponse, and hands that
 response the body bytes of each read. The pool (meshd/upstream.py) owns it, idle or busy.
 """
 
@@ -8,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import socket
 from typing import TYPE_CHECKING, cast
 
+from filters.hotpath import parse_response_head
+from filters.response_head import ResponseHeadError
 from meshd.upstream_errors import (
     StaleConnection,
     UpstreamClosedError,
@@ -25,16 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = ["UpstreamConnection"]
 
-_STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([0-9]{3})(?: ([^\r\n\x00]*))?")
-# field-line = field-name ":" OWS field-value OWS; the name is a token (RFC 9110 5.1, 5.5).
-_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
-_FIELD_LINE = re.compile(rf"({_TOKEN}):[ \t]*([^\r\n\x00]*?)[ \t]*")
-# The usual head, every line one well-formed field (no obs-fold): checked whole by one
-# match, then split on CRLF and each line's first colon (a token holds none), with OWS
-# stripped from the value, instead of a match per line with a lazy value that backtracks at
-# every character. Splitting costs less than a capturing findall (3.3 us vs 5.1 us for a
-# 5-field head, timeit).
-_FIELD_BLOCK = re.compile(rf"(?:{_TOKEN}:[^\r\n\x00]*\r\n)*")
+# filters/response_head.py's framing numbers as the response's enum.
+_FRAMING = {f.value: f for f in BodyFraming}
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -181,98 +175,13 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _parse_head(self, head: bytes) -> UpstreamResponse | None:
         ep = self.ep
-        first, _, block = head.decode("utf-8", "surrogateescape").partition("\r\n")
-        status_line = _STATUS_LINE.fullmatch(first)
-        if status_line is None:
-            raise UpstreamProtocolError(ep.name, f"malformed status line {first[:80]!r}")
-        minor, code, reason = status_line.groups()
-        status = int(code)
-        if 100 <= status < 200:
-            if status == 101:
-                raise UpstreamProtocolError(ep.name, "unexpected 101 Switching Protocols")
+        try:
+            parsed = parse_response_head(head, self.pool.max_headers, self._is_head)
+        except ResponseHeadError as exc:
+            raise UpstreamProtocolError(ep.name, str(exc)) from None
+        if parsed is None:  # 1xx interim response
             return None
-        headers: list[tuple[str, str]] = []
-        if block:
-            block += "\r\n"
-            lines = block.count("\r\n")
-            if lines > self.pool.max_headers:
-                raise UpstreamProtocolError(
-                    ep.name,
-                    f"{lines} response header lines exceed max_headers ({self.pool.max_headers})",
-                )
-            if _FIELD_BLOCK.fullmatch(block) is not None:
-                for line in block.split("\r\n")[:-1]:
-                    name, _, value = line.partition(":")
-                    headers.append((name, value.strip(" \t")))
-            else:
-                headers = self._fields_line_by_line(block)
-        content_length: str | None = None
-        chunked = False
-        close = minor == "0"
-        content_type = "application/octet-stream"  # RFC 9110 8.3, when none is given
-        for name, value in headers:
-            lname = name.lower()
-            if lname == "content-length":
-                for part in value.split(","):
-                    part = part.strip(" \t")
-                    if (
-                        not part.isdigit()
-                        or not part.isascii()
-                        or (content_length is not None and int(part) != int(content_length))
-                    ):
-                        raise UpstreamProtocolError(ep.name, f"invalid Content-Length {value!r}")
-                    content_length = part
-            elif lname == "transfer-encoding":
-                codings = [c.strip(" \t").lower() for c in value.split(",") if c.strip(" \t")]
-                if chunked or codings != ["chunked"]:
-                    # Another coding would reach the client still encoded once we drop the
-                    # header; refusing is safer than relaying bytes nobody can read.
-                    raise UpstreamProtocolError(
-                        ep.name, f"unsupported Transfer-Encoding {value!r} (only chunked)"
-                    )
-                chunked = True
-            elif lname == "connection":
-                if any(t.strip(" \t").lower() == "close" for t in value.split(",")):
-                    close = True
-            elif lname == "content-type":
-                content_type = _media_type(value)
-        if self._is_head or status in (204, 304):
-            mode, length = BodyFraming.NONE, 0
-        elif chunked:
-            if content_length is not None:
-                # RFC 9112 6.3 item 3: both may be a smuggling attempt; handle as an error.
-                raise UpstreamProtocolError(
-                    ep.name, "response has both Transfer-Encoding and Content-Length"
-                )
-            mode, length = BodyFraming.CHUNKED, 0
-        elif content_length is not None:
-            length = int(content_length)
-            mode = BodyFraming.LENGTH if length else BodyFraming.NONE
-        else:
-            mode, length, close = BodyFraming.UNTIL_CLOSE, 0, True
+        status, reason, headers, content_type, mode, length, keep_alive = parsed
         return UpstreamResponse(
-            self, status, reason or "", headers, content_type, mode, length, not close
+            self, status, reason, headers, content_type, _FRAMING[mode], length, keep_alive
         )
-
-    def _fields_line_by_line(self, block: str) -> list[tuple[str, str]]:
-        """The fields of a head `_FIELD_BLOCK` refused: obs-fold joined, else the error."""
-        headers: list[tuple[str, str]] = []
-        for line in block.split("\r\n")[:-1]:
-            if line[:1] in (" ", "\t") and headers:
-                # obs-fold: the line continues the previous field's value (RFC 9112 5.2).
-                name, value = headers[-1]
-                folded = line.strip(" \t")
-                headers[-1] = (name, f"{value} {folded}" if folded else value)
-                continue
-            field_line = _FIELD_LINE.fullmatch(line)
-            if field_line is None:
-                raise UpstreamProtocolError(
-                    self.ep.name, f"malformed response header {line[:80]!r}"
-                )
-            name, value = field_line.groups()
-            headers.append((name, value))
-        return headers
-
-
-def _media_type(value: str) -> str:
-    return value.split(";", 1)[0].strip(" \t").lower()
