@@ -29,9 +29,11 @@ without a room ("Disaggregated request received without bootstrap room id"), so 
 this protocol nothing is served whole on the decode pool.
 
 The decider (llm-d's prefix-based pd-decider, in tokens, and the link): with P prompt
-tokens, U of them not cached at the best prefill engine, the KV transfer T = P x KV bytes
-per token / the link's bandwidth (the whole prompt's KV crosses the link), a request is
-split when
+tokens, U of them not cached at the best prefill engine, C of them held by the decode
+engine that holds the most (its pool's prefix index; 0 when unknown), the KV transfer
+T = (P - C) x KV bytes per token / the link's bandwidth (a decode engine pulls only the
+blocks its prefix cache lacks: vLLM's NIXL connector loads the prompt less what it
+computed locally), a request is split when
 1. a prefill engine can take it (else whole: `no-prefill-engine`),
 2. U >= `min_prefill_tokens` (else `short-prefill`: a short prefill is cheaper done where
    the decode runs than shipped as KV), and
@@ -42,7 +44,9 @@ At 50 GB/s and 128 KiB a token (2.6 us) against an H100's 36 us a token, rule 3 
 whole a prompt more than 93% cached; at 5 GB/s, more than 27%. Under SGLang's protocol
 every request that a prefill engine can take is split (its decode engines serve nothing
 whole). The transfer is also part of a split request's predicted TTFT: the prefill
-engine's predicted TTFT, then T, then the decode engine's wait (Picker.order_decode).
+engine's predicted TTFT, then T, then the decode engine's wait (Picker.order_decode); in
+the decode leg's order each engine's own (P - C_e) is priced (`price_decode_routes`), so
+an engine that holds an earlier turn gets the KV sooner.
 """
 
 from __future__ import annotations
@@ -51,9 +55,12 @@ import copy
 import json
 import math
 import random
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from filters.pool_router import Route
 
 __all__ = [
     "BOOTSTRAP_FIELDS",
@@ -72,9 +79,11 @@ __all__ = [
     "decide_split",
     "decode_body",
     "leg_answer",
+    "missing_tokens",
     "named_prefill_endpoints",
     "new_room",
     "prefill_body",
+    "price_decode_routes",
     "transfer_params",
     "transfer_seconds",
 ]
@@ -114,6 +123,7 @@ class Split:
     uncached_tokens: int
     transfer_s: float
     prefill_ttft_s: float | None = None
+    kv_bytes_per_token: int = 0  # what the transfer was priced at (0: not priced)
 
 
 def transfer_seconds(prompt_tokens: int, kv_bytes_per_token: int, kv_link_gb_per_s: float) -> float:
@@ -132,25 +142,31 @@ def decide_split(
     prefill_available: bool = True,
     whole_allowed: bool = True,
     prefill_ttft_s: float | None = None,
+    decode_cached_tokens: float | None = None,
 ) -> Split:
     """Split a request of `prompt_tokens` whose best prefill engine holds `cached_tokens` of
     it? (The module's docstring has the rule; `recompute_s_per_token` is its r, None: rule
     3 is not applied.) `whole_allowed` False: the decode engines cannot serve a request
     whole (SGLang's), so every request that can be split is. `prefill_ttft_s`, the best
-    prefill engine's predicted TTFT, is carried into the answer."""
+    prefill engine's predicted TTFT, is carried into the answer. `decode_cached_tokens`:
+    the most of the prompt a decode engine holds (its prefix index), whose KV does not
+    cross the link (None or 0: the whole prompt's does)."""
     uncached = max(0, prompt_tokens - int(cached_tokens or 0))
-    transfer_s = transfer_seconds(prompt_tokens, kv_bytes_per_token, kv_link_gb_per_s)
+    transfer_s = transfer_seconds(
+        missing_tokens(prompt_tokens, decode_cached_tokens), kv_bytes_per_token, kv_link_gb_per_s
+    )
+    b = kv_bytes_per_token
     if not prefill_available:
-        return Split(False, "no-prefill-engine", uncached, transfer_s)
+        return Split(False, "no-prefill-engine", uncached, transfer_s, None, b)
     if whole_allowed and uncached < min_prefill_tokens:
-        return Split(False, "short-prefill", uncached, transfer_s, prefill_ttft_s)
+        return Split(False, "short-prefill", uncached, transfer_s, prefill_ttft_s, b)
     if (
         whole_allowed
         and recompute_s_per_token is not None
         and transfer_s >= uncached * recompute_s_per_token
     ):
-        return Split(False, "transfer-slower", uncached, transfer_s, prefill_ttft_s)
-    return Split(True, "split", uncached, transfer_s, prefill_ttft_s)
+        return Split(False, "transfer-slower", uncached, transfer_s, prefill_ttft_s, b)
+    return Split(True, "split", uncached, transfer_s, prefill_ttft_s, b)
 
 
 def named_prefill_endpoints(headers: Iterable[tuple[str, str]]) -> tuple[str, ...]:
@@ -172,6 +188,52 @@ def named_prefill_endpoints(headers: Iterable[tuple[str, str]]) -> tuple[str, ..
                         out.append(item)
             return tuple(out)
     return ()
+
+
+def missing_tokens(prompt_tokens: int, decode_cached_tokens: float | None) -> int:
+    """The prompt tokens whose KV a decode engine holding `decode_cached_tokens` of the
+    prompt pulls (vLLM's NIXL connector loads only the blocks its prefix cache lacks:
+    NixlConnectorScheduler.get_num_new_matched_tokens counts the prompt less the tokens
+    computed locally); at least 1 (the last token's KV always comes)."""
+    held = int(decode_cached_tokens or 0)
+    return max(1, prompt_tokens - held) if held > 0 else prompt_tokens
+
+
+def price_decode_routes(
+    routes: Sequence[Route],
+    decode_cached: Mapping[str, float],
+    prompt_tokens: int,
+    *,
+    kv_bytes_per_token: int,
+    kv_link_gb_per_s: float,
+    transfer_s: float,
+) -> list[Route]:
+    """A split request's decode order (Picker.order_decode, each route's predicted TTFT its
+    lead, which holds the transfer `transfer_s`, + its wait) with each engine's own
+    transfer: the part of the prompt it does not hold (`decode_cached`, by URL) crosses
+    the link. Each predicted TTFT takes that engine's transfer instead of `transfer_s`, and
+    the order is Picker.order_decode's rule with it: the stream fits in KV first, then by
+    transfer + wait + output at the ITL (the choice's score), then by name. Routes without
+    a choice (a balancer's) keep their order; with no engine holding any of the prompt
+    the order is the one given."""
+    if not decode_cached or not routes or any(r.choice is None for r in routes):
+        return list(routes)
+
+    def own(route: Route) -> float:
+        missing = missing_tokens(prompt_tokens, decode_cached.get(route.url))
+        return transfer_seconds(missing, kv_bytes_per_token, kv_link_gb_per_s)
+
+    priced: list[tuple[bool, float, str, Route]] = []
+    for r in routes:
+        assert r.choice is not None
+        t = own(r)
+        ttft = r.predicted_ttft_s
+        if ttft is not None:
+            ttft = max(0.0, ttft - transfer_s + t)
+        key = (r.reason != "decode", r.choice.score + t, r.url)
+        priced.append((*key, replace(r, predicted_ttft_s=ttft)))
+    priced.sort(key=lambda row: row[:3])
+    return [row[3] for row in priced]
 
 
 def prefill_body(doc: Mapping[str, Any]) -> dict[str, Any]:

@@ -384,6 +384,12 @@ class CacheAwareRouter(BalancerRouter):
         return [Route(pick, "cache-aware"), *rest]
 
 
+def cached_tokens(router: PoolRouter, req: PickRequest, now: float) -> dict[str, float]:
+    """PickerRouter.cached_tokens for meshd's picker; {} for a router that keeps no prefix
+    index (the balancers), where nothing is known to be cached."""
+    return router.cached_tokens(req, now) if isinstance(router, PickerRouter) else {}
+
+
 class PickerRouter:
     """meshd's prefix-aware, cost-and-latency picker over EndpointStates."""
 
@@ -435,6 +441,23 @@ class PickerRouter:
             for c in choices
         ]
         return routes or self._anyway()
+
+    def cached_tokens(self, req: PickRequest, now: float) -> dict[str, float]:
+        """The prompt tokens each endpoint is expected to hold in its prefix cache (its
+        prefix index's expected blocks x tokens per block, at most the prompt), by URL;
+        endpoints holding none are left out. Nothing is recorded (a split request's decode
+        leg prices its KV transfer by what the decode engine lacks: filters/disagg.py)."""
+        if not req.block_hashes:
+            return {}
+        if self._digests:
+            self._materialize(req.block_hashes, now)
+        tpb = req.tokens_per_block or self.picker.config.tokens_per_block
+        top = float(max(0, req.prompt_tokens))
+        out: dict[str, float] = {}
+        for name, (_, expected) in self.picker.index.match_detail(req.block_hashes, now).items():
+            if name in self._by_url and expected > 0.0:
+                out[name] = min(top, expected * tpb)
+        return out
 
     def _anyway(self) -> list[Route]:
         """Every endpoint is ejected or draining: try them anyway, least failing first,

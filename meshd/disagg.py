@@ -67,12 +67,16 @@ from filters.disagg import (
     decide_split,
     decode_body,
     leg_answer,
+    missing_tokens,
     named_prefill_endpoints,
     prefill_body,
+    price_decode_routes,
     transfer_params,
+    transfer_seconds,
 )
 from filters.gpu import GpuTable
 from filters.guard import OVERLOAD_STATUSES
+from filters.pool_router import cached_tokens
 from meshd.context import Attempt, Plane, RequestContext
 from meshd.http_message import Reply
 from meshd.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
@@ -228,6 +232,7 @@ class Disaggregator:
             else:  # SGLang's decode engines serve nothing whole: pair with our own choice
                 named = None
         best = screened[0] if screened else None
+        decode_cached = cached_tokens(plane.routers[ctx.pool], ctx.pick, now)
         split = decide_split(
             ctx.pick.prompt_tokens,
             best.cached_tokens if best is not None else None,
@@ -238,6 +243,7 @@ class Disaggregator:
             prefill_available=best is not None,
             whole_allowed=not sglang,
             prefill_ttft_s=best.predicted_ttft_s if best is not None else None,
+            decode_cached_tokens=max(decode_cached.values(), default=None),
         )
         if named and best is not None:
             split = dataclasses.replace(split, split=True, reason="picker")
@@ -322,7 +328,26 @@ class Disaggregator:
         lead = split.transfer_s
         if ctx.pd_pair is not None:
             lead += split.prefill_ttft_s or 0.0
-        return self.plane.routers[ctx.pool].order_decode(ctx.pick, now, lead_s=lead)
+        router = self.plane.routers[ctx.pool]
+        routes = router.order_decode(ctx.pick, now, lead_s=lead)
+        cfg = self.pools[ctx.pool]
+        if not routes or cfg is None or not split.kv_bytes_per_token:
+            return routes
+        # Each decode engine pulls only what its prefix cache lacks (filters/disagg.py).
+        held = cached_tokens(router, ctx.pick, now)
+        priced = price_decode_routes(
+            routes,
+            held,
+            ctx.pick.prompt_tokens,
+            kv_bytes_per_token=split.kv_bytes_per_token,
+            kv_link_gb_per_s=cfg.kv_link_gb_per_s,
+            transfer_s=split.transfer_s,
+        )
+        if held:  # the primary's transfer is the one the decode leg is predicted to wait
+            missing = missing_tokens(ctx.pick.prompt_tokens, held.get(priced[0].url))
+            t = transfer_seconds(missing, split.kv_bytes_per_token, cfg.kv_link_gb_per_s)
+            ctx.pd = dataclasses.replace(split, transfer_s=t)
+        return priced
 
     def predicted_ttft_s(self, ctx: RequestContext, decode: Route | None) -> float | None:
         """A split request's predicted TTFT, its decode leg on `decode`: the prefill's, the

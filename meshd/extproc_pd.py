@@ -30,10 +30,17 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from filters.disagg import Split, decide_split
+from filters.disagg import Split, decide_split, price_decode_routes
 from filters.gpu import GpuTable
 from filters.picker import PickRequest
-from filters.pool_router import EndpointSpec, Policy, PoolRouter, Route, make_router
+from filters.pool_router import (
+    EndpointSpec,
+    Policy,
+    PoolRouter,
+    Route,
+    cached_tokens,
+    make_router,
+)
 
 __all__ = ["PdPlan", "PdSettings", "PrefillPlanner"]
 
@@ -88,8 +95,9 @@ class PrefillPlanner:
             1.0 / self._gpus.get(e.gpu).prefill_tokens_per_s for e in decode_endpoints
         ) / max(1, len(decode_endpoints))
 
-    def plan(self, pick: PickRequest, now: float, names: int = 1) -> PdPlan:
-        """Decide for `pick`: split (the first `names` eligible prefill routes) or whole."""
+    def plan(self, pick: PickRequest, now: float, decode: PoolRouter, names: int = 1) -> PdPlan:
+        """Decide for `pick`: split (the first `names` eligible prefill routes) or whole;
+        `decode` the decode endpoints' router (what their prefix caches hold)."""
         cfg = self.settings
         leg = dataclasses.replace(pick, max_tokens=1)
         ordered = self.router.order(leg, now, record=False)
@@ -104,9 +112,25 @@ class PrefillPlanner:
             recompute_s_per_token=self.recompute_s,
             prefill_available=best is not None,
             prefill_ttft_s=best.predicted_ttft_s if best is not None else None,
+            decode_cached_tokens=max(cached_tokens(decode, pick, now).values(), default=None),
         )
         chosen = tuple(routes[: max(1, names)]) if split.split else ()
         return PdPlan(split, chosen, leg)
+
+    def order_decode(
+        self, decode: PoolRouter, pick: PickRequest, split: Split, now: float
+    ) -> list[Route]:
+        """The decode endpoints for a split request's decode leg, each pulling the part of
+        the prompt its prefix cache lacks (filters/disagg.py price_decode_routes)."""
+        routes = decode.order_decode(pick, now, lead_s=split.transfer_s)
+        return price_decode_routes(
+            routes,
+            cached_tokens(decode, pick, now),
+            pick.prompt_tokens,
+            kv_bytes_per_token=split.kv_bytes_per_token,
+            kv_link_gb_per_s=self.settings.kv_link_gb_per_s,
+            transfer_s=split.transfer_s,
+        )
 
     def kv_bytes_per_token(self, route: Route | None, now: float) -> int:
         """--kv-bytes-per-token, else the prefill engine's GPU profile's."""

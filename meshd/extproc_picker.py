@@ -307,9 +307,9 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             pick = _headers_only(routing)
         plan = None
         if self.pd is not None and inference is not None:
-            plan = self.pd.plan(pick, now, 1 + cfg.fallbacks)
-        if plan is not None and plan.split.split:
-            routes = self.router.order_decode(pick, now, lead_s=plan.split.transfer_s)
+            plan = self.pd.plan(pick, now, self.router, 1 + cfg.fallbacks)
+        if plan is not None and plan.split.split and self.pd is not None:
+            routes = self.pd.order_decode(self.router, pick, plan.split, now)
         else:
             routes = self.router.order(pick, now)
         if s.subset is not None:

@@ -1,0 +1,125 @@
+"""Prefill/decode disaggregation: the KV transfer is priced on what the decode engine lacks
+(issue #25). vLLM's NIXL connector pulls only the blocks a decode engine's prefix cache does
+not hold, so where the decode pool's prefix index knows the prompt (an earlier turn decoded
+there) the decider, the decode leg's order and its predicted TTFT count only the rest."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from test_disagg_choice import SYSTEM, _req
+from test_sidecar_disagg import LONG, PDEngine, ask, pd_config, post
+
+from filters.disagg import (
+    decide_split,
+    missing_tokens,
+    price_decode_routes,
+    transfer_seconds,
+)
+from filters.pool_router import EndpointSpec, PickerRouter, cached_tokens, make_router
+from meshd.access_log import read_access_log
+from meshd.sidecar import Sidecar
+
+B = 131_072  # KV bytes a token (the GPU profile's)
+
+
+def test_only_the_tokens_the_decode_engine_lacks_cross_the_link() -> None:
+    assert missing_tokens(1000, None) == missing_tokens(1000, 0) == 1000
+    assert missing_tokens(1000, 600.4) == 400
+    assert missing_tokens(1000, 5000) == 1  # the last token's KV always comes
+    kw: dict[str, Any] = {"min_prefill_tokens": 0, "kv_bytes_per_token": B, "kv_link_gb_per_s": 5.0}
+    cold = decide_split(10_000, 0, **kw)
+    warm = decide_split(10_000, 0, decode_cached_tokens=8_000, **kw)
+    assert cold.transfer_s == transfer_seconds(10_000, B, 5.0)
+    assert warm.transfer_s == transfer_seconds(2_000, B, 5.0)
+    assert warm.kv_bytes_per_token == B
+    # On a slow link the whole prompt's transfer is slower than recomputing the half the
+    # prefill pool lacks; the decode engine holding most of it makes the split worth it.
+    r = 36e-6  # an H100's seconds per prefilled token
+    assert decide_split(10_000, 5_000, recompute_s_per_token=r, **kw).reason == "transfer-slower"
+    assert decide_split(
+        10_000, 5_000, recompute_s_per_token=r, decode_cached_tokens=8_000, **kw
+    ).split
+
+
+def _decode_router() -> PickerRouter:
+    specs = [EndpointSpec(f"http://e{i}:1", gpu="H100") for i in range(2)]
+    router = make_router("meshd", specs)
+    assert isinstance(router, PickerRouter)
+    return router
+
+
+def test_the_decode_engine_holding_the_prompt_is_priced_its_own_transfer() -> None:
+    router = _decode_router()
+    req = _req(SYSTEM + "the first turn", max_tokens=64)
+    assert cached_tokens(router, req, 0.0) == {}
+    # The first turn's decode leg went to e1 (the later name: not the tie's winner): its
+    # dispatch notes the prompt there.
+    routes = router.order_decode(req, 0.0, lead_s=0.0)
+    assert [r.url for r in routes] == ["http://e0:1", "http://e1:1"]
+    router.started(routes[1], 1, req, 0.0)
+    router.first_token(routes[1], 1, 0.1)
+    router.finished(routes[1], 1, req, 1.0, ok=True)
+
+    follow = _req(SYSTEM + "the first turn, and the next one", max_tokens=64)
+    held = cached_tokens(router, follow, 2.0)
+    assert set(held) == {"http://e1:1"} and 0.7 * follow.prompt_tokens < held["http://e1:1"]
+    full = transfer_seconds(follow.prompt_tokens, B, 5.0)
+    routes = router.order_decode(follow, 2.0, lead_s=full)
+    assert routes[0].url == "http://e0:1"  # the picker's own order: a tie, by name
+    priced = price_decode_routes(
+        routes,
+        held,
+        follow.prompt_tokens,
+        kv_bytes_per_token=B,
+        kv_link_gb_per_s=5.0,
+        transfer_s=full,
+    )
+    assert [r.url for r in priced] == ["http://e1:1", "http://e0:1"]
+    own = transfer_seconds(missing_tokens(follow.prompt_tokens, held["http://e1:1"]), B, 5.0)
+    by_url = {r.url: r for r in routes}
+    assert priced[0].predicted_ttft_s is not None and priced[1].predicted_ttft_s is not None
+    assert by_url["http://e1:1"].predicted_ttft_s is not None
+    assert (
+        abs(priced[0].predicted_ttft_s - (by_url["http://e1:1"].predicted_ttft_s - full + own))
+        < 1e-9
+    )
+    assert priced[1] == by_url["http://e0:1"]  # holding nothing: the whole prompt, as before
+    # Nothing held anywhere: the order and its predictions as given.
+    assert price_decode_routes(routes, {}, 5, kv_bytes_per_token=B, kv_link_gb_per_s=5.0,
+                               transfer_s=full) == routes  # fmt: skip
+
+
+async def test_a_next_turn_ships_only_what_its_decode_engine_lacks(
+    sidecar: Callable[..., Awaitable[Sidecar]], tmp_path: Path
+) -> None:
+    fabric: dict[str, str] = {}
+    engines = []
+    for name in ("p0", "d0"):
+        e = PDEngine(name)
+        e.fabric = fabric
+        await e.start()
+        engines.append(e)
+    p, d = engines
+    try:
+        s = await sidecar(pd_config([p.url], [d.url], tmp_path, min_prefill_tokens=0))
+        first, follow = LONG, LONG + "and then some more words " * 40
+        for prompt in (first, follow):
+            status, _ = await post(s, ask(prompt))
+            assert status == 200
+        s.accounting.flush()
+        await s.observer.aclose()
+        records = list(read_access_log(tmp_path / "access.jsonl"))
+        assert [r.pd for r in records] == ["split", "split"]
+        (t1,) = [a.kv_transfer_s for a in records[0].attempts if a.reason != "prefill"]
+        (t2,) = [a.kv_transfer_s for a in records[1].attempts if a.reason != "prefill"]
+        assert t1 is not None and t2 is not None
+        # The first turn's whole prompt crossed; the next turn's prompt is ~1.6x as long
+        # (its whole KV would take ~1.6 t1), but d0 holds most of the first turn's (the
+        # index's estimate, ~0.8 of it): only the rest crosses.
+        assert t2 < 0.9 * t1
+    finally:
+        for e in engines:
+            await e.stop()
