@@ -23,6 +23,7 @@ from filters.retry_budget import parse_retry_after
 from meshd.accounting import Accounting
 from meshd.admission_gate import AdmissionGate
 from meshd.context import Attempt, Plane, RequestContext
+from meshd.deadlines import Deadlines
 from meshd.disagg import Disaggregator, PrefillLeg, PrefillLegFailed, kv_fetch_failed, whole_body
 from meshd.fallback import move_before_trying
 from meshd.http_message import HttpRequest, Reply
@@ -60,6 +61,8 @@ class Attempts:
         self.gate = gate
         self.chars_per_token = chars_per_token
         self.relay: Relay  # set by the Relay that answers for these attempts
+        # Each attempt's first-byte deadline, on one loop timer (meshd/deadlines.py).
+        self.deadlines = Deadlines()
         self.pd = (
             Disaggregator(plane, self)
             if any(p.disaggregation for p in plane.config.pools)
@@ -207,7 +210,9 @@ class Attempts:
         try:
             left = min(ctx.deadline, ctx.head_by) - loop.time()
             try:
-                async with asyncio.timeout(min(up_cfg.first_byte_timeout_s, left)):
+                async with self.deadlines.timeout(
+                    loop.time() + min(up_cfg.first_byte_timeout_s, left)
+                ):
                     if leg is not None and self.pd is not None:
                         upstream = await self.pd.send_pair(ctx, leg, attempt, url)
                     else:

@@ -293,6 +293,7 @@ class Sidecar:
             await self._admin_runner.cleanup()
         if self._probe_runner is not None:
             await self._probe_runner.cleanup()
+        self.relay.attempts.deadlines.close()
         self.accounting.flush()
         if self.plane.cache is not None:
             await self.plane.cache.aclose()

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 from filters import chunked as _chunked_py
 from filters.hotpath import ChunkedDecoder
+from meshd.deadlines import Deadlines
 from meshd.upstream_connection import UpstreamConnection
 from meshd.upstream_errors import (
     StaleConnection,
@@ -106,6 +107,8 @@ class UpstreamPool:
         self._chunk_limits = (max_chunk_line_bytes, max_chunk_size, max_trailer_bytes)
         self._ssl_context = ssl_context
         self._endpoints: dict[str, PoolEndpoint] = {}
+        # Idle connections' keep-alive deadlines, on one timer (not one per release).
+        self.idle_deadlines = Deadlines()
         self._closed = False
         self._opened = 0
         self._reused = 0
@@ -156,6 +159,7 @@ class UpstreamPool:
             for conn in list(ep.live):
                 conn.abort()
             ep.idle.clear()
+        self.idle_deadlines.close()
         # Let the transports run connection_lost before the loop may close.
         await asyncio.sleep(0)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, cast
 
 from filters.hotpath import parse_response_head
 from filters.response_head import ResponseHeadError
+from meshd.deadlines import Deadline
 from meshd.upstream_errors import (
     StaleConnection,
     UpstreamClosedError,
@@ -42,7 +43,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.requests = 0
         self.lost = False
         self.response: UpstreamResponse | None = None
-        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_timer: Deadline | None = None  # on the pool's Deadlines, while idle
         self._head_waiter: asyncio.Future[UpstreamResponse] | None = None
         self._head = b""  # an incomplete response head
         self._got_bytes = False
@@ -129,11 +130,13 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.abort()
 
     def go_idle(self, timeout_s: float) -> None:
-        self._idle_timer = self.loop.call_later(timeout_s, self._idle_expired)
+        self._idle_timer = self.pool.idle_deadlines.add(
+            self.loop.time() + timeout_s, self._idle_expired
+        )
 
     def cancel_idle_timer(self) -> None:
         if self._idle_timer is not None:
-            self._idle_timer.cancel()
+            self.pool.idle_deadlines.cancel(self._idle_timer)
             self._idle_timer = None
 
     def _idle_expired(self) -> None:
