@@ -124,6 +124,11 @@ class Split:
     transfer_s: float
     prefill_ttft_s: float | None = None
     kv_bytes_per_token: int = 0  # what the transfer was priced at (0: not priced)
+    # The best decode engine's predicted TTFT for the decode leg (the transfer and its
+    # wait) and its predicted cost, where a fallback pool's decision needs them: a split
+    # request is moved on by both legs (meshd/fallback.py). None: not predicted.
+    decode_ttft_s: float | None = None
+    decode_cost_usd: float | None = None
 
 
 def transfer_seconds(prompt_tokens: int, kv_bytes_per_token: int, kv_link_gb_per_s: float) -> float:

@@ -76,7 +76,7 @@ from filters.disagg import (
 )
 from filters.gpu import GpuTable
 from filters.guard import OVERLOAD_STATUSES
-from filters.pool_router import cached_tokens
+from filters.pool_router import PickerRouter, cached_tokens
 from meshd.context import Attempt, Plane, RequestContext
 from meshd.http_message import Reply
 from meshd.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
@@ -247,6 +247,8 @@ class Disaggregator:
         )
         if named and best is not None:
             split = dataclasses.replace(split, split=True, reason="picker")
+        if split.split and ctx.hold_refusal:
+            split = self._with_decode_leg(ctx, split, now)
         ctx.pd = split
         if sglang:
             return self._pair(ctx, source, screened, pick)
@@ -254,6 +256,32 @@ class Disaggregator:
             self._whole(ctx, split)
             return None
         return PairPlan(source, screened, pick)
+
+    def _with_decode_leg(self, ctx: RequestContext, split: Split, now: float) -> Split:
+        """`split` with the decode leg's predicted TTFT and cost on the decode engine the
+        leg would take now (the decode pool's order for it, recording nothing), so a
+        request with a fallback pool is moved on by both legs, not by its prefill's alone.
+        Only meshd's picker predicts; a balancer's order would take a turn."""
+        router = self.plane.routers[ctx.pool]
+        cfg = self.pools[ctx.pool]
+        if not isinstance(router, PickerRouter) or cfg is None or ctx.pick is None:
+            return split
+        routes = price_decode_routes(
+            router.order_decode(ctx.pick, now, lead_s=split.transfer_s),
+            router.cached_tokens(ctx.pick, now),
+            ctx.pick.prompt_tokens,
+            kv_bytes_per_token=split.kv_bytes_per_token,
+            kv_link_gb_per_s=cfg.kv_link_gb_per_s,
+            transfer_s=split.transfer_s,
+        )
+        best = routes[0] if routes else None
+        if best is None or best.choice is None:
+            return split
+        return dataclasses.replace(
+            split,
+            decode_ttft_s=best.predicted_ttft_s,
+            decode_cost_usd=best.choice.predicted_cost_usd,
+        )
 
     def _whole(self, ctx: RequestContext, split: Split) -> None:
         """The request is served whole on its decode pool (`split` says why)."""

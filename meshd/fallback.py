@@ -12,7 +12,9 @@ When a pool cannot serve a request in time: it has no endpoint to try
 or the throttle shed it (429 / 503), or, before any attempt, the picker predicts that no
 endpoint meets the request's deadline (`deadline_unmeetable`) or that the best one costs
 more than the request's cap (`over_cost_cap`: `x-meshd-max-cost-usd` from a trusted peer,
-else the tenant's `max_cost_usd`, else the pool's). An engine that answered and then
+else the tenant's `max_cost_usd`, else the pool's); a request a decode pool splits is
+judged on both legs (the prefill's TTFT and the decode leg's transfer and wait; the two
+legs' cost). An engine that answered and then
 failed or timed out (`upstream_timeout`, `upstream_error`) is not moved: the request's
 time is spent.
 
@@ -153,17 +155,44 @@ class Fallbacks:
 def move_before_trying(ctx: RequestContext, best: Route) -> tuple[str, str] | None:
     """(code, message) when a request with a fallback left should go on to it before any
     attempt here: the picker predicts no endpoint meets its deadline, or the best one costs
-    more than its cap. None: try it here."""
+    more than its cap. None: try it here.
+
+    A split request (prefill/decode, meshd/disagg.py), `best` its best prefill engine, is
+    judged on both legs where the decode leg is predicted (ctx.pd.decode_ttft_s and
+    decode_cost_usd): its TTFT is the prefill's plus the decode leg's (the KV transfer and
+    the decode engine's wait), as the picker's deadline test takes a TTFT (a necessary
+    condition: filters/picker.py), and its cost the two legs' together."""
     if best.reason == "deadline-unmeetable":
         return (
             "deadline_unmeetable",
             f"no endpoint of pool {ctx.pool!r} is predicted to meet the request's deadline",
         )
+    split = ctx.pd if ctx.pd is not None and ctx.pd.split else None
+    deadline = ctx.pick.deadline_s if ctx.pick is not None else None
+    if (
+        split is not None
+        and split.decode_ttft_s is not None
+        and best.predicted_ttft_s is not None
+        and deadline is not None
+        and best.predicted_ttft_s + split.decode_ttft_s > deadline - time.monotonic()
+    ):
+        return (
+            "deadline_unmeetable",
+            f"pool {ctx.pool!r} is predicted to miss the request's deadline: its first token "
+            f"after {best.predicted_ttft_s:.3f} s of prefill and {split.decode_ttft_s:.3f} s "
+            "of KV transfer and decode wait",
+        )
     cap, choice = ctx.max_cost_usd, best.choice
-    if cap is not None and choice is not None and choice.predicted_cost_usd > cap:
+    if cap is None or choice is None:
+        return None
+    cost, legs = choice.predicted_cost_usd, ""
+    if split is not None and split.decode_cost_usd is not None:
+        cost += split.decode_cost_usd
+        legs = " (prefill and decode legs)"
+    if cost > cap:
         return (
             "over_cost_cap",
-            f"the request is predicted to cost ${choice.predicted_cost_usd:.6f} on pool "
+            f"the request is predicted to cost ${cost:.6f}{legs} on pool "
             f"{ctx.pool!r}, over its cap of ${cap:g}",
         )
     return None

@@ -1,14 +1,19 @@
 """Prefill/decode disaggregation: the KV transfer is priced on what the decode engine lacks
 (issue #25). vLLM's NIXL connector pulls only the blocks a decode engine's prefix cache does
 not hold, so where the decode pool's prefix index knows the prompt (an earlier turn decoded
-there) the decider, the decode leg's order and its predicted TTFT count only the rest."""
+there) the decider, the decode leg's order and its predicted TTFT count only the rest.
+And a split request with a fallback pool is moved on by both legs' predicted TTFT and
+cost (meshd/fallback.py), not its prefill leg's alone."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+from harness import sidecar_config
 from test_disagg_choice import SYSTEM, _req
 from test_sidecar_disagg import LONG, PDEngine, ask, pd_config, post
 
@@ -120,6 +125,79 @@ async def test_a_next_turn_ships_only_what_its_decode_engine_lacks(
         # (its whole KV would take ~1.6 t1), but d0 holds most of the first turn's (the
         # index's estimate, ~0.8 of it): only the rest crosses.
         assert t2 < 0.9 * t1
+    finally:
+        for e in engines:
+            await e.stop()
+
+
+# -- a split request's fallback decision prices both legs (meshd/fallback.py) -------------------
+
+
+def test_a_split_request_is_moved_on_by_both_legs_deadline_and_cost() -> None:
+    import time
+
+    from filters.disagg import Split
+    from filters.picker import PickRequest
+    from filters.pool_router import Route
+    from meshd.context import RequestContext
+    from meshd.fallback import move_before_trying
+
+    ctx = RequestContext("chat", "decode", 0.0, True)
+    ctx.pick = PickRequest(model="m", prompt_tokens=400, deadline_s=time.monotonic() + 0.1)
+    prefill = Route("http://p:1", "meshd", predicted_ttft_s=0.05)
+    split = Split(True, "split", 400, 0.001, 0.05, B, decode_ttft_s=0.02)
+    ctx.pd = split
+    assert move_before_trying(ctx, prefill) is None  # 70 ms of 100
+    ctx.pd = dataclasses.replace(split, decode_ttft_s=0.08)  # 130 ms: the decode leg misses
+    moved = move_before_trying(ctx, prefill)
+    assert moved is not None and moved[0] == "deadline_unmeetable"
+    # Served whole (not split), the decode leg's figures do not apply.
+    ctx.pd = dataclasses.replace(split, split=False, decode_ttft_s=0.08)
+    assert move_before_trying(ctx, prefill) is None
+
+
+async def test_a_split_request_over_its_cap_by_its_decode_leg_moves_to_the_fallback(
+    sidecar: Callable[..., Awaitable[Sidecar]],
+) -> None:
+    fabric: dict[str, str] = {}
+    engines = []
+    for name in ("p0", "d0", "small"):
+        e = PDEngine(name)
+        e.fabric = fabric
+        await e.start()
+        engines.append(e)
+    p, d, small = engines
+    try:
+        pools = [
+            {"name": "prefill", "role": "prefill", "endpoints": [p.url]},
+            {
+                "name": "decode",
+                "role": "decode",
+                "models": ["tiny"],
+                "endpoints": [d.url],
+                "disaggregation": {"prefill_pool": "prefill", "min_prefill_tokens": 64},
+                "fallbacks": [{"pool": "small", "model": "small-8b"}],
+                # Predicted here: the prefill leg (400 tokens, one output token) ~$0.00005,
+                # the decode leg ~$0.00023 for 1,000 output tokens, ~$0.000001 for 4.
+                "max_cost_usd": 1e-4,
+            },
+            {"name": "small", "models": ["small-*"], "endpoints": [small.url]},
+        ]
+        s = await sidecar(sidecar_config([d.url], pools=pools))
+        async with aiohttp.ClientSession() as http:
+            for max_tokens, moved in ((1000, True), (4, False)):
+                body = ask(LONG, max_tokens=max_tokens)
+                async with http.post(
+                    f"http://{s.addresses['outbound']}/v1/chat/completions", json=body
+                ) as r:
+                    assert r.status == 200, await r.read()
+                    fell = r.headers.get("x-meshd-fallback")
+                if moved:
+                    # Priced on its prefill leg alone it would have stayed (under the cap).
+                    assert fell == "small; from=decode; reason=over_cost_cap"
+                    assert p.requests == [] and d.requests == [] and len(small.requests) == 1
+                else:
+                    assert fell is None and len(p.requests) == 1 and len(d.requests) == 1
     finally:
         for e in engines:
             await e.stop()
