@@ -287,22 +287,30 @@ class Intake:
         """The client's headers without hop-by-hop ones (and those its Connection names),
         with an x-request-id (the client's, else a new one) and our Via appended."""
         out: list[tuple[str, str]] = []
-        connection_tokens: set[str] = set()
-        for name, value in headers:
-            lname = name.lower()
-            if lname == "connection":
-                connection_tokens.update(t.strip().lower() for t in value.split(","))
-            elif lname == "x-request-id":
-                ctx.request_id = value
+        kept_names: list[str] = []
+        connection: list[str] = []
         via: list[str] = []
+        drop = _REQUEST_DROP
         for name, value in headers:
             lname = name.lower()
-            if lname in _REQUEST_DROP or lname in connection_tokens:
+            if lname in drop:
+                if lname == "connection":
+                    connection.append(value)
                 continue
             if lname == "via":
                 via.append(value)
                 continue
+            if lname == "x-request-id":
+                ctx.request_id = value
             out.append((name, value))
+            kept_names.append(lname)
+        if connection:
+            # The fields the client's Connection names are hop-by-hop too (RFC 9110 7.6.1);
+            # rare, so a second pass only then.
+            tokens = {t.strip().lower() for value in connection for t in value.split(",")}
+            out = [f for f, lname in zip(out, kept_names, strict=True) if lname not in tokens]
+            if "via" in tokens:
+                via = []
         if not ctx.request_id:
             ctx.request_id = request_id()
             out.append(("x-request-id", ctx.request_id))

@@ -164,8 +164,9 @@ class _Connection(asyncio.Protocol):
         self._parsing: HttpRequest | None = None  # the request whose bytes arrive now
         self._url: list[bytes] = []
         self._headers: list[tuple[str, str]] = []
+        self._raw_fields: list[tuple[bytes, bytes]] = []  # the head's fields as they came
+        self._max_fields = server.limits.max_header_count
         self._head_bytes = 0
-        self._header_size = 0
         self._head_error: str | None = None
         self._content_length: int | None = None
         self._expect: str | None = None
@@ -236,7 +237,7 @@ class _Connection(asyncio.Protocol):
         self._in_head = True
         self._url = []
         self._headers = []
-        self._header_size = 0
+        self._raw_fields = []
         self._head_bytes = 0
         self._head_error = None
         self._content_length = None
@@ -249,25 +250,39 @@ class _Connection(asyncio.Protocol):
         self._url.append(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self._head_error is not None:
-            return
+        # Kept raw, and read once the head is whole (_read_fields): one callback per field
+        # does only this. Past the count limit nothing more is kept (431 either way).
+        raw = self._raw_fields
+        if len(raw) <= self._max_fields:
+            raw.append((name, value))
+
+    def _read_fields(self) -> None:
+        """The head's fields decoded, the framing ones noted and its limits checked, in the
+        order they came: the first limit a field passes is the one refused."""
         headers = self._headers
-        text = value.decode("utf-8", "surrogateescape")
-        headers.append((name.decode("latin-1"), text))
-        self._header_size += len(name) + len(value)
-        n = len(name)
-        if n == 14 and name.lower() == b"content-length":
-            self._content_length = int(text)  # llhttp has checked it: one decimal number
-        elif n == 6 and name.lower() == b"expect":
-            self._expect = text
-        if len(headers) > self.limits.max_header_count:
-            self._head_error = "count"
-        elif self._header_size > self.limits.max_header_bytes:
-            self._head_error = "size"
+        limits = self.limits
+        max_count, max_bytes = limits.max_header_count, limits.max_header_bytes
+        size = 0
+        for name, value in self._raw_fields:
+            text = value.decode("utf-8", "surrogateescape")
+            headers.append((name.decode("latin-1"), text))
+            size += len(name) + len(value)
+            n = len(name)
+            if n == 14 and name.lower() == b"content-length":
+                self._content_length = int(text)  # llhttp has checked it: one decimal number
+            elif n == 6 and name.lower() == b"expect":
+                self._expect = text
+            if len(headers) > max_count:
+                self._head_error = "count"
+                return
+            if size > max_bytes:
+                self._head_error = "size"
+                return
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_bytes = 0
+        self._read_fields()
         parser = self._parser
         method = parser.get_method().decode("ascii")
         req = HttpRequest(
@@ -393,14 +408,20 @@ class _Connection(asyncio.Protocol):
         )
         if req is not None and closing:
             req.keep_alive = False
-        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
-        lines += [f"{n}: {v}\r\n" for n, v in headers]
+        # The fields joined by C loops (str.join over map), not a Python loop per field.
+        fields = "\r\n".join(map(": ".join, headers))
         if closing:
-            lines.append("Connection: close\r\n")
+            tail = "\r\nConnection: close\r\n\r\n" if headers else "Connection: close\r\n\r\n"
         elif req is not None and req.version == "1.0":
-            lines.append("Connection: keep-alive\r\n")
-        lines.append("\r\n")
-        return "".join(lines).encode("utf-8", "surrogateescape")
+            tail = (
+                "\r\nConnection: keep-alive\r\n\r\n"
+                if headers
+                else "Connection: keep-alive\r\n\r\n"
+            )
+        else:
+            tail = "\r\n\r\n" if headers else "\r\n"
+        status_line = f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"
+        return (status_line + fields + tail).encode("utf-8", "surrogateescape")
 
     def _send_reply(self, req: HttpRequest | None, reply: Reply) -> None:
         if reply.close and req is not None:

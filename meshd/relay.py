@@ -168,13 +168,22 @@ class Relay:
         self, upstream: UpstreamResponse, ctx: RequestContext, url: str
     ) -> list[tuple[str, str]]:
         out = []
-        connection = upstream.header("connection") or ""
-        tokens = {t.strip().lower() for t in connection.split(",") if t}
+        kept_names = []
+        connection = None
+        drop = _RESPONSE_DROP
         for name, value in upstream.headers:
             lname = name.lower()
-            if lname in _RESPONSE_DROP or lname in tokens:
+            if lname in drop:
+                if lname == "connection" and connection is None:
+                    connection = value
                 continue
             out.append((name, value))
+            kept_names.append(lname)
+        if connection:
+            # Fields the engine's (first) Connection names are hop-by-hop too; rare, so a
+            # second pass only then.
+            tokens = {t.strip().lower() for t in connection.split(",") if t}
+            out = [f for f, lname in zip(out, kept_names, strict=True) if lname not in tokens]
         if ctx.trusted:
             out.append(("x-meshd-endpoint", url))
         if ctx.fallback is not None:

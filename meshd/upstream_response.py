@@ -41,7 +41,6 @@ class UpstreamResponse:
         "_conn",
         "_decoder",
         "_error",
-        "_index",
         "_keep_alive",
         "_mode",
         "_paused",
@@ -83,15 +82,15 @@ class UpstreamResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
         self._released = False
-        self._index: dict[str, str] | None = None
 
     def header(self, name: str) -> str | None:
-        """The first value of field `name` (case-insensitive), or None."""
-        if self._index is None:
-            self._index = {}
-            for key, value in self.headers:
-                self._index.setdefault(key.lower(), value)
-        return self._index.get(name.lower())
+        """The first value of field `name` (case-insensitive), or None. A scan: a response
+        is asked for one or two fields, fewer than building an index costs."""
+        name = name.lower()
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
 
     @property
     def buffered(self) -> int:

@@ -183,6 +183,32 @@ def test_too_many_headers_are_431_and_the_connection_closes(count, size):
     assert json.loads(body)["error"]["code"] in ("header_count_exceeded", "header_size_exceeded")
 
 
+@settings(max_examples=60, deadline=None)
+@given(count=st.integers(1, 40), size=st.integers(1, 200))
+def test_a_head_is_refused_by_the_first_limit_a_field_passes(count, size):
+    extra = [(f"x-h{i:02d}", "v" * size) for i in range(count)]
+    raw, closed = asyncio.run(drive([request_bytes("GET", "/", extra, b"", None)]))
+    [(status, _, body)] = responses(raw)
+    # Host: x first, then the extra fields, each name 5 bytes: where does each limit pass?
+    sizes = [len("Host") + 1] + [5 + size] * count
+    total, why = 0, None
+    for n, field_size in enumerate(sizes, start=1):
+        total += field_size
+        if n > SMALL.max_header_count:
+            why = "header_count_exceeded"
+            break
+        if total > SMALL.max_header_bytes:
+            why = "header_size_exceeded"
+            break
+    if why is None:
+        assert status == 200 and not closed
+        return
+    error = json.loads(body)["error"]
+    assert status == 431 and closed and error["code"] == why
+    if why == "header_count_exceeded":
+        assert f"{SMALL.max_header_count + 1} > limits.max_header_count" in error["message"]
+
+
 def test_one_endless_header_line_is_cut_off_before_it_is_buffered():
     head = b"GET / HTTP/1.1\r\nX-Big: "
     chunks = [head] + [b"v" * 1000] * 50
