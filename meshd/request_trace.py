@@ -348,9 +348,13 @@ class RequestTrace:
             self.endpoint = last.endpoint
             self.gpu = last.gpu
             self.cached_tokens = last.cached_tokens
-            prompt = next((a.prompt_tokens for a in attempts if a.prompt_tokens), None)
-            known = [a.completion_tokens for a in attempts if a.completion_tokens is not None]
-            self.completion_tokens = sum(known) if known else None
+            if len(attempts) == 1:  # the usual request: its one attempt's figures
+                prompt = last.prompt_tokens or None
+                self.completion_tokens = last.completion_tokens
+            else:
+                prompt = next((a.prompt_tokens for a in attempts if a.prompt_tokens), None)
+                known = [a.completion_tokens for a in attempts if a.completion_tokens is not None]
+                self.completion_tokens = sum(known) if known else None
         else:
             prompt = _int(usage, "prompt_tokens") if usage else None
             self.completion_tokens = _int(usage, "completion_tokens") if usage else None
@@ -363,12 +367,19 @@ class RequestTrace:
         obs._record_metrics(self, model, tenant)
         if attempts:
             costs = obs.ledger.attempt_costs(self)
-            self.gpu_seconds = sum(s for s, _, _ in costs)
-            self.gpu_seconds_source = "estimated" if any(e for _, _, e in costs) else "reported"
+            seconds = usd = 0.0
+            estimated = False
+            for s, c, e in costs:
+                seconds += s
+                usd += c
+                estimated = estimated or bool(e)
+            self.gpu_seconds = seconds
+            self.gpu_seconds_source = "estimated" if estimated else "reported"
+            self.cost_usd = usd
         else:
             costs = [(0.0, 0.0, False)]  # nothing reached an engine
             self.gpu_seconds, self.gpu_seconds_source = 0.0, "none"
-        self.cost_usd = sum(c for _, c, _ in costs)
+            self.cost_usd = 0.0
         obs._record_cost(self, costs)
         obs._tasks_closed(obs.ledger.record(self, costs))
 
