@@ -63,6 +63,9 @@ class Intake:
         self._trust_cache: dict[str, bool] = {}
         self._pool_cache: dict[str | None, str | None] = {}
         self.active = 0
+        # meshd_active_requests reads the count when scraped, instead of a gauge inc and dec
+        # (each a locked update) per request.
+        plane.metrics.active_streams.set_function(lambda: self.active)
         self.session: aiohttp.ClientSession | None = None  # for /v1/models
         self.fallbacks = Fallbacks(plane, accounting, self._hash_prompt)
 
@@ -83,7 +86,6 @@ class Intake:
                 retry_after_s=1,
             )
         self.active += 1
-        plane.metrics.active_streams.inc()
         try:
             try:
                 body = await req.read_body()
@@ -117,7 +119,6 @@ class Intake:
             return await self._forward(req, ctx, headers, body)
         finally:
             self.active -= 1
-            plane.metrics.active_streams.dec()
 
     async def passthrough(self, req: HttpRequest) -> Reply | None:
         """Any other path goes to the chosen pool unchanged (e.g. /tokenize)."""

@@ -171,6 +171,11 @@ class RequestObserver:
         self.spent_usd = 0.0
         self.tasks_succeeded = 0
         self.tasks_failed = 0
+        # The two ratio gauges are read when scraped, not set per task: from the tasks closed
+        # and the spend as it was when the last of them closed.
+        self._spent_at_close = 0.0
+        metrics.cost_per_successful_task.set_function(self._cost_per_successful_task)
+        metrics.successful_tasks_per_usd.set_function(self._successful_tasks_per_usd)
         self._closed = False
 
     @classmethod
@@ -385,6 +390,16 @@ class RequestObserver:
             c = self._waste[(pool, kind)] = self.metrics.waste_usd.labels(pool, kind)
         c.inc(usd)
 
+    def _cost_per_successful_task(self) -> float:
+        """meshd_cost_per_successful_task_usd: 0 until a task has succeeded."""
+        spent = self._spent_at_close
+        return spent / self.tasks_succeeded if self.tasks_succeeded else 0.0
+
+    def _successful_tasks_per_usd(self) -> float:
+        """meshd_successful_tasks_per_usd: 0 until a dollar has been spent."""
+        spent = self._spent_at_close
+        return self.tasks_succeeded / spent if spent > 0 else 0.0
+
     def _tasks_closed(self, closed: list[TaskResult]) -> None:
         if not closed:
             return
@@ -401,7 +416,4 @@ class RequestObserver:
             else:
                 self.tasks_failed += 1
                 self._add_waste(task.pool, "failed_tasks", task.settled_usd)
-        if self.tasks_succeeded:
-            m.cost_per_successful_task.set(self.spent_usd / self.tasks_succeeded)
-        if self.spent_usd > 0:
-            m.successful_tasks_per_usd.set(self.tasks_succeeded / self.spent_usd)
+        self._spent_at_close = self.spent_usd

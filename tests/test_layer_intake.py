@@ -237,6 +237,37 @@ async def test_upstream_headers_drop_hop_by_hop_and_get_a_request_id_and_via() -
     assert ("via", "1.1 meshd") in sent
 
 
+async def test_fields_a_connection_field_names_are_dropped_wherever_they_come() -> None:
+    t = RequestLayer()
+    await t.post(
+        headers=[
+            ("X-Before", "1"),
+            ("Via", "1.0 corp"),
+            ("X-Keep", "2"),
+            ("Connection", "x-before, VIA"),
+            ("connection", "x-after"),
+            ("X-After", "3"),
+        ]
+    )
+    (ctx,) = t.attempts.seen
+    names = [n for n, _ in ctx.upstream_headers]
+    assert names == ["X-Keep", "x-request-id", "via"]
+    # A Via the client's Connection names is its hop's: meshd's own starts a new list.
+    assert ctx.upstream_headers[-1] == ("via", "1.1 meshd")
+
+
+async def test_the_active_requests_gauge_counts_what_is_being_served() -> None:
+    t = RequestLayer()
+    registry = t.layers.plane.metrics.registry
+    t.attempts.hold = asyncio.Event()
+    first = asyncio.create_task(t.post())
+    await t.attempts.entered.wait()
+    assert registry.get_sample_value("meshd_active_requests") == 1
+    t.attempts.hold.set()
+    await first
+    assert registry.get_sample_value("meshd_active_requests") == 0
+
+
 async def test_meshd_appends_itself_to_the_via_the_request_came_with() -> None:
     t = RequestLayer()
     await t.post(headers=[("Via", "1.0 corp-proxy")])

@@ -308,6 +308,34 @@ def test_metrics_move() -> None:
     assert value(metrics, "meshd_successful_tasks_per_usd") == pytest.approx(1 / usd)
 
 
+def test_the_task_ratio_gauges_move_when_a_task_closes_not_with_each_request() -> None:
+    metrics = DataPlaneMetrics()
+    observer = RequestObserver(metrics)
+    assert value(metrics, "meshd_cost_per_successful_task_usd") == 0
+    assert value(metrics, "meshd_successful_tasks_per_usd") == 0
+    # Step 0 of a two-step task: spent, but no task has closed, so the ratios stay.
+    routing_headers = routing(("x-meshd-task-id", "t1"), ("x-meshd-task-steps", "2"))
+    req = observer.begin(
+        "chat", "default", parse_inference_request("chat", body()), routing_headers, "r0", 0.0,
+        step=0, steps_in_task=2,
+    )  # fmt: skip
+    a = req.attempt(A, "H100", 0.0)
+    a.end("ok", 200, None, 100, 10, 0.5)
+    req.finish("ok", None, 0.5, status=200)
+    assert observer.spent_usd > 0
+    assert value(metrics, "meshd_cost_per_successful_task_usd") == 0
+    assert value(metrics, "meshd_successful_tasks_per_usd") == 0
+    # A lone request: a task closed by its own success; the ratios take every dollar so far.
+    req = observer.begin("chat", "default", parse_inference_request("chat", body()), None, "r1", 1)
+    a = req.attempt(A, "H100", 1.0)
+    a.end("ok", 200, None, 100, 10, 1.5)
+    req.finish("ok", None, 1.5, status=200)
+    spent = observer.spent_usd
+    assert observer.tasks_succeeded == 1
+    assert value(metrics, "meshd_cost_per_successful_task_usd") == pytest.approx(spent)
+    assert value(metrics, "meshd_successful_tasks_per_usd") == pytest.approx(1 / spent)
+
+
 def test_finish_is_idempotent_and_ends_what_was_left_open() -> None:
     metrics = DataPlaneMetrics()
     observer = RequestObserver(metrics)
