@@ -12,6 +12,7 @@ import os
 
 from filters import blockhash as _blockhash_py
 from filters import chunked as _chunked_py
+from filters import http_fields as _http_fields_py
 from filters import response_head as _response_head_py
 from filters import routing_headers as _routing_headers_py
 from filters import sse as _sse_py
@@ -23,6 +24,8 @@ parse_routing_headers = _routing_headers_py.parse_routing_headers
 SSEScanner: type[_sse_py.SSEScanner] = _sse_py.SSEScanner
 ChunkedDecoder: type[_chunked_py.ChunkedDecoder] = _chunked_py.ChunkedDecoder
 parse_response_head = _response_head_py.parse_response_head
+read_request_fields = _http_fields_py.read_request_fields
+split_fields = _http_fields_py.split_fields
 IMPLEMENTATION = "python (forced by MESHD_PURE_PYTHON)"
 
 if not os.environ.get("MESHD_PURE_PYTHON"):
@@ -35,6 +38,7 @@ if not os.environ.get("MESHD_PURE_PYTHON"):
                 "_sse_c",
                 "_chunked_c",
                 "_response_head_c",
+                "_http_fields_c",
             )
         ]
     except ImportError:
@@ -45,6 +49,8 @@ if not os.environ.get("MESHD_PURE_PYTHON"):
         SSEScanner = _compiled[2].SSEScanner
         ChunkedDecoder = _compiled[3].ChunkedDecoder
         parse_response_head = _compiled[4].parse_response_head
+        read_request_fields = _compiled[5].read_request_fields
+        split_fields = _compiled[5].split_fields
         IMPLEMENTATION = "cython"
 
 __all__ = [
@@ -56,4 +62,6 @@ __all__ = [
     "block_hashes",
     "parse_response_head",
     "parse_routing_headers",
+    "read_request_fields",
+    "split_fields",
 ]

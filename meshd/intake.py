@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from filters.chars_per_token import CharsPerToken, pick_inputs
-from filters.hotpath import block_hashes, parse_routing_headers
+from filters.hotpath import block_hashes, parse_routing_headers, split_fields
 from filters.picker import PickRequest
 from filters.request import PATH_KINDS, RequestError, parse_inference_request
 from meshd.accounting import CACHE_LIMIT, Accounting
@@ -287,29 +287,14 @@ class Intake:
     ) -> list[tuple[str, str]]:
         """The client's headers without hop-by-hop ones (and those its Connection names),
         with an x-request-id (the client's, else a new one) and our Via appended."""
-        out: list[tuple[str, str]] = []
-        kept_names: list[str] = []
-        connection: list[str] = []
-        via: list[str] = []
-        drop = _REQUEST_DROP
-        for name, value in headers:
-            lname = name.lower()
-            if lname in drop:
-                if lname == "connection":
-                    connection.append(value)
-                continue
-            if lname == "via":
-                via.append(value)
-                continue
-            if lname == "x-request-id":
-                ctx.request_id = value
-            out.append((name, value))
-            kept_names.append(lname)
+        out, connection, via, rid = split_fields(headers, _REQUEST_DROP, True)
+        if rid is not None:
+            ctx.request_id = rid
         if connection:
             # The fields the client's Connection names are hop-by-hop too (RFC 9110 7.6.1);
             # rare, so a second pass only then.
             tokens = {t.strip().lower() for value in connection for t in value.split(",")}
-            out = [f for f, lname in zip(out, kept_names, strict=True) if lname not in tokens]
+            out = [f for f in out if f[0].lower() not in tokens]
             if "via" in tokens:
                 via = []
         if not ctx.request_id:

@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import httptools
 
+from filters.hotpath import read_request_fields
 from meshd.http_message import (
     BodyError,
     Handler,
@@ -259,25 +260,10 @@ class _Connection(asyncio.Protocol):
     def _read_fields(self) -> None:
         """The head's fields decoded, the framing ones noted and its limits checked, in the
         order they came: the first limit a field passes is the one refused."""
-        headers = self._headers
         limits = self.limits
-        max_count, max_bytes = limits.max_header_count, limits.max_header_bytes
-        size = 0
-        for name, value in self._raw_fields:
-            text = value.decode("utf-8", "surrogateescape")
-            headers.append((name.decode("latin-1"), text))
-            size += len(name) + len(value)
-            n = len(name)
-            if n == 14 and name.lower() == b"content-length":
-                self._content_length = int(text)  # llhttp has checked it: one decimal number
-            elif n == 6 and name.lower() == b"expect":
-                self._expect = text
-            if len(headers) > max_count:
-                self._head_error = "count"
-                return
-            if size > max_bytes:
-                self._head_error = "size"
-                return
+        self._headers, self._content_length, self._expect, self._head_error = read_request_fields(
+            self._raw_fields, limits.max_header_count, limits.max_header_bytes
+        )
 
     def on_headers_complete(self) -> None:
         self._in_head = False

@@ -27,7 +27,7 @@ from filters.failover import (
     continuation_body,
     remaining_tokens,
 )
-from filters.hotpath import SSEScanner
+from filters.hotpath import SSEScanner, split_fields
 from meshd.accounting import Accounting
 from meshd.attempts import Attempts
 from meshd.config import Config
@@ -167,23 +167,12 @@ class Relay:
     def _response_headers(
         self, upstream: UpstreamResponse, ctx: RequestContext, url: str
     ) -> list[tuple[str, str]]:
-        out = []
-        kept_names = []
-        connection = None
-        drop = _RESPONSE_DROP
-        for name, value in upstream.headers:
-            lname = name.lower()
-            if lname in drop:
-                if lname == "connection" and connection is None:
-                    connection = value
-                continue
-            out.append((name, value))
-            kept_names.append(lname)
-        if connection:
+        out, connection, _, _ = split_fields(upstream.headers, _RESPONSE_DROP, False)
+        if connection and connection[0]:
             # Fields the engine's (first) Connection names are hop-by-hop too; rare, so a
             # second pass only then.
-            tokens = {t.strip().lower() for t in connection.split(",") if t}
-            out = [f for f, lname in zip(out, kept_names, strict=True) if lname not in tokens]
+            tokens = {t.strip().lower() for t in connection[0].split(",") if t}
+            out = [f for f in out if f[0].lower() not in tokens]
         if ctx.trusted:
             out.append(("x-meshd-endpoint", url))
         if ctx.fallback is not None:
