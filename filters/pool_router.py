@@ -11,6 +11,8 @@ Sans-I/O. The driver's protocol, per request::
     for r in routes: router.started(r, rid, req, now); ...connect
         on a connect failure: router.connect_failed(r, rid, now, reason); next route
     router.first_token(r, rid, now)                 # streams only
+    (before the first try: router.predicted_end_s(routes[0], req): seconds to the
+    answer's last token, None where the policy predicts nothing; filters/deadline.py)
     router.finished(r, rid, now, ok=..., cached_tokens=usage cached tokens or None,
                     completion_tokens=the stream's output tokens or None)
 
@@ -49,6 +51,7 @@ from typing import Literal, Protocol
 from filters.admission import AdmissionItem
 from filters.balancer import EndpointBalancer
 from filters.cache_aware import CacheAwareBalancer, CacheAwareConfig
+from filters.deadline import EndPredictor
 from filters.endpoint_state import BlockDigest, EndpointState, ReportedBlocks, ReportedState
 from filters.picker import Choice, Picker, PickerConfig, PickRequest
 
@@ -86,6 +89,7 @@ class PoolRouter(Protocol):
 
     def order(self, req: PickRequest, now: float, *, record: bool = True) -> list[Route]: ...
     def order_decode(self, req: PickRequest, now: float, *, lead_s: float = 0.0) -> list[Route]: ...
+    def predicted_end_s(self, route: Route, req: PickRequest) -> float | None: ...
     def started(self, route: Route, rid: Hashable, req: PickRequest, now: float) -> None: ...
     def first_token(self, route: Route, rid: Hashable, now: float) -> None: ...
     def finished(
@@ -251,6 +255,9 @@ class BalancerRouter:
         least outstanding requests); the balancers predict nothing, so no lead applies."""
         return BalancerRouter.order(self, req, now)
 
+    def predicted_end_s(self, route: Route, req: PickRequest) -> float | None:
+        return None  # these policies predict nothing
+
     def set_flags(
         self,
         url: str,
@@ -414,6 +421,7 @@ class PickerRouter:
         self.picker = Picker(config, index=config.new_index(track_blocks=True))
         self._digests: dict[str, ReportedBlocks] = {}  # endpoint name -> its blocks
         self._digest_live: set[str] = set()  # names whose blocks are in the index now
+        self.ends = EndPredictor()  # the pool's output fill, for predicted_end_s
 
     def order(self, req: PickRequest, now: float, *, record: bool = True) -> list[Route]:
         """The picker's order. `record` false: the primary is not noted in the prefix index
@@ -465,7 +473,17 @@ class PickerRouter:
         ranked = sorted(self.states, key=lambda s: (s.consecutive_failures, s.name))
         return [Route(s.url, "no-eligible-endpoint") for s in ranked]
 
+    def predicted_end_s(self, route: Route, req: PickRequest) -> float | None:
+        """Seconds from the pick to the answer's last token on `route`: the picker's TTFT,
+        then the expected output (max_tokens x the pool's learnt fill) at the step of the
+        batch it joins, calibrated to that engine (filters/deadline.py)."""
+        c = route.choice
+        if c is None:
+            return None
+        return self.ends.end_s(c.predicted_ttft_s, c.step_s * c.state.decode_ratio, req.max_tokens)
+
     def started(self, route: Route, rid: Hashable, req: PickRequest, now: float) -> None:
+        self.ends.dispatched(rid, req.max_tokens)
         if route.choice is not None:
             self.picker.dispatch(route.choice, req, rid, now, recorded=route.recorded)
         else:
@@ -486,6 +504,7 @@ class PickerRouter:
         completion_tokens: int | None = None,
     ) -> None:
         self._by_url[route.url].finish(rid, now, ok=ok, output_tokens=completion_tokens)
+        self.ends.finished(rid, ok, completion_tokens)
         # A decode leg's cached tokens are its transfer's, not the index's to learn from.
         if (
             ok
@@ -498,6 +517,7 @@ class PickerRouter:
     def connect_failed(self, route: Route, rid: Hashable, now: float, reason: str) -> None:
         state = self._by_url[route.url]
         state.finish(rid, now, ok=False)
+        self.ends.finished(rid, False, None)
         state.connect_failure(now)
         self._last_error[route.url] = reason
 

@@ -40,6 +40,7 @@ class AdmissionGate:
         now = time.monotonic()
         router = plane.routers[ctx.pool] if guard.admission is not None else None
         item = admission_item(ctx.item_id, router, pick, routing.step, ctx.tokens, now)
+        ctx.continues_task = item.started
         decision = guard.gate(item, now, plane.rng)
         if isinstance(decision, Admit):
             return None

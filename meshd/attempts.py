@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from filters.chars_per_token import CharsPerToken, utf8_length
+from filters.deadline import late_message
 from filters.guard import OVERLOAD_STATUSES, Screened
 from filters.picker import PickRequest
 from filters.pool_router import Route
@@ -82,7 +83,7 @@ class Attempts:
             routes = routes_or_refusal
         else:
             routes = self._order(ctx, now, asyncio.get_running_loop().time())
-            if (refused := self._before_trying(ctx, routes, now)) is not None:
+            if (refused := self._before_trying(ctx, routes, now, whole=True)) is not None:
                 return refused
         tries = _Tries(routes)
         while tries.made < plane.config.upstream.max_attempts:
@@ -134,7 +135,10 @@ class Attempts:
         loop_now = asyncio.get_running_loop().time()
         if ctx.pd_params is None and ctx.pd_pair is None:  # whole, or every prefill failed
             routes = self._order(ctx, time.monotonic(), loop_now)
-            if plan is None and (refused := self._before_trying(ctx, routes, now)) is not None:
+            if (
+                plan is None
+                and (refused := self._before_trying(ctx, routes, now, whole=True)) is not None
+            ):
                 return refused
             return routes
         routes = pd.order_decode(ctx, time.monotonic())
@@ -153,14 +157,40 @@ class Attempts:
         ctx.trace.picked(routes, loop_now)
         return routes
 
-    def _before_trying(self, ctx: RequestContext, routes: list[Route], now: float) -> Reply | None:
+    def _before_trying(
+        self, ctx: RequestContext, routes: list[Route], now: float, *, whole: bool = False
+    ) -> Reply | None:
         """Before the first try: a request with a fallback pool moves on when the best
-        route predicts its deadline missed or its cost over its cap (fallback.py);
+        route predicts its deadline missed or its cost over its cap (fallback.py); a
+        request served `whole` (not split into prefill and decode legs) whose best route
+        is predicted to finish after its deadline is refused (filters/deadline.py);
         otherwise it counts toward the pool's retry budget."""
         if ctx.hold_refusal and routes and (move := move_before_trying(ctx, routes[0])):
             return self.acct.refuse(ctx, 503, move[1], move[0], retry_after_s=1)
+        if whole and routes and (late := self._late(ctx, routes[0])) is not None:
+            self.plane.metrics.admission_rejections.labels(ctx.pool, "deadline").inc()
+            self.gate.shed(ctx)
+            return self.acct.refuse(ctx, 429, late, "deadline_unmeetable", retry_after_s=1)
         self.plane.retry_budgets[ctx.pool].deposit(now)
         return None
+
+    def _late(self, ctx: RequestContext, best: Route) -> str | None:
+        """Why the request is refused as late (reliability.admission.refuse_predicted_late):
+        a new task's request (not a step of one under way, whose earlier steps would be
+        lost) whose best route's predicted end is after its deadline; None: try it."""
+        pick = ctx.pick
+        cfg = self.plane.config.reliability.admission
+        if (
+            ctx.continues_task
+            or pick is None
+            or pick.deadline_s is None
+            or not (cfg.enabled and cfg.refuse_predicted_late)
+        ):
+            return None
+        end = self.plane.routers[ctx.pool].predicted_end_s(best, pick)
+        if end is None:
+            return None
+        return late_message(ctx.pool, end, pick.deadline_s - time.monotonic())
 
     async def _next_route(self, ctx: RequestContext, tries: _Tries) -> Route | Reply | object:
         """The next endpoint to try, a refusal, _NEXT (ask again) or _STOP."""

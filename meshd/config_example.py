@@ -128,6 +128,8 @@ reliability:
     queue_timeout_s: 30        # longest wait of a request with no deadline
     knee_wait_s: 2.0           # past it (every engine this far behind) new tasks wait here
     knee_max_wait_s: 10        # ...for at most this long, then 429 with Retry-After
+    refuse_predicted_late: true  # 429 before any attempt when the best endpoint is
+                               #  predicted to finish after the request's deadline
     tenants: {}                # e.g. {batch: {weight: 0.5, max_priority: 3,
                                #  max_cost_usd: 0.002}}
   failover:                    # resume a broken stream on another endpoint

@@ -485,6 +485,10 @@ class AdmissionSettings(_Strict):
     # nothing: round-robin, least-request, cache-aware).
     knee_wait_s: float | None = Field(default=2.0, ge=0)
     knee_max_wait_s: float = Field(default=10.0, gt=0)
+    # A request with a deadline (x-meshd-deadline-ms) that the pool's best endpoint is
+    # predicted to finish after is refused before its first attempt (429
+    # deadline_unmeetable; filters/deadline.py); the meshd routing policy only.
+    refuse_predicted_late: bool = True
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
 
 

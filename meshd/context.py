@@ -115,6 +115,9 @@ class RequestContext:
     pick: PickRequest | None = None
     tokens: int = 0  # expected prompt + output tokens (the token breaker's unit)
     item_id: int | None = None  # admission item while admitted
+    # Admission judged it a step of a task under way (AdmissionItem.started): its task's
+    # earlier steps are spent, so a predicted-late refusal (Attempts._late) spares it.
+    continues_task: bool = False
     tried: set[str] = field(default_factory=set)
     cache: CachePlan | None = None  # a cacheable request: its key, rule and flight
     # Fallback (meshd/fallback.py): while the pool has a fallback left, a refusal is held

@@ -185,3 +185,18 @@ def test_the_breakers_token_limit_follows_the_engines_kv_capacity(factor: float 
     layers.gate.tick(now)
     # The 21st fits under the followed limit (2,000,000), not under the fixed one.
     assert breaker.admit(URLS[0], 16_384, None, now).ok is (factor is not None)
+
+
+@pytest.mark.parametrize(
+    ("headers", "continues"),
+    [([], False), ([("x-meshd-task-id", "t1"), ("x-meshd-task-step", "2")], True)],
+    ids=["new", "step-2"],
+)
+async def test_admission_marks_a_step_of_a_task_under_way(
+    headers: list[tuple[str, str]], continues: bool
+) -> None:
+    # The attempts layer spares such a step its predicted-late refusal (Attempts._late).
+    g = Gate()
+    ctx = g.ctx(headers=headers)
+    assert await g.admit(ctx) is None
+    assert ctx.continues_task is continues

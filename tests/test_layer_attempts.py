@@ -388,3 +388,47 @@ async def test_client_leaving_during_the_relay_settles_as_client_disconnect() ->
     assert outcomes(ctx) == ["client_disconnect"]
     assert [e["cancelled"] for e in guard.ends] == [True]
     assert_settled_once(router, guard)
+
+
+LONG_ANSWER = {**DOC, "max_tokens": 4000}
+
+
+async def test_a_new_request_predicted_to_end_after_its_deadline_is_refused_unsent() -> None:
+    # filters/deadline.py: 4,000 tokens to decode cannot end within half a second.
+    pool = FakePool(FakeUpstream(200))
+    layers, router, guard, relay = setup(pool)
+    ctx = request_context(layers, LONG_ANSWER, headers=[("x-meshd-deadline-ms", "500")])
+
+    reply = await layers.attempts.run(FakeRequest(), ctx)
+
+    assert reply is not None and reply.status == 429
+    err = error_of(reply)
+    assert err["code"] == "deadline_unmeetable"
+    assert "predicted to finish the answer" in err["message"] and POOL in err["message"]
+    assert ("retry-after", "1") in [(k.lower(), v) for k, v in reply.headers]
+    assert pool.sent == [] and router.starts == {} and relay.asked == []
+    assert layers.metric("meshd_admission_rejections_total", pool=POOL, reason="deadline") == 1
+    assert ctx.shed  # unmet demand, for the autoscaler
+
+
+@pytest.mark.parametrize(
+    ("why", "deadline_ms", "continues", "sections"),
+    [
+        ("a step of a task under way keeps its sunk work", "500", True, {}),
+        ("switched off", "500", False, {"admission": {"refuse_predicted_late": False}}),
+        ("time enough", "600000", False, {}),
+    ],
+)
+async def test_a_request_predicted_in_time_or_spared_is_tried(
+    why: str, deadline_ms: str, continues: bool, sections: dict[str, Any]
+) -> None:
+    pool = FakePool(FakeUpstream(200))
+    layers, router, guard, relay = setup(pool, reliability={**NO_BACKOFF, **sections})
+    ctx = request_context(layers, LONG_ANSWER, headers=[("x-meshd-deadline-ms", deadline_ms)])
+    ctx.continues_task = continues
+
+    reply = await layers.attempts.run(FakeRequest(), ctx)
+
+    assert reply is not None and reply.status == 200, why
+    assert len(pool.sent) == 1
+    assert_settled_once(router, guard)

@@ -20,7 +20,9 @@ the work it simulates. What runs is the code of a real run, called in-process:
   with the router's pool_wait, driven as the sidecar drives it: offer at arrival, queued
   requests dispatched on each release and on the reaper's 0.25 s tick, refused ones
   answered 429, a queued request's wait bounded by queue_timeout_s and its deadline, each
-  successful step recorded for its task. The peers' rules run without it.
+  successful step recorded for its task. The peers' rules run without it. A request
+  with a deadline whose best route is predicted to end after it is answered 429 before
+  any attempt, as Attempts._late does (filters/deadline.py).
 
 Left out, so a real run differs by them: the network and the sidecar's own time (3-7 ms
 per request here, tests/test_virtual_agreement.py), the rest of the sidecar's PoolGuard
@@ -51,6 +53,7 @@ from typing import Any
 
 from filters.admission import Admission, AdmissionItem, Queue, Reject
 from filters.chars_per_token import CharsPerToken, pick_inputs, utf8_length
+from filters.deadline import late_message
 from filters.hotpath import block_hashes, parse_routing_headers
 from filters.picker import PickRequest
 from filters.pool_router import PoolRouter, Route, admission_item
@@ -137,6 +140,8 @@ class SidecarModel:
     # reliability.admission, for meshd's policies (None: the peers', or disabled).
     admission: Admission | None = None
     queue_timeout_s: float = 30.0
+    # reliability.admission.refuse_predicted_late, for meshd's policy (filters/deadline.py).
+    refuse_late: bool = False
 
 
 def sidecar_model(
@@ -174,6 +179,7 @@ def sidecar_model(
     admission = None
     if adm_config is not None and routing.policy == "meshd":
         admission = Admission(adm_config, wait_source=router.pool_wait)
+    adm = config.reliability.admission
     return SidecarModel(
         router=router,
         policy=routing.policy,
@@ -183,7 +189,8 @@ def sidecar_model(
         max_attempts=config.upstream.max_attempts,
         chars_per_token=CharsPerToken() if routing.learn_chars_per_token else None,
         admission=admission,
-        queue_timeout_s=config.reliability.admission.queue_timeout_s,
+        queue_timeout_s=adm.queue_timeout_s,
+        refuse_late=routing.policy == "meshd" and adm.enabled and adm.refuse_predicted_late,
     )
 
 
@@ -540,7 +547,17 @@ class VirtualPass:
             body = request_body(r, flight.sent, self.model, self.settings.ignore_eos)
         router = sc.router
         why = "no endpoint"
-        for route in router.order(pick, now)[: sc.max_attempts]:
+        routes = router.order(pick, now)
+        started = flight.item is not None and flight.item.started
+        if sc.refuse_late and routes and pick.deadline_s is not None and not started:
+            # The sidecar's Attempts._late: a new task's request predicted late is refused
+            # before any attempt.
+            end = router.predicted_end_s(routes[0], pick)
+            late = None if end is None else late_message("default", end, pick.deadline_s - now)
+            if late is not None:
+                self.finish_error(flight, f"{HTTP_PREFIX}429", 429, late, now)
+                return
+        for route in routes[: sc.max_attempts]:
             rid = next(self._rids)
             router.started(route, rid, pick, now)
             engine = self._by_url[route.url]
