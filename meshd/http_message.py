@@ -147,6 +147,18 @@ class HttpRequest:
         """The response head has been handed to the transport (or is held for the body)."""
         return self._stream is not None
 
+    def ready_body(self) -> bytes | None:
+        """The whole body if it has already arrived (most requests: it came with the head),
+        without a coroutine; None: `await read_body()`."""
+        if self._error is not None or not self.complete:
+            return None
+        chunks = self._chunks
+        if len(chunks) == 1:
+            return chunks[0]
+        body = b"".join(chunks)
+        self._chunks = [body]
+        return body
+
     async def read_body(self) -> bytes:
         """The whole body. Raises BodyError (413, 408, 400) with the reply to send."""
         if self._error is not None:

@@ -88,7 +88,7 @@ class Intake:
         self.active += 1
         try:
             try:
-                body = await req.read_body()
+                body = req.ready_body() or await req.read_body()
             except BodyError as exc:
                 return self._body_refused(exc)
             try:
@@ -126,7 +126,7 @@ class Intake:
         if rejected is not None:
             return rejected
         try:
-            body = await req.read_body()
+            body = req.ready_body() or await req.read_body()
         except BodyError as exc:
             return self._body_refused(exc)
         trusted = self._is_trusted(req)

@@ -22,7 +22,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -155,15 +155,16 @@ class Sidecar:
     def _yield_cpu(self, fn: Callable[[], None] | None) -> None:
         self.relay.yield_cpu = fn
 
-    async def _dispatch(self, req: HttpRequest) -> Reply | None:
+    def _dispatch(self, req: HttpRequest) -> Awaitable[Reply | None]:
         """The outbound listener's one handler: POST to an inference path, GET or HEAD
-        /v1/models, and anything else to the pool unchanged."""
+        /v1/models, and anything else to the pool unchanged. The layer's coroutine itself,
+        not one awaiting it (one frame less on every resume)."""
         method = req.method
         if method == "POST" and req.path in PATH_KINDS:
-            return await self.intake.inference(req)
+            return self.intake.inference(req)
         if req.path == "/v1/models" and method in ("GET", "HEAD"):
-            return await self.intake.models(req)
-        return await self.intake.passthrough(req)
+            return self.intake.models(req)
+        return self.intake.passthrough(req)
 
     def _intercepted_pool(self, req: HttpRequest) -> str | None:
         if self._transparent is None:

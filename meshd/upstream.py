@@ -136,17 +136,24 @@ class UpstreamPool:
         if self._closed:
             raise UpstreamConnectError(ep.name, "the upstream pool is closed")
         data = _encode_request(ep, method, target, headers, body)
-        conn = await self._acquire(ep)
+        is_head = method == "HEAD"
+        # An idle connection is taken without a coroutine; _acquire waits or connects.
+        conn = self._take_idle(ep) or await self._acquire(ep)
+        head = conn.send(data, is_head)
         try:
-            return await self._exchange(conn, data, method == "HEAD")
+            return await head
         except StaleConnection:
+            conn.abort()  # the slot stays with us, for the retry below
             self._stale_retries += 1
+        except BaseException:
+            self._exchange_failed(conn, head)
+            raise
         if self._closed:
             self._release_slot(ep)
             raise UpstreamConnectError(ep.name, "the upstream pool is closed")
         # The stale connection's slot passes to a fresh one, whose failure is final.
         conn = await self._connect(ep)
-        return await self._exchange(conn, data, method == "HEAD")
+        return await self._exchange(conn, data, is_head)
 
     async def close(self) -> None:
         """Close every connection; responses still being read end with UpstreamClosedError."""
@@ -196,7 +203,8 @@ class UpstreamPool:
         self._endpoints[base_url] = ep
         return ep
 
-    async def _acquire(self, ep: PoolEndpoint) -> UpstreamConnection:
+    def _take_idle(self, ep: PoolEndpoint) -> UpstreamConnection | None:
+        """The most recently used idle connection still usable (its slot taken), or None."""
         while ep.idle:
             conn = ep.idle.pop()
             conn.cancel_idle_timer()
@@ -205,6 +213,12 @@ class UpstreamPool:
                 self._reused += 1
                 return conn
             conn.abort()
+        return None
+
+    async def _acquire(self, ep: PoolEndpoint) -> UpstreamConnection:
+        conn = self._take_idle(ep)
+        if conn is not None:
+            return conn
         if ep.busy < self.max_connections_per_endpoint:
             ep.busy += 1
             return await self._connect(ep)
@@ -282,12 +296,19 @@ class UpstreamPool:
             conn.abort()
             raise  # the slot stays with the caller, for the retry
         except BaseException:
-            if head.done() and not head.cancelled() and head.exception() is None:
-                head.result().close()  # the head came as we were cancelled
-            else:
-                conn.abort()
-                self._release_slot(conn.ep)
+            self._exchange_failed(conn, head)
             raise
+
+    def _exchange_failed(
+        self, conn: UpstreamConnection, head: asyncio.Future[UpstreamResponse]
+    ) -> None:
+        """The wait for a response head ended otherwise (cancelled, an error): the
+        connection is dropped and its slot freed, or a head that came meanwhile closed."""
+        if head.done() and not head.cancelled() and head.exception() is None:
+            head.result().close()  # the head came as we were cancelled
+        else:
+            conn.abort()
+            self._release_slot(conn.ep)
 
     def _done(self, conn: UpstreamConnection, reusable: bool) -> None:
         """A response is finished with its connection: reuse it or close it."""

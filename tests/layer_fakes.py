@@ -268,6 +268,9 @@ class FakeRequest:
     def target(self) -> str:
         return self.path
 
+    def ready_body(self) -> bytes | None:
+        return self.body if self.body_error is None else None
+
     async def read_body(self) -> bytes:
         if self.body_error is not None:
             raise self.body_error

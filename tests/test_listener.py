@@ -349,3 +349,36 @@ async def test_two_hundred_headers_get_431_and_the_sidecar_serves_on(backends, s
         ok = await http.post(url(s, "/v1/completions"), json={"model": "tiny", "prompt": "a"})
         assert ok.status == 200
     assert len(b.requests) == 1
+
+
+def test_a_body_that_came_with_its_head_is_ready_without_waiting():
+    seen: list[bytes | None] = []
+
+    async def handler(req: HttpRequest) -> Reply | None:
+        seen.append(req.ready_body())
+        body = await req.read_body()
+        seen.append(req.ready_body())
+        return Reply(200, [], body)
+
+    async def run(chunks: list[bytes]) -> None:
+        server = HttpServer(handler, SMALL)
+        conn = server()
+        transport = FakeTransport(conn)
+        conn.connection_made(transport)
+        for chunk in chunks:
+            conn.data_received(chunk)
+            for _ in range(5):
+                await asyncio.sleep(0)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        transport.close()
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    whole = request_bytes("POST", "/", [], b"abc", None)
+    asyncio.run(run([whole]))
+    assert seen == [b"abc", b"abc"]
+    seen.clear()
+    head, _, body = whole.partition(b"\r\n\r\n")
+    asyncio.run(run([head + b"\r\n\r\n", body]))  # the body comes after the handler began
+    assert seen == [None, b"abc"]
