@@ -101,3 +101,11 @@ def test_cells_picks_cells_by_label_and_names_an_unknown_one(
     with pytest.raises(SystemExit):
         matrix.main(["--cells", "mooncake 3xH100 small load 0.8", "--out", str(tmp_path)])
     assert "no such cell: mooncake 3xH100 small load 0.8" in capsys.readouterr().err
+
+
+def test_max_over_mean_passes_over_two_only_where_meshd_was_faster():
+    over = compare(cell({"max_over_mean": 2.5, "ttft_p90": 1.1}))
+    assert not over["max_over_mean"]["pass"]  # concentrated, and slower for it
+    faster = compare(cell({"max_over_mean": 2.5, "ttft_p90": 0.9, "e2e_p50": 2.9}))
+    assert faster["max_over_mean"]["pass"]
+    assert compare(cell({"max_over_mean": 1.9, "ttft_p90": 1.5}))["max_over_mean"]["pass"]

@@ -191,6 +191,11 @@ def test_figures_and_compare():
     assert f.task_success == 0.5 and f.makespan_p50 == pytest.approx((5.0 + 2.0) / 2)
     assert f.hit_rate == pytest.approx(100 / 400)  # ok answers only
     assert f.max_over_mean == pytest.approx(3 / 2.5)
+    # Over every engine of the fleet: e2 and e3 served nothing.
+    fleet = M.FleetSpec(gpus=("H100",) * 4)
+    assert M.figures("meshd-no-gpu", reqs, outs, Result, fleet).max_over_mean == pytest.approx(
+        3 / (5 / 4)
+    )
     cell = {
         "label": "x",
         "variant": "centre",

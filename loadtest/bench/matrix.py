@@ -68,6 +68,7 @@ LARGE_CACHE_PROMPTS = 1000
 # ~28 of Mooncake's prompts: 442k tokens).
 MIN_BATCH = 32
 SESSION_THINK_S = 2.0
+MAX_OVER_MEAN = 2.0  # requests per engine, max over the fleet's mean (unless faster)
 SESSION_MAX_STEPS = 8
 TASK_DEADLINE_BASE_MS = 3000
 TASK_DEADLINE_PER_TOKEN_MS = 50
@@ -321,7 +322,11 @@ def figures(
     good = [o for o in outcomes if o.ok]
     per_engine = collections.Counter(o.endpoint for o in outcomes if o.endpoint)
     counts = list(per_engine.values()) or [0]
-    mean = statistics.fmean(counts)
+    # Over every engine of the fleet, those sent nothing included: the peers' cache_aware
+    # rule sent all of the agentic cell's requests to the one engine holding the shared
+    # tool prompt, and a mean over the engines used called that 1.0.
+    engines = len(fleet.gpus) if fleet is not None else len(counts)
+    mean = sum(counts) / max(engines, len(counts))
     tasks = result.tasks
     fixed = None
     if fleet is not None and outcomes and tasks.succeeded:
@@ -496,8 +501,16 @@ def compare(cell: dict[str, Any], meshd: str = MESHD) -> dict[str, Any]:
                 "ratio": ratio,
                 "pass": ratio <= target,
             }
+    # The issue's bound: max/mean requests per engine <= 2.0 unless that cell was faster
+    # for it (TTFT p90 and E2E p50 no worse than the best peer's).
     bal = me["max_over_mean"]
-    out["max_over_mean"] = {"meshd": bal, "best_peer": None, "ratio": bal, "pass": bal <= 2.0}
+    faster = all(out[n]["ratio"] <= 1.0 for n in ("ttft_p90", "e2e_p50") if n in out)
+    out["max_over_mean"] = {
+        "meshd": bal,
+        "best_peer": None,
+        "ratio": bal,
+        "pass": bal <= MAX_OVER_MEAN or faster,
+    }
     # Informational: the share meshd answered (its admission refuses new tasks past the
     # pool's knee with 429); no target, the task and latency figures judge it.
     served = me["ok"] / me["sent"] if me["sent"] else 1.0
@@ -533,7 +546,8 @@ def report(cells: Sequence[dict[str, Any]]) -> str:
         "(every GPU paid from the first send to the last answer). **Bold**: the target",
         "(TTFT p90 <= 0.7, p99 <= 1.0, E2E p50 <= 1.0, hit >= 1.1, keep >= 0.9, makespan",
         "<= 1.0, task success >= 1.0, wasted <= 0.7, cost <= 0.9, fixed cost <= 1.0,",
-        "max/mean <= 2.0) missed. meshd runs with its defaults: a fixed fleet.",
+        "max/mean <= 2.0 over every engine of the fleet, or TTFT p90 and E2E p50 no worse",
+        "than the best peer's) missed. meshd runs with its defaults: a fixed fleet.",
         "ᶠ: the best peer's TTFT p90 is within 1/0.7 of the cell's TTFT floor (no router can",
         "reach 0.7x there), so that cell's TTFT p90 is judged against 1.0 instead; on",
         "hit_rate, the best peer is within 1/1.1 of one infinite cache's hit rate (open-loop",
