@@ -11,7 +11,7 @@ from typing import Any
 from meshd.context import RequestContext
 from meshd.http_message import Reply, error_reply
 from meshd.metrics import DataPlaneMetrics
-from meshd.observe import RequestTrace
+from meshd.observe import RequestTrace, counter_adder
 
 log = logging.getLogger("meshd.sidecar")
 
@@ -34,8 +34,10 @@ class PoolSeries:
 
     @property
     def stream_tokens(self) -> Any:
+        """meshd_stream_tokens_total{pool}'s adder (observe.counter_adder): call it with
+        the count, never negative."""
         if self._stream_tokens is None:
-            self._stream_tokens = self._m.stream_tokens.labels(self._pool)
+            self._stream_tokens = counter_adder(self._m.stream_tokens.labels(self._pool))
         return self._stream_tokens
 
 
@@ -62,10 +64,10 @@ class Accounting:
         if child is None:
             if len(self._attempt_series) >= CACHE_LIMIT:
                 self._attempt_series.clear()
-            child = self._attempt_series[key] = self.metrics.upstream_attempts.labels(
-                pool, url, result
+            child = self._attempt_series[key] = counter_adder(
+                self.metrics.upstream_attempts.labels(pool, url, result)
             )
-        child.inc()
+        child(1)
 
     def reject(self, status: int, message: str, code: str, **kw: Any) -> Reply:
         """meshd's own error reply, counted in meshd_rejected_requests_total{code}."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
@@ -54,6 +54,11 @@ from meshd.access_log import AccessLogWriter
 from meshd.attempt_trace import AttemptTrace
 from meshd.metrics import DataPlaneMetrics
 from meshd.request_trace import RequestTrace, RouteLike
+
+try:
+    from prometheus_client.values import MutexValue as _MutexValue
+except ImportError:  # pragma: no cover - another prometheus_client layout
+    _MutexValue = None  # type: ignore[assignment,misc]
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -106,6 +111,19 @@ class BoundedLabels:
 
     def __len__(self) -> int:
         return len(self._known)
+
+
+def counter_adder(child: Any) -> Callable[[float], None]:
+    """How to add to a Prometheus counter child with the least work, for amounts that are
+    never negative: its value's own `inc` (prometheus_client's MutexValue: one call under
+    its lock) instead of Counter.inc, which first checks, in two more calls, that the child
+    is one (labels() made it so) and that the amount is not negative. Where the library
+    keeps its value otherwise (multiprocess mode, another version), Counter.inc."""
+    value = getattr(child, "_value", None)
+    if _MutexValue is not None and type(value) is _MutexValue:
+        inc: Callable[[float], None] = value.inc
+        return inc
+    return child.inc
 
 
 class _EndpointSeries:
@@ -164,7 +182,8 @@ class RequestObserver:
         self._wall_offset = time.time() - time.monotonic()
         self._endpoint_series: dict[tuple[str, str, str, str], _EndpointSeries] = {}
         self._duration: dict[tuple[str, str, str, str, str], Any] = {}
-        self._requests: dict[tuple[str, str, str], Any] = {}
+        # Adders (counter_adder) of the counters every request adds to.
+        self._requests: dict[tuple[str, str, str], Callable[[float], None]] = {}
         self._by_gpu: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._waste: dict[tuple[str, str], Any] = {}
         self._task_series: dict[tuple[str, str], tuple[Any, Any]] = {}
@@ -321,8 +340,8 @@ class RequestObserver:
         key3 = (req.kind, pool, req.outcome)
         c = self._requests.get(key3)
         if c is None:
-            c = self._requests[key3] = m.requests.labels(*key3)
-        c.inc()
+            c = self._requests[key3] = counter_adder(m.requests.labels(*key3))
+        c(1)
         endpoint = req.endpoint or ""
         key5 = (req.kind, pool, model, tenant, endpoint)
         h = self._duration.get(key5)
@@ -368,11 +387,12 @@ class RequestObserver:
             pair = self._by_gpu.get(key)
             if pair is None:
                 pair = self._by_gpu[key] = (
-                    self.metrics.gpu_busy_seconds.labels(*key),
-                    self.metrics.cost_usd.labels(*key),
+                    counter_adder(self.metrics.gpu_busy_seconds.labels(*key)),
+                    # A price is not checked to be >= 0: Counter.inc refuses a negative.
+                    self.metrics.cost_usd.labels(*key).inc,
                 )
-            pair[0].inc(seconds)
-            pair[1].inc(usd)
+            pair[0](seconds)  # > 0 here
+            pair[1](usd)
         usd = req.cost_usd
         self.spent_usd += usd
         if req.outcome == OK_OUTCOME:
@@ -408,9 +428,12 @@ class RequestObserver:
             key = (task.pool, "success" if task.succeeded else "failure")
             pair = self._task_series.get(key)
             if pair is None:
-                pair = self._task_series[key] = (m.tasks.labels(*key), m.task_cost_usd.labels(*key))
-            pair[0].inc()
-            pair[1].inc(task.cost_usd)
+                pair = self._task_series[key] = (
+                    counter_adder(m.tasks.labels(*key)),
+                    m.task_cost_usd.labels(*key).inc,
+                )
+            pair[0](1)
+            pair[1](task.cost_usd)
             if task.succeeded:
                 self.tasks_succeeded += 1
             else:

@@ -527,7 +527,7 @@ class _Stream:
         scanner = self.scanner
         if scanner is None:
             return None
-        self.relay.acct.series(self.ctx.pool).stream_tokens.inc(scanner.tokens)
+        self.relay.acct.series(self.ctx.pool).stream_tokens(scanner.tokens)
         splicer = self.splicer
         found = splicer.usage if splicer is not None and splicer.usage else scanner.usage
         if not isinstance(found, dict):

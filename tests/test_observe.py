@@ -9,6 +9,7 @@ import contextlib
 import io
 import re
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from meshd import telemetry as t
 from meshd.access_log import AccessLogWriter, read_access_log
 from meshd.config import load_config
 from meshd.metrics import DataPlaneMetrics
-from meshd.observe import BoundedLabels, RequestObserver
+from meshd.observe import BoundedLabels, RequestObserver, counter_adder
 
 MODEL = "llama-3-8b"
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -415,3 +416,18 @@ def test_from_config_sets_provisioned_gpus_and_prices(tmp_path: Path) -> None:
     observer.close()
     (rec,) = read_access_log(tmp_path / "log.jsonl")
     assert rec.cost_usd == pytest.approx(1.0)
+
+
+def test_a_counter_adder_adds_as_the_counter_would() -> None:
+    metrics = DataPlaneMetrics()
+    child = metrics.requests.labels("chat", "default", "ok")
+    add = counter_adder(child)
+    assert add != child.inc  # prometheus_client's MutexValue: its own inc
+    add(1)
+    add(2.5)
+    child.inc()
+    assert value(metrics, "meshd_requests_total", kind="chat", pool="default", outcome="ok") == 4.5
+
+    # A value kept some other way (multiprocess mode): the counter's own inc.
+    other = types.SimpleNamespace(_value=object(), inc=lambda amount=1: None)
+    assert counter_adder(other) is other.inc
