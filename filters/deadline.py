@@ -19,21 +19,25 @@ predicted late is refused, not sent late.
 
 Only a new task's request is refused: a step of a task under way (admission's
 `AdmissionItem.started`: a task step past 0, or a prompt extending one routed before)
-is tried, since refusing it would throw away the steps already spent on its task.
+is tried, since refusing it would throw away the steps already spent on its task. And
+nothing is refused until the pool has finished FillConfig.min_samples (16) answers:
+before them the speeds are a datasheet's guess.
 
 Why refuse rather than try: on a shared fleet, a request that ends after its deadline is
 work for nobody, and the GPU-seconds it takes delay everyone behind it. Measured on the
 routing matrix's Mooncake sessions cells (closed-loop conversations, each task due in 3 s
 + 50 ms per output token per turn, the deadline header counting down; virtual clock,
-2026-12-06, meshd given URLs only), 8 H100s at load 0.8: share of work spent on tasks that
-then failed 0.246 -> 0.089 (cache_aware 0.254), task success 0.876 -> 0.944 (0.834), 17
-of 1,000 requests refused. Refusing every request predicted late, steps of started tasks
-too: 0.125 and 0.931 (over the 9 sessions cells, new tasks only was better on both in
-6, worse in 2: load 0.5 and the mixed fleet). Refusing only when the prediction is twice the time left kept the
-waste (0.273): the gain is in the requests predicted just late, whose GPU-seconds the
-others then get. The prediction errs (the actual E2E over the predicted, p10 / p50 / p90
-0.29 / 0.77 / 1.95 on that cell), so some refused requests would have ended in time; the
-tasks they began are lost, and more tasks than that succeed because of them.
+2026-12-06, meshd given URLs only), 8 H100s at load 0.8: share of work spent on tasks
+that then failed 0.246 -> 0.142 (cache_aware 0.254), task success 0.876 -> 0.937 (0.834),
+7 of 1,000 requests refused. Variants on the 9 sessions cells: refusing steps of started
+tasks too was worse on both in 6 (8 H100: 0.125 wasted, 0.931 success, without the
+warm-up); refusing only when the prediction is twice the time left kept the waste (0.273
+on 8 H100): the gain is in the requests predicted just late, whose GPU-seconds the others
+then get; refusing from the first request (no warm-up) refused 17 on 8 H100 (0.089,
+0.944), most of them in the first seconds on the datasheet's slower speeds, and on 64
+H100s lost tasks the peers served in time (0.949 against 0.954 with the warm-up). The
+prediction errs (the actual E2E over the predicted, p10 / p50 / p90 0.29 / 0.77 / 1.95
+on the 8 H100 cell), so some refused requests would have ended in time.
 """
 
 from __future__ import annotations
@@ -51,14 +55,20 @@ class FillConfig:
     alpha: float = 0.05  # EWMA weight of one finished answer's completion / max_tokens
     prior: float = 1.0  # fill before any answer: the client's max_tokens taken at its word
     max_tracked: int = 65536  # dispatched requests remembered until they finish
+    # Answers the pool must have finished before it predicts an end at all: before them
+    # the speeds are a datasheet's guess, not what these engines do.
+    min_samples: int = 16
 
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
         if not (math.isfinite(self.prior) and self.prior > 0.0):
             raise ValueError(f"prior must be finite and > 0, got {self.prior}")
-        if self.max_tracked < 1:
-            raise ValueError(f"max_tracked must be >= 1, got {self.max_tracked}")
+        if self.max_tracked < 1 or self.min_samples < 0:
+            raise ValueError(
+                f"max_tracked must be >= 1 and min_samples >= 0, got {self.max_tracked}, "
+                f"{self.min_samples}"
+            )
 
 
 class EndPredictor:
@@ -90,9 +100,12 @@ class EndPredictor:
     def output_tokens(self, max_tokens: int) -> float:
         return max(0, max_tokens) * self.fill
 
-    def end_s(self, ttft_s: float, step_s: float, max_tokens: int) -> float:
+    def end_s(self, ttft_s: float, step_s: float, max_tokens: int) -> float | None:
         """Seconds from now to the answer's last token: the first token, then the expected
-        output at the decode step the request joins."""
+        output at the decode step the request joins; None until the pool has finished
+        min_samples answers."""
+        if self.samples < self.config.min_samples:
+            return None
         return ttft_s + self.output_tokens(max_tokens) * step_s
 
 

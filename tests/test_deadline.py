@@ -45,10 +45,19 @@ def test_the_dispatched_are_remembered_up_to_a_bound() -> None:
 
 
 def test_end_is_the_first_token_then_the_expected_output_at_the_step() -> None:
-    ends = EndPredictor()
+    ends = EndPredictor(FillConfig(min_samples=0))
     assert ends.end_s(0.5, 0.02, 100) == pytest.approx(0.5 + 100 * 0.02)
     ends.fill = 0.25
     assert ends.end_s(0.5, 0.02, 100) == pytest.approx(0.5 + 25 * 0.02)
+
+
+def test_no_end_is_predicted_before_the_pool_has_finished_enough_answers() -> None:
+    ends = EndPredictor(FillConfig(min_samples=3))
+    for rid in range(3):
+        assert ends.end_s(0.5, 0.02, 100) is None  # the datasheet's guess: no refusal
+        ends.dispatched(rid, 100)
+        ends.finished(rid, True, 100)
+    assert ends.end_s(0.5, 0.02, 100) == pytest.approx(2.5)
 
 
 @pytest.mark.parametrize(
@@ -82,6 +91,7 @@ def _req(max_tokens: int, prompt_tokens: int = 2000) -> PickRequest:
 
 def test_picker_router_predicts_the_whole_answer_and_learns_the_fill() -> None:
     router = _router()
+    router.ends.config = FillConfig(min_samples=0)
     short, long_ = _req(10), _req(1000)
     best_short = router.order(short, 0.0)[0]
     best_long = router.order(long_, 0.0)[0]

@@ -393,10 +393,20 @@ async def test_client_leaving_during_the_relay_settles_as_client_disconnect() ->
 LONG_ANSWER = {**DOC, "max_tokens": 4000}
 
 
+def warm(router: Any, answers: int = 16) -> None:
+    """The pool has finished `answers` whole answers (filters/deadline.py predicts an end
+    only after FillConfig.min_samples)."""
+    ends = router.inner.ends
+    for i in range(answers):
+        ends.dispatched(("warm", i), 4000)
+        ends.finished(("warm", i), True, 4000)
+
+
 async def test_a_new_request_predicted_to_end_after_its_deadline_is_refused_unsent() -> None:
     # filters/deadline.py: 4,000 tokens to decode cannot end within half a second.
     pool = FakePool(FakeUpstream(200))
-    layers, router, guard, relay = setup(pool)
+    layers, router, _guard, relay = setup(pool)
+    warm(router)
     ctx = request_context(layers, LONG_ANSWER, headers=[("x-meshd-deadline-ms", "500")])
 
     reply = await layers.attempts.run(FakeRequest(), ctx)
@@ -417,13 +427,16 @@ async def test_a_new_request_predicted_to_end_after_its_deadline_is_refused_unse
         ("a step of a task under way keeps its sunk work", "500", True, {}),
         ("switched off", "500", False, {"admission": {"refuse_predicted_late": False}}),
         ("time enough", "600000", False, {}),
+        ("before the pool's speeds are learnt", "500", False, {"warm": 15}),
     ],
 )
 async def test_a_request_predicted_in_time_or_spared_is_tried(
     why: str, deadline_ms: str, continues: bool, sections: dict[str, Any]
 ) -> None:
     pool = FakePool(FakeUpstream(200))
-    layers, router, guard, relay = setup(pool, reliability={**NO_BACKOFF, **sections})
+    reliability = {k: v for k, v in sections.items() if k != "warm"}
+    layers, router, guard, _relay = setup(pool, reliability={**NO_BACKOFF, **reliability})
+    warm(router, sections.get("warm", 16))
     ctx = request_context(layers, LONG_ANSWER, headers=[("x-meshd-deadline-ms", deadline_ms)])
     ctx.continues_task = continues
 
