@@ -23,6 +23,8 @@ def test_each_switch_changes_what_it_names(name):
         want = dataclasses.asdict(base.router.picker.config)  # type: ignore[attr-defined]
         changed = {k for k in got if got[k] != want[k]}
         assert changed == set(spec["picker_config"])
+    elif "refuse_predicted_late" in spec["reliability"]["admission"]:
+        assert base.refuse_late and not off.refuse_late
     else:
         assert base.admission is not None and off.admission is not None
         assert off.admission.config != base.admission.config

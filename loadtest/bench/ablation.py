@@ -6,7 +6,8 @@ Each mechanism is switched off through the config or a PickerConfig field (the v
 pass's `overrides`); a mechanism earns its place when switching it off makes meshd worse
 across the cells: the report's verdict is the geometric mean, over cells and figures, of
 ablated / full for the lower-is-better figures (TTFT p90 and p99, E2E p50, task makespan
-p50) and full / ablated for the hit rate. Above 1: off is worse, so it stays.
+p50, the share of work spent on tasks that then failed) and full / ablated for the hit
+rate and task success. Above 1: off is worse, so it stays.
 
     python -m loadtest.bench.ablation [--jobs 2] [--out DIR] [--only NAME,...]
 """
@@ -41,6 +42,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "decode seconds in J": {"picker_config": {"decode_weight": 0.0}},
     "fixed-fleet J": {"picker_config": {"elastic": True}},
     "admission knee gate": {"reliability": {"admission": {"knee_wait_s": None}}},
+    "predicted-late refusal": {"reliability": {"admission": {"refuse_predicted_late": False}}},
 }
 FULL = "all on"
 # One cell per workload family (the matrix's centres; agentic on the mixed fleet nobody
@@ -55,8 +57,8 @@ CELLS = (
     Cell("agentic", engines=4),
     Cell("sessions-nohdr", load=1.5),
 )
-LOWER = ("ttft_p90", "ttft_p99", "e2e_p50", "makespan_p50")
-HIGHER = ("hit_rate",)
+LOWER = ("ttft_p90", "ttft_p99", "e2e_p50", "makespan_p50", "wasted_share")
+HIGHER = ("hit_rate", "task_success")
 
 
 def run_one(cell: Cell, name: str) -> dict[str, Any]:
