@@ -39,6 +39,14 @@ leg is dropped, so the prefill engine frees the KV). A stream that breaks mid-wa
 as a pair too: the continuation goes to a prefill and a decode engine with a fresh room.
 Each leg is an attempt, the prefill leg first (reason `prefill`), so the trace, the
 access log and the cost ledger see both, and the prefill engine's guard counts it.
+
+Behind an endpoint picker (Envoy's ext_proc: `meshd picker --prefill-endpoint`, or
+llm-d's), this sidecar fronts a decode engine, and the picker has decided: a request from a
+trusted peer that carries `x-gateway-destination-endpoint` (the picker's header, which
+Envoy passes on) is split on the prefill engine(s) its prefill header names
+(filters/disagg.py PREFILL_HEADERS; only endpoints of the prefill pool, in the order
+named), or served whole when it names none (`_picker_named`); the decider is not asked.
+The KV transfer is priced on what the decode engine lacks (its pool's prefix index).
 """
 
 from __future__ import annotations
@@ -262,18 +270,9 @@ class Disaggregator:
         leg would take now (the decode pool's order for it, recording nothing), so a
         request with a fallback pool is moved on by both legs, not by its prefill's alone.
         Only meshd's picker predicts; a balancer's order would take a turn."""
-        router = self.plane.routers[ctx.pool]
-        cfg = self.pools[ctx.pool]
-        if not isinstance(router, PickerRouter) or cfg is None or ctx.pick is None:
+        if not isinstance(self.plane.routers[ctx.pool], PickerRouter):
             return split
-        routes = price_decode_routes(
-            router.order_decode(ctx.pick, now, lead_s=split.transfer_s),
-            router.cached_tokens(ctx.pick, now),
-            ctx.pick.prompt_tokens,
-            kv_bytes_per_token=split.kv_bytes_per_token,
-            kv_link_gb_per_s=cfg.kv_link_gb_per_s,
-            transfer_s=split.transfer_s,
-        )
+        routes, _ = self._decode_order(ctx, split, split.transfer_s, now)
         best = routes[0] if routes else None
         if best is None or best.choice is None:
             return split
@@ -356,12 +355,27 @@ class Disaggregator:
         lead = split.transfer_s
         if ctx.pd_pair is not None:
             lead += split.prefill_ttft_s or 0.0
+        routes, held = self._decode_order(ctx, split, lead, now)
+        cfg = self.pools[ctx.pool]
+        if routes and held and cfg is not None:
+            # The primary's transfer is the one the decode leg is predicted to wait.
+            missing = missing_tokens(ctx.pick.prompt_tokens, held.get(routes[0].url))
+            t = transfer_seconds(missing, split.kv_bytes_per_token, cfg.kv_link_gb_per_s)
+            ctx.pd = dataclasses.replace(split, transfer_s=t)
+        return routes
+
+    def _decode_order(
+        self, ctx: RequestContext, split: Split, lead_s: float, now: float
+    ) -> tuple[list[Route], dict[str, float]]:
+        """The decode pool's order for the decode leg (PoolRouter.order_decode, `lead_s`
+        before each engine's wait), each engine priced the transfer of what its prefix
+        cache lacks (filters/disagg.py price_decode_routes), and what each holds."""
+        assert ctx.pick is not None
         router = self.plane.routers[ctx.pool]
-        routes = router.order_decode(ctx.pick, now, lead_s=lead)
+        routes = router.order_decode(ctx.pick, now, lead_s=lead_s)
         cfg = self.pools[ctx.pool]
         if not routes or cfg is None or not split.kv_bytes_per_token:
-            return routes
-        # Each decode engine pulls only what its prefix cache lacks (filters/disagg.py).
+            return routes, {}
         held = cached_tokens(router, ctx.pick, now)
         priced = price_decode_routes(
             routes,
@@ -371,11 +385,7 @@ class Disaggregator:
             kv_link_gb_per_s=cfg.kv_link_gb_per_s,
             transfer_s=split.transfer_s,
         )
-        if held:  # the primary's transfer is the one the decode leg is predicted to wait
-            missing = missing_tokens(ctx.pick.prompt_tokens, held.get(priced[0].url))
-            t = transfer_seconds(missing, split.kv_bytes_per_token, cfg.kv_link_gb_per_s)
-            ctx.pd = dataclasses.replace(split, transfer_s=t)
-        return priced
+        return priced, held
 
     def predicted_ttft_s(self, ctx: RequestContext, decode: Route | None) -> float | None:
         """A split request's predicted TTFT, its decode leg on `decode`: the prefill's, the
