@@ -64,6 +64,7 @@ routing:
     lambda_usd_per_s: 0.01     # $ one second of TTFT is worth at priority 5 (lower: cheaper)
     lambda_knee_s: 0.05        # best-case TTFT under which a second is worth less (null: off)
     epsilon: 0.25              # bounded load: no endpoint above (1+epsilon) x mean
+    cached_headroom: 1.0       # ...x (1 + this x the share of the prompt it holds)
     load_metric: requests      # or tokens
     decode_pricing: reference  # fixed fleet; batch packs running batches (elastic pools)
     decode_weight: 0.05        # a second of decode (own + added to others) vs one of TTFT

@@ -274,6 +274,9 @@ class PickerSettings(_Strict):
     # (lambda x best-case TTFT / knee, rounded up to a power of two); null: lambda always.
     lambda_knee_s: float | None = Field(default=0.05, gt=0)
     epsilon: float = Field(default=0.25, ge=0)
+    # Bounded load's extra headroom for an endpoint holding C of a prompt's P tokens:
+    # its cap x (1 + cached_headroom x C / P).
+    cached_headroom: float = Field(default=1.0, ge=0)
     load_metric: Literal["requests", "tokens"] = "requests"
     # reference: every endpoint's decode priced at a batch of 64 (a fixed fleet: latency
     # first, cost between equals); batch: the request's share of the batch it joins (packs

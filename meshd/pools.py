@@ -36,6 +36,7 @@ def build_routers(
         lambda_usd_per_s=routing.picker.lambda_usd_per_s,
         lambda_knee_s=routing.picker.lambda_knee_s,
         epsilon=routing.picker.epsilon,
+        cached_headroom=routing.picker.cached_headroom,
         load_metric=routing.picker.load_metric,
         decode_pricing=routing.picker.decode_pricing,
         decode_weight=routing.picker.decode_weight,

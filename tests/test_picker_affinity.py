@@ -299,3 +299,35 @@ def test_a_hub_header_is_not_a_requests_history():
     assert p.index.fan_out(step1.block_hashes, len(step0.block_hashes)) == 0
     out = p.pick(step1, eps, 1.0, record=False)
     assert out[0].endpoint == "e0" and out[0].reason == "prefix-affinity"
+
+
+@pytest.mark.parametrize("headroom", [0.0, 1.0])
+def test_an_endpoint_holding_the_prompt_has_headroom_under_the_bound(headroom: float) -> None:
+    """Bounded load (cached_headroom): a group's system prompt is a hub (more questions
+    extend it than there are endpoints), so no holder keeps its questions; the engine that
+    caches it, carrying 10 streams against the others' 6, is over (1 + epsilon) x the mean
+    but within that x (1 + C / P). Without the headroom the question recomputes the prompt
+    elsewhere (the matrix's shared-prefix misses)."""
+    eps = fleet(4)
+    p = Picker(PickerConfig(decode_weight=0.0, cached_headroom=headroom))
+    system = "You answer questions about this manual. " * 100
+    for i in range(6):
+        p.index.record(
+            "e0", req(system + f" question {i}: " + "which part? " * 12).block_hashes, 0.0
+        )
+    busy(eps[0], 10, 0.5)
+    for e in eps[1:]:
+        busy(e, 6, 0.5)
+    question = req(system + " question 9: " + "and this part? " * 12, max_tokens=16)
+    matched = p.index.match_detail(question.block_hashes, 1.0)["e0"][0]
+    assert p.index.fan_out(question.block_hashes, matched) >= 4  # a hub: no holder
+    primary = p.pick(question, eps, 1.0, record=False)[0]
+    if headroom:
+        assert primary.endpoint == "e0" and primary.cached_tokens > 0.7 * question.prompt_tokens
+    else:
+        assert primary.endpoint != "e0" and primary.cached_tokens == 0
+
+
+def test_cached_headroom_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="cached_headroom"):
+        PickerConfig(cached_headroom=-0.1)

@@ -33,6 +33,7 @@ from loadtest.bench.matrix import MESHD, Cell, figures, setup
 ABLATIONS: dict[str, dict[str, Any]] = {
     "knee (lambda_knee_s)": {"picker_config": {"lambda_knee_s": None}},
     "bounded load (epsilon)": {"picker_config": {"epsilon": 1e9}},
+    "cached headroom": {"picker_config": {"cached_headroom": 0.0}},
     "load floor": {"picker_config": {"load_floor": 0.0}},
     "cold-hash window": {"picker_config": {"cold_tolerance": 0.0}},
     "cold-prompt homes": {"picker_config": {"home_weight": 0.0}},
