@@ -5,8 +5,10 @@ load generator's own functions (loadtest/openloop.py) are in the profile too; re
 sidecar's (meshd/, filters/) beside them.
 
 Run: `python -m loadtest.sidecar_profile [--requests 2000] [--tokens 1] [--sort tottime]
-[--out FILE.prof]`. Also prints the wall time per request of the whole loop (client
-included) without the profiler, which moves with per-request work on a quiet machine.
+[--out FILE.prof]`. Also prints, without the profiler, the wall time per request of the
+whole loop (client included) and the sidecar's own two hops before the first byte (the
+request read -> its upstream send, the answer read -> the client write; loadtest.ttfb_hops
+measures the same hops across processes, with the scheduler's share in them).
 `--set routing.policy=round-robin` runs a sidecar config key as sidecar_instructions does.
 """
 
@@ -21,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -28,12 +31,81 @@ from loadtest.openloop import Endpoint, LoadGenerator, completion_request
 from loadtest.overhead import Child, meshd_config, process_settings, start_backends
 
 
+class _Hops:
+    """Times the sidecar's own two hops of each request (as loadtest.ttfb_hops names them,
+    on the same four functions): the request read -> its upstream send, and the upstream's
+    answer read -> the first write to the client. In one process with the client, on one
+    loop, one request at a time: the sidecar's own work, without another process's."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[int, str]] = []
+        self.pre: list[float] = []
+        self.post: list[float] = []
+        self._undo: list[tuple[type, str, object]] = []
+        self.recording = False
+
+    def install(self) -> None:
+        from meshd import listener, upstream_connection
+
+        for cls, name, tag in (
+            (listener._Connection, "data_received", "srv_recv"),
+            (listener._Connection, "write", "srv_write"),
+            (upstream_connection.UpstreamConnection, "send", "up_send"),
+            (upstream_connection.UpstreamConnection, "data_received", "up_recv"),
+        ):
+            orig = getattr(cls, name)
+            self._undo.append((cls, name, orig))
+            setattr(cls, name, self._probe(orig, tag))
+
+    def _probe(self, orig: Any, tag: str) -> Any:
+        # Installed before any connection is made (uvloop keeps a protocol's bound
+        # data_received from its start); records only while `recording`.
+        def probed(conn: Any, *a: Any, **k: Any) -> Any:
+            if self.recording:
+                self.marks.append((time.perf_counter_ns(), tag))
+            return orig(conn, *a, **k)
+
+        return probed
+
+    def remove(self) -> None:
+        for cls, name, orig in reversed(self._undo):
+            setattr(cls, name, orig)
+        self._undo.clear()
+
+    def request_done(self) -> None:
+        first: dict[str, int] = {}
+        for ns, tag in self.marks:
+            first.setdefault(tag, ns)
+        self.marks.clear()
+        if len(first) == 4:
+            self.pre.append((first["up_send"] - first["srv_recv"]) / 1e3)
+            self.post.append((first["srv_write"] - first["up_recv"]) / 1e3)
+
+    def summary(self) -> str:
+        def q(values: list[float], f: float) -> float:
+            s = sorted(values)
+            return s[min(len(s) - 1, int(f * len(s)))] if s else float("nan")
+
+        pre, post = self.pre, self.post
+        return (
+            f"sidecar's own hops in process ({len(pre)} requests): "
+            f"srv_recv->up_send p50 {q(pre, 0.5):.1f} us p90 {q(pre, 0.9):.1f} us; "
+            f"up_recv->srv_write p50 {q(post, 0.5):.1f} us p90 {q(post, 0.9):.1f} us"
+        )
+
+
 async def _drive(
-    config_tree: dict[str, object], eps: Sequence[Endpoint], tokens: int, n: int, warmup: int
+    config_tree: dict[str, object],
+    eps: Sequence[Endpoint],
+    tokens: int,
+    n: int,
+    warmup: int,
+    hops: _Hops,
 ) -> tuple[cProfile.Profile, float]:
     from meshd.config import load_config
     from meshd.sidecar import Sidecar
 
+    hops.install()
     workdir = Path(tempfile.mkdtemp(prefix="meshd-profile-"))
     path = workdir / "meshd.yaml"
     path.write_text(yaml.safe_dump(config_tree, sort_keys=False))
@@ -52,6 +124,11 @@ async def _drive(
             if not sample.ok:
                 raise RuntimeError(f"a request failed: {sample}")
         wall = (time.perf_counter() - t0) / n
+        hops.recording = True
+        for _ in range(n):
+            await gen.one()
+            hops.request_done()
+        hops.recording = False
         prof.enable()
         for _ in range(n):
             await gen.one()
@@ -59,6 +136,7 @@ async def _drive(
     finally:
         await gen.close()
         await sidecar.drain_and_stop()
+        hops.remove()
         shutil.rmtree(workdir, ignore_errors=True)
     return prof, wall
 
@@ -89,12 +167,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in parents:
                 node = node.setdefault(name, {})
             node[leaf] = yaml.safe_load(value)
-        prof, wall = uvloop.run(_drive(tree, eps, args.tokens, args.requests, args.warmup))
+        hops = _Hops()
+        prof, wall = uvloop.run(_drive(tree, eps, args.tokens, args.requests, args.warmup, hops))
     finally:
         for b in backends:
             b.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"loop wall time per request (client + sidecar, unprofiled): {wall * 1e6:.1f} us")
+    print(hops.summary())
     if args.out:
         prof.dump_stats(args.out)
     stats = pstats.Stats(prof)
