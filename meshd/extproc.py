@@ -216,6 +216,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="parse x-meshd-* headers from Envoy (only when Envoy strips them from clients)",
     )
+    p.add_argument(
+        "--no-refuse-predicted-late",
+        dest="refuse_predicted_late",
+        action="store_false",
+        help="try every request; by default a new task's request (x-meshd-deadline-ms, with "
+        "--trust-routing-headers) that the best endpoint is predicted to finish after its "
+        "deadline gets 429 deadline_unmeetable (filters/deadline.py)",
+    )
     p.add_argument("--drain-grace-s", type=float, default=DEFAULT_DRAIN_GRACE_S)
     p.add_argument(
         "--otlp-endpoint",
@@ -240,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_in_flight=args.max_in_flight,
         fallbacks=args.fallbacks,
+        refuse_predicted_late=args.refuse_predicted_late,
         drain_grace_s=args.drain_grace_s,
         pd=PdSettings(
             tuple(args.prefill_endpoint),

@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
+from filters.deadline import late_message
 from filters.disagg import PREFILL_HEADERS, Split
 from filters.guard import OVERLOAD_STATUSES
 from filters.hotpath import block_hashes, parse_routing_headers
@@ -69,6 +70,8 @@ class PickerSettings:
     block_size_bytes: int = 64
     cache_salt: str = ""
     retry_after_s: float = 1.0
+    # A new task's request predicted to end after its deadline: 429 (filters/deadline.py).
+    refuse_predicted_late: bool = True
     drain_grace_s: float = DEFAULT_DRAIN_GRACE_S
     # Prefill/decode (meshd/extproc_pd.py): the prefill side; `endpoints` are then the
     # decode endpoints. None: an aggregated pool.
@@ -318,6 +321,12 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             return self._reject(
                 503, "no ready endpoint", "no_ready_endpoint", cfg.retry_after_s, routing=routing
             )
+        if plan is None or not plan.split.split:
+            late = self._late(pick, routing, routes[0], now)
+            if late is not None:
+                return self._reject(
+                    429, late, "deadline_unmeetable", cfg.retry_after_s, routing=routing
+                )
         chosen = tuple(routes[: 1 + cfg.fallbacks])
         value = ",".join(host_port(r.url) for r in chosen)
         self.router.started(chosen[0], s.rid, pick, now)
@@ -363,6 +372,21 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         return pb.ProcessingResponse(
             request_body=pb.BodyResponse(response=common), dynamic_metadata=meta
         )
+
+    def _late(
+        self, pick: PickRequest, routing: RoutingHeaders, best: Route, now: float
+    ) -> str | None:
+        """Why a request served whole is refused as late, as the sidecar's Attempts._late:
+        a new task's (not a step past 0, not a prompt extending one routed before) whose
+        best route is predicted to end after its deadline; None: route it."""
+        if not self.settings.refuse_predicted_late or pick.deadline_s is None:
+            return None
+        if (routing.step or 0) >= 1 or self.router.follow_up(pick, now):
+            return None
+        end = self.router.predicted_end_s(best, pick)
+        if end is None:
+            return None
+        return late_message("default", end, pick.deadline_s - now)
 
     def _reject(
         self,
