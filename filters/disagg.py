@@ -35,8 +35,10 @@ T = (P - C) x KV bytes per token / the link's bandwidth (a decode engine pulls o
 blocks its prefix cache lacks: vLLM's NIXL connector loads the prompt less what it
 computed locally), a request is split when
 1. a prefill engine can take it (else whole: `no-prefill-engine`),
-2. U >= `min_prefill_tokens` (else `short-prefill`: a short prefill is cheaper done where
-   the decode runs than shipped as KV), and
+2. min(U, P - C) >= `min_prefill_tokens` (else `short-prefill`: a short prefill is
+   cheaper done where the decode runs than shipped as KV; short at the prefill engine, or
+   at the decode engine that holds all but P - C of the prompt, as a conversation's next
+   turn does where its last one was decoded), and
 3. T < U x r, r the decode pool's seconds per prefilled token at its GPUs' nominal speed
    (else `transfer-slower`: shipping the prompt's KV would keep the decode engine waiting
    longer than computing the uncached part itself; a prompt mostly cached, or a slow link).
@@ -163,7 +165,8 @@ def decide_split(
     b = kv_bytes_per_token
     if not prefill_available:
         return Split(False, "no-prefill-engine", uncached, transfer_s, None, b)
-    if whole_allowed and uncached < min_prefill_tokens:
+    short = min(uncached, missing_tokens(prompt_tokens, decode_cached_tokens))
+    if whole_allowed and short < min_prefill_tokens:
         return Split(False, "short-prefill", uncached, transfer_s, prefill_ttft_s, b)
     if (
         whole_allowed

@@ -175,6 +175,32 @@ def test_the_decider_counts_the_transfer(
     assert got.prefill_ttft_s == 0.4
 
 
+@pytest.mark.parametrize(
+    ("decode_cached", "split", "reason"),
+    [
+        (None, True, "split"),  # nothing known at the decode pool: ship the prompt's KV
+        (15_900, False, "short-prefill"),  # the decode engine lacks 100 tokens: do it there
+        (14_000, True, "split"),  # 2,000 missing there too: the prefill pool computes them
+    ],
+)
+def test_a_prompt_the_decode_engine_holds_is_finished_there(
+    decode_cached: int | None, split: bool, reason: str
+) -> None:
+    # A conversation's next turn: its history is cached on the decode engine that served
+    # the last turn, not on any prefill engine (helper's report, issue #25).
+    got = decide_split(
+        16_000,
+        0,
+        min_prefill_tokens=256,
+        kv_bytes_per_token=131_072,
+        kv_link_gb_per_s=50.0,
+        recompute_s_per_token=H100_S,
+        decode_cached_tokens=decode_cached,
+    )
+    assert (got.split, got.reason) == (split, reason)
+    assert got.uncached_tokens == 16_000
+
+
 def test_sglang_splits_whatever_the_transfer_costs() -> None:
     got = decide_split(
         16_000,
