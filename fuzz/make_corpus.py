@@ -81,6 +81,10 @@ def _sse() -> dict[str, bytes]:
         + b"data\ndata: [DONE]\n\n",
         "multiline_data": b'data: {"choices":\ndata: [{"text":"a\\u00e9\xf0\x9f\x98\x80"}]}\n\n'
         + b'data:{"id":5,"usage":{"prompt_tokens":1e2},"choices":[{"index":1,"text":"x"}]}\n\n',
+        # EVENT (0xFF SLOT)*: the target also reads it as EVENT repeated with each SLOT
+        "templated_chat": b'{"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{"index"'
+        + b':0,"delta":{"content":"a"},"logprobs":null,"finish_reason":"stop"}],"usage":null}'
+        + b'\xff"b"\xff""\xff"\\n\\u00e9"\xff"\\q"\xff"c\xff7',
     }
 
 

@@ -1,6 +1,7 @@
 """Benchmark of the Cython hot path against its pure-Python twins, measured in one run:
-block hashing of a 100,000-token prompt, scanning a 1 MB vLLM-style SSE stream, and
-routing-header parsing per request. `python -m loadtest.hotpath_bench [--json PATH]`.
+block hashing of a 100,000-token prompt, scanning a 1 MB vLLM-style SSE stream (in
+1,400-byte reads, and one event per read as engines write them), and routing-header
+parsing per request. `python -m loadtest.hotpath_bench [--json PATH]`.
 
 The figures quoted in the docstrings of filters/_*_c.pyx come from this script.
 """
@@ -137,6 +138,16 @@ def scan(cls: Any, body: bytes, chunk: int) -> Callable[[], Any]:
     return go
 
 
+def scan_events(cls: Any, events: list[bytes]) -> Callable[[], Any]:
+    def go() -> Any:
+        s = cls()
+        for e in events:
+            s.feed(e)
+        return s.tokens
+
+    return go
+
+
 def load_compiled() -> dict[str, ModuleType] | None:
     try:
         return {
@@ -166,6 +177,7 @@ def check_equal(compiled: dict[str, ModuleType], prompt: str, stream: bytes) -> 
 def run(repeats: int, sse_chunk: int) -> tuple[list[Result], dict[str, Any]]:
     prompt = word_text(PROMPT_TOKENS * BYTES_PER_TOKEN)
     stream = vllm_chat_stream(SSE_BYTES)
+    events = [e + b"\n\n" for e in stream.split(b"\n\n")[:-1]]
     compiled = load_compiled()
     if compiled is not None:
         check_equal(compiled, prompt, stream)
@@ -181,6 +193,12 @@ def run(repeats: int, sse_chunk: int) -> tuple[list[Result], dict[str, Any]]:
             f"{len(stream):,} B vLLM chat stream in {sse_chunk:,} B chunks",
             scan(sse_py.SSEScanner, stream, sse_chunk),
             scan(compiled["sse"].SSEScanner, stream, sse_chunk) if compiled else None,
+        ),
+        (
+            "SSEScanner.feed/event",
+            f"the same stream, {len(events):,} reads of one event each",
+            scan_events(sse_py.SSEScanner, events),
+            scan_events(compiled["sse"].SSEScanner, events) if compiled else None,
         ),
         (
             "parse_routing_headers",

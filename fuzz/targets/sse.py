@@ -6,16 +6,35 @@ same reads and must return the same count (or raise the same SSEError) and reach
 state (events, tokens, done, usage, finish reason, id, error, text: values and types) after
 every feed() and after close(); the state after the last read must not depend on where the
 reads were cut. Documented error: SSEError only.
+
+The input is also read as EVENT (0xFF SLOT)*: a stream of EVENT, then EVENT with its last
+"text"/"content" string replaced by each SLOT, checked the same way. That is the shape the
+compiled twin's template path reads (a stream's chunks differ only in the token), with the
+fuzzer choosing the strings.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
 from fuzz.common import agree, outcome, splits, typed
 
 INCLUDE = ["filters"]
+
+_SLOT = re.compile(rb'"(?:text|content)"[ \t\r\n]*:[ \t\r\n]*("(?:[^"\\]|\\.)*")')
+
+
+def templated(data: bytes) -> bytes | None:
+    """The stream EVENT (0xFF SLOT)* stands for, or None when EVENT has no slot."""
+    event, *slots = data.split(b"\xff")
+    found = list(_SLOT.finditer(event))
+    if not found or not slots:
+        return None
+    a, b = found[-1].span(1)
+    events = [event] + [event[:a] + s + event[b:] for s in slots]
+    return b"".join(b"data: " + e + b"\n\n" for e in events)
 
 
 def setup() -> Callable[[bytes], None]:
@@ -43,6 +62,12 @@ def setup() -> Callable[[bytes], None]:
         return trace
 
     def one_input(data: bytes) -> None:
+        check(data)
+        stream = templated(data)
+        if stream is not None:
+            check(stream)
+
+    def check(data: bytes) -> None:
         reads = splits(data)
         for limit in (pure.DEFAULT_MAX_EVENT_BYTES, 96):
             p = run(pure.SSEScanner, limit, reads)
