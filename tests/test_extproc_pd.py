@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the `engines` fixture, imported from test_sidecar_disagg, is a parameter)
 """Prefill/decode disaggregation behind Envoy (meshd/extproc_pd.py): the real Envoy, `meshd
 picker` with prefill endpoints, a meshd sidecar in front of each decode engine (the
 decode-side proxy that runs the prefill step, meshd/disagg.py) and engines speaking vLLM's
@@ -18,7 +19,15 @@ import aiohttp
 import pytest
 from backends import sse_events
 from harness import envoy_only, sidecar_config
-from test_sidecar_disagg import LONG, PDEngine, ask, count, pd_config, post
+from test_sidecar_disagg import (
+    LONG,
+    PDEngine,
+    ask,
+    count,
+    engines,  # noqa: F401  (the fixture; tests take it as a parameter)
+    pd_config,
+    post,
+)
 
 from filters.disagg import PREFILL_HEADERS
 from filters.pool_router import PickerRouter
@@ -182,28 +191,11 @@ async def _picked(s: Sidecar, body: dict[str, Any], **headers: str) -> tuple[int
         return resp.status, await resp.read()
 
 
-@pytest.fixture
-async def pd_engines() -> AsyncIterator[Callable[[str], Awaitable[PDEngine]]]:
-    fabric: dict[str, str] = {}
-    started: list[PDEngine] = []
-
-    async def make(name: str) -> PDEngine:
-        e = PDEngine(name)
-        e.fabric = fabric
-        await e.start()
-        started.append(e)
-        return e
-
-    yield make
-    for e in started:
-        await e.stop()
-
-
 async def test_the_sidecar_prefills_on_the_named_engine_even_for_a_short_prompt(
-    pd_engines: Callable[[str], Awaitable[PDEngine]],
+    engines: Callable[[str], Awaitable[PDEngine]],
     sidecar: Callable[..., Awaitable[Sidecar]],
 ) -> None:
-    p0, p1, d = await pd_engines("p0"), await pd_engines("p1"), await pd_engines("d0")
+    p0, p1, d = await engines("p0"), await engines("p1"), await engines("d0")
     s = await sidecar(pd_config([p0.url, p1.url], [d.url]))
     picked = {DESTINATION_HEADER: addr(d.url), "x-prefiller-host-port": addr(p1.url)}
     status, _ = await _picked(s, ask("hi"), **picked)  # the picker decided: no decider here
@@ -216,10 +208,10 @@ async def test_the_sidecar_prefills_on_the_named_engine_even_for_a_short_prompt(
 
 
 async def test_the_sidecar_never_sends_a_prefill_step_outside_its_prefill_pool(
-    pd_engines: Callable[[str], Awaitable[PDEngine]],
+    engines: Callable[[str], Awaitable[PDEngine]],
     sidecar: Callable[..., Awaitable[Sidecar]],
 ) -> None:
-    p0, outsider, d = await pd_engines("p0"), await pd_engines("x"), await pd_engines("d0")
+    p0, outsider, d = await engines("p0"), await engines("x"), await engines("d0")
     s = await sidecar(pd_config([p0.url], [d.url]))
     named = {DESTINATION_HEADER: addr(d.url), "x-prefiller-host-port": addr(outsider.url)}
     status, _ = await _picked(s, ask(), **named)
@@ -230,10 +222,10 @@ async def test_the_sidecar_never_sends_a_prefill_step_outside_its_prefill_pool(
 
 
 async def test_without_a_picker_or_from_an_untrusted_peer_the_sidecar_decides(
-    pd_engines: Callable[[str], Awaitable[PDEngine]],
+    engines: Callable[[str], Awaitable[PDEngine]],
     sidecar: Callable[..., Awaitable[Sidecar]],
 ) -> None:
-    p0, p1, d = await pd_engines("p0"), await pd_engines("p1"), await pd_engines("d0")
+    p0, p1, d = await engines("p0"), await engines("p1"), await engines("d0")
     urls = [p0.url, p1.url]
     # A prefill header without the destination header: no picker routed it.
     s = await sidecar(pd_config(urls, [d.url]))
