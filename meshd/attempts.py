@@ -399,7 +399,7 @@ class Attempts:
         trace = ctx.trace.attempt(route.url, None, now, reason=reason, overlap=overlap)
         attempt = Attempt(router, route, next(plane.ids), pool, pick, guard, trace)
         if ctx.pd is not None and reason != "prefill" and self._leg_transfers(ctx, reason):
-            trace.kv_transfer(ctx.pd.transfer_s)
+            trace.kv_transfer(ctx.pd_transfers.get(route.url, ctx.pd.transfer_s))
         if reason != "resume":  # a continuation's prompt is not the text the pick estimated
             attempt.inference = ctx.inference
         now = time.monotonic()

@@ -133,6 +133,9 @@ class RequestContext:
     pd: Split | None = None
     pd_params: dict[str, Any] | None = None
     pd_pair: PairPlan | None = None
+    # Each decode endpoint's predicted KV transfer (what its prefix cache lacks), for the
+    # attempt made there; absent: `pd.transfer_s`.
+    pd_transfers: dict[str, float] = field(default_factory=dict)
 
     @property
     def trace(self) -> RequestTrace:

@@ -358,10 +358,17 @@ class Disaggregator:
         routes, held = self._decode_order(ctx, split, lead, now)
         cfg = self.pools[ctx.pool]
         if routes and held and cfg is not None:
-            # The primary's transfer is the one the decode leg is predicted to wait.
-            missing = missing_tokens(ctx.pick.prompt_tokens, held.get(routes[0].url))
-            t = transfer_seconds(missing, split.kv_bytes_per_token, cfg.kv_link_gb_per_s)
-            ctx.pd = dataclasses.replace(split, transfer_s=t)
+            # Each engine's own transfer, for the attempt made there; the primary's is the
+            # one the decode leg is predicted to wait.
+            ctx.pd_transfers = {
+                r.url: transfer_seconds(
+                    missing_tokens(ctx.pick.prompt_tokens, held.get(r.url)),
+                    split.kv_bytes_per_token,
+                    cfg.kv_link_gb_per_s,
+                )
+                for r in routes
+            }
+            ctx.pd = dataclasses.replace(split, transfer_s=ctx.pd_transfers[routes[0].url])
         return routes
 
     def _decode_order(

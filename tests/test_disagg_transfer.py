@@ -130,6 +130,41 @@ async def test_a_next_turn_ships_only_what_its_decode_engine_lacks(
             await e.stop()
 
 
+async def test_a_retry_on_another_decode_engine_logs_that_engines_transfer(
+    sidecar: Callable[..., Awaitable[Sidecar]], tmp_path: Path
+) -> None:
+    # The next turn's decode engine (it holds the first turn) is gone: the retry on the
+    # other one pulls the whole prompt, and its attempt says so (it said the first's).
+    fabric: dict[str, str] = {}
+    engines = []
+    for name in ("p0", "d0", "d1"):
+        e = PDEngine(name)
+        e.fabric = fabric
+        await e.start()
+        engines.append(e)
+    p, d0, d1 = engines
+    try:
+        s = await sidecar(pd_config([p.url], [d0.url, d1.url], tmp_path, min_prefill_tokens=0))
+        assert (await post(s, ask(LONG)))[0] == 200
+        holder = d0 if d0.requests else d1
+        other = d1 if holder is d0 else d0
+        await holder.stop()
+        status, _ = await post(s, ask(LONG + "and then some more words " * 40))
+        assert status == 200 and other.requests
+        s.accounting.flush()
+        await s.observer.aclose()
+        records = list(read_access_log(tmp_path / "access.jsonl"))
+        legs = [a for a in records[1].attempts if a.reason != "prefill"]
+        assert [a.endpoint for a in legs] == [holder.url, other.url]
+        assert legs[0].outcome == "connect_error" and legs[1].outcome == "ok"
+        t_holder, t_other = legs[0].kv_transfer_s, legs[1].kv_transfer_s
+        assert t_holder is not None and t_other is not None
+        assert t_holder < 0.9 * t_other  # the holder lacked only the new turn
+    finally:
+        for e in engines:
+            await e.stop()
+
+
 # -- a split request's fallback decision prices both legs (meshd/fallback.py) -------------------
 
 
