@@ -46,8 +46,17 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
-__all__ = ["EndPredictor", "FillConfig", "late_message"]
+if TYPE_CHECKING:
+    from filters.picker import PickRequest
+    from filters.pool_router import Route
+
+__all__ = ["EndPredictor", "FillConfig", "late_message", "late_refusal"]
+
+
+class _Predicts(Protocol):
+    def predicted_end_s(self, route: Route, req: PickRequest) -> float | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +116,19 @@ class EndPredictor:
         if self.samples < self.config.min_samples:
             return None
         return ttft_s + self.output_tokens(max_tokens) * step_s
+
+
+def late_refusal(
+    router: _Predicts, best: Route, req: PickRequest, now: float, pool: str, *, started: bool
+) -> str | None:
+    """Why a request is refused before any attempt (each driver's one call: the sidecar's
+    Attempts._late, meshd picker, the virtual bench): a new task's request (not `started`:
+    a step of a task under way) with a deadline whose `best` route is predicted to end after
+    it; None: route it."""
+    if started or req.deadline_s is None:
+        return None
+    end = router.predicted_end_s(best, req)
+    return None if end is None else late_message(pool, end, req.deadline_s - now)
 
 
 def late_message(pool: str, end_s: float, left_s: float) -> str | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from filters.chars_per_token import CharsPerToken, utf8_length
-from filters.deadline import late_message
+from filters.deadline import late_refusal
 from filters.guard import OVERLOAD_STATUSES, Screened
 from filters.picker import PickRequest
 from filters.pool_router import Route
@@ -180,17 +180,11 @@ class Attempts:
         lost) whose best route's predicted end is after its deadline; None: try it."""
         pick = ctx.pick
         cfg = self.plane.config.reliability.admission
-        if (
-            ctx.continues_task
-            or pick is None
-            or pick.deadline_s is None
-            or not (cfg.enabled and cfg.refuse_predicted_late)
-        ):
+        if pick is None or not (cfg.enabled and cfg.refuse_predicted_late):
             return None
-        end = self.plane.routers[ctx.pool].predicted_end_s(best, pick)
-        if end is None:
-            return None
-        return late_message(ctx.pool, end, pick.deadline_s - time.monotonic())
+        router = self.plane.routers[ctx.pool]
+        now = time.monotonic()
+        return late_refusal(router, best, pick, now, ctx.pool, started=ctx.continues_task)
 
     async def _next_route(self, ctx: RequestContext, tries: _Tries) -> Route | Reply | object:
         """The next endpoint to try, a refusal, _NEXT (ask again) or _STOP."""

@@ -20,7 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
-from filters.deadline import late_message
+from filters.deadline import late_refusal
 from filters.disagg import PREFILL_HEADERS, Split
 from filters.guard import OVERLOAD_STATUSES
 from filters.hotpath import block_hashes, parse_routing_headers
@@ -381,12 +381,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         best route is predicted to end after its deadline; None: route it."""
         if not self.settings.refuse_predicted_late or pick.deadline_s is None:
             return None
-        if (routing.step or 0) >= 1 or self.router.follow_up(pick, now):
-            return None
-        end = self.router.predicted_end_s(best, pick)
-        if end is None:
-            return None
-        return late_message("default", end, pick.deadline_s - now)
+        started = (routing.step or 0) >= 1 or self.router.follow_up(pick, now)
+        return late_refusal(self.router, best, pick, now, "default", started=started)
 
     def _reject(
         self,

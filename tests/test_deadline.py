@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from filters.deadline import EndPredictor, FillConfig, late_message
+from filters.deadline import EndPredictor, FillConfig, late_message, late_refusal
 from filters.picker import PickRequest
 from filters.pool_router import EndpointSpec, PickerRouter, make_router
 
@@ -128,3 +128,29 @@ def test_the_balancer_policies_predict_nothing(policy: str) -> None:
     router = make_router(policy, [EndpointSpec("http://e0:8000")])  # type: ignore[arg-type]
     req = _req(100)
     assert router.predicted_end_s(router.order(req, 0.0)[0], req) is None
+
+
+class _Router:
+    def __init__(self, end: float | None) -> None:
+        self.end = end
+
+    def predicted_end_s(self, route: object, req: PickRequest) -> float | None:
+        return self.end
+
+
+@pytest.mark.parametrize(
+    ("end", "deadline", "started", "refused"),
+    [
+        (2.0, 1.0, False, True),  # a new task's request predicted late
+        (2.0, 1.0, True, False),  # a step of a task under way is tried
+        (0.5, 1.0, False, False),  # in time
+        (2.0, None, False, False),  # no deadline
+        (None, 1.0, False, False),  # nothing predicted (a balancer, or before the warm-up)
+    ],
+)
+def test_late_refusal_is_each_drivers_one_rule(
+    end: float | None, deadline: float | None, started: bool, refused: bool
+) -> None:
+    req = PickRequest(model="m", deadline_s=None if deadline is None else 10.0 + deadline)
+    got = late_refusal(_Router(end), None, req, 10.0, "p", started=started)  # type: ignore[arg-type]
+    assert (got is not None) == refused

@@ -53,7 +53,7 @@ from typing import Any
 
 from filters.admission import Admission, AdmissionItem, Queue, Reject
 from filters.chars_per_token import CharsPerToken, pick_inputs, utf8_length
-from filters.deadline import late_message
+from filters.deadline import late_refusal
 from filters.hotpath import block_hashes, parse_routing_headers
 from filters.picker import PickRequest
 from filters.pool_router import PoolRouter, Route, admission_item
@@ -548,12 +548,11 @@ class VirtualPass:
         router = sc.router
         why = "no endpoint"
         routes = router.order(pick, now)
-        started = flight.item is not None and flight.item.started
-        if sc.refuse_late and routes and pick.deadline_s is not None and not started:
+        if sc.refuse_late and routes:
             # The sidecar's Attempts._late: a new task's request predicted late is refused
             # before any attempt.
-            end = router.predicted_end_s(routes[0], pick)
-            late = None if end is None else late_message("default", end, pick.deadline_s - now)
+            started = flight.item is not None and flight.item.started
+            late = late_refusal(router, routes[0], pick, now, "default", started=started)
             if late is not None:
                 self.finish_error(flight, f"{HTTP_PREFIX}429", 429, late, now)
                 return
