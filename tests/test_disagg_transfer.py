@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the `engines` fixture, imported from test_sidecar_disagg, is a parameter)
 """Prefill/decode disaggregation: the KV transfer is priced on what the decode engine lacks
 (issue #25). vLLM's NIXL connector pulls only the blocks a decode engine's prefix cache does
 not hold, so where the decode pool's prefix index knows the prompt (an earlier turn decoded
@@ -15,7 +16,14 @@ from typing import Any
 import aiohttp
 from harness import sidecar_config
 from test_disagg_choice import SYSTEM, _req
-from test_sidecar_disagg import LONG, PDEngine, ask, pd_config, post
+from test_sidecar_disagg import (
+    LONG,
+    PDEngine,
+    ask,
+    engines,  # noqa: F401  (the fixture; tests take it as a parameter)
+    pd_config,
+    post,
+)
 
 from filters.disagg import (
     decide_split,
@@ -98,71 +106,53 @@ def test_the_decode_engine_holding_the_prompt_is_priced_its_own_transfer() -> No
 
 
 async def test_a_next_turn_ships_only_what_its_decode_engine_lacks(
-    sidecar: Callable[..., Awaitable[Sidecar]], tmp_path: Path
+    engines: Callable[[str], Awaitable[PDEngine]],
+    sidecar: Callable[..., Awaitable[Sidecar]],
+    tmp_path: Path,
 ) -> None:
-    fabric: dict[str, str] = {}
-    engines = []
-    for name in ("p0", "d0"):
-        e = PDEngine(name)
-        e.fabric = fabric
-        await e.start()
-        engines.append(e)
-    p, d = engines
-    try:
-        s = await sidecar(pd_config([p.url], [d.url], tmp_path, min_prefill_tokens=0))
-        first, follow = LONG, LONG + "and then some more words " * 40
-        for prompt in (first, follow):
-            status, _ = await post(s, ask(prompt))
-            assert status == 200
-        s.accounting.flush()
-        await s.observer.aclose()
-        records = list(read_access_log(tmp_path / "access.jsonl"))
-        assert [r.pd for r in records] == ["split", "split"]
-        (t1,) = [a.kv_transfer_s for a in records[0].attempts if a.reason != "prefill"]
-        (t2,) = [a.kv_transfer_s for a in records[1].attempts if a.reason != "prefill"]
-        assert t1 is not None and t2 is not None
-        # The first turn's whole prompt crossed; the next turn's prompt is ~1.6x as long
-        # (its whole KV would take ~1.6 t1), but d0 holds most of the first turn's (the
-        # index's estimate, ~0.8 of it): only the rest crosses.
-        assert t2 < 0.9 * t1
-    finally:
-        for e in engines:
-            await e.stop()
+    p, d = await engines("p0"), await engines("d0")
+    s = await sidecar(pd_config([p.url], [d.url], tmp_path, min_prefill_tokens=0))
+    first, follow = LONG, LONG + "and then some more words " * 40
+    for prompt in (first, follow):
+        status, _ = await post(s, ask(prompt))
+        assert status == 200
+    s.accounting.flush()
+    await s.observer.aclose()
+    records = list(read_access_log(tmp_path / "access.jsonl"))
+    assert [r.pd for r in records] == ["split", "split"]
+    (t1,) = [a.kv_transfer_s for a in records[0].attempts if a.reason != "prefill"]
+    (t2,) = [a.kv_transfer_s for a in records[1].attempts if a.reason != "prefill"]
+    assert t1 is not None and t2 is not None
+    # The first turn's whole prompt crossed; the next turn's prompt is ~1.6x as long
+    # (its whole KV would take ~1.6 t1), but d0 holds most of the first turn's (the
+    # index's estimate, ~0.8 of it): only the rest crosses.
+    assert t2 < 0.9 * t1
 
 
 async def test_a_retry_on_another_decode_engine_logs_that_engines_transfer(
-    sidecar: Callable[..., Awaitable[Sidecar]], tmp_path: Path
+    engines: Callable[[str], Awaitable[PDEngine]],
+    sidecar: Callable[..., Awaitable[Sidecar]],
+    tmp_path: Path,
 ) -> None:
     # The next turn's decode engine (it holds the first turn) is gone: the retry on the
     # other one pulls the whole prompt, and its attempt says so (it said the first's).
-    fabric: dict[str, str] = {}
-    engines = []
-    for name in ("p0", "d0", "d1"):
-        e = PDEngine(name)
-        e.fabric = fabric
-        await e.start()
-        engines.append(e)
-    p, d0, d1 = engines
-    try:
-        s = await sidecar(pd_config([p.url], [d0.url, d1.url], tmp_path, min_prefill_tokens=0))
-        assert (await post(s, ask(LONG)))[0] == 200
-        holder = d0 if d0.requests else d1
-        other = d1 if holder is d0 else d0
-        await holder.stop()
-        status, _ = await post(s, ask(LONG + "and then some more words " * 40))
-        assert status == 200 and other.requests
-        s.accounting.flush()
-        await s.observer.aclose()
-        records = list(read_access_log(tmp_path / "access.jsonl"))
-        legs = [a for a in records[1].attempts if a.reason != "prefill"]
-        assert [a.endpoint for a in legs] == [holder.url, other.url]
-        assert legs[0].outcome == "connect_error" and legs[1].outcome == "ok"
-        t_holder, t_other = legs[0].kv_transfer_s, legs[1].kv_transfer_s
-        assert t_holder is not None and t_other is not None
-        assert t_holder < 0.9 * t_other  # the holder lacked only the new turn
-    finally:
-        for e in engines:
-            await e.stop()
+    p, d0, d1 = await engines("p0"), await engines("d0"), await engines("d1")
+    s = await sidecar(pd_config([p.url], [d0.url, d1.url], tmp_path, min_prefill_tokens=0))
+    assert (await post(s, ask(LONG)))[0] == 200
+    holder = d0 if d0.requests else d1
+    other = d1 if holder is d0 else d0
+    await holder.stop()
+    status, _ = await post(s, ask(LONG + "and then some more words " * 40))
+    assert status == 200 and other.requests
+    s.accounting.flush()
+    await s.observer.aclose()
+    records = list(read_access_log(tmp_path / "access.jsonl"))
+    legs = [a for a in records[1].attempts if a.reason != "prefill"]
+    assert [a.endpoint for a in legs] == [holder.url, other.url]
+    assert legs[0].outcome == "connect_error" and legs[1].outcome == "ok"
+    t_holder, t_other = legs[0].kv_transfer_s, legs[1].kv_transfer_s
+    assert t_holder is not None and t_other is not None
+    assert t_holder < 0.9 * t_other  # the holder lacked only the new turn
 
 
 # -- a split request's fallback decision prices both legs (meshd/fallback.py) -------------------
@@ -192,47 +182,37 @@ def test_a_split_request_is_moved_on_by_both_legs_deadline_and_cost() -> None:
 
 
 async def test_a_split_request_over_its_cap_by_its_decode_leg_moves_to_the_fallback(
+    engines: Callable[[str], Awaitable[PDEngine]],
     sidecar: Callable[..., Awaitable[Sidecar]],
 ) -> None:
-    fabric: dict[str, str] = {}
-    engines = []
-    for name in ("p0", "d0", "small"):
-        e = PDEngine(name)
-        e.fabric = fabric
-        await e.start()
-        engines.append(e)
-    p, d, small = engines
-    try:
-        pools = [
-            {"name": "prefill", "role": "prefill", "endpoints": [p.url]},
-            {
-                "name": "decode",
-                "role": "decode",
-                "models": ["tiny"],
-                "endpoints": [d.url],
-                "disaggregation": {"prefill_pool": "prefill", "min_prefill_tokens": 64},
-                "fallbacks": [{"pool": "small", "model": "small-8b"}],
-                # Predicted here: the prefill leg (400 tokens, one output token) ~$0.00005,
-                # the decode leg ~$0.00023 for 1,000 output tokens, ~$0.000001 for 4.
-                "max_cost_usd": 1e-4,
-            },
-            {"name": "small", "models": ["small-*"], "endpoints": [small.url]},
-        ]
-        s = await sidecar(sidecar_config([d.url], pools=pools))
-        async with aiohttp.ClientSession() as http:
-            for max_tokens, moved in ((1000, True), (4, False)):
-                body = ask(LONG, max_tokens=max_tokens)
-                async with http.post(
-                    f"http://{s.addresses['outbound']}/v1/chat/completions", json=body
-                ) as r:
-                    assert r.status == 200, await r.read()
-                    fell = r.headers.get("x-meshd-fallback")
-                if moved:
-                    # Priced on its prefill leg alone it would have stayed (under the cap).
-                    assert fell == "small; from=decode; reason=over_cost_cap"
-                    assert p.requests == [] and d.requests == [] and len(small.requests) == 1
-                else:
-                    assert fell is None and len(p.requests) == 1 and len(d.requests) == 1
-    finally:
-        for e in engines:
-            await e.stop()
+    p, d, small = await engines("p0"), await engines("d0"), await engines("small")
+    pools = [
+        {"name": "prefill", "role": "prefill", "endpoints": [p.url]},
+        {
+            "name": "decode",
+            "role": "decode",
+            "models": ["tiny"],
+            "endpoints": [d.url],
+            "disaggregation": {"prefill_pool": "prefill", "min_prefill_tokens": 64},
+            "fallbacks": [{"pool": "small", "model": "small-8b"}],
+            # Predicted here: the prefill leg (400 tokens, one output token) ~$0.00005,
+            # the decode leg ~$0.00023 for 1,000 output tokens, ~$0.000001 for 4.
+            "max_cost_usd": 1e-4,
+        },
+        {"name": "small", "models": ["small-*"], "endpoints": [small.url]},
+    ]
+    s = await sidecar(sidecar_config([d.url], pools=pools))
+    async with aiohttp.ClientSession() as http:
+        for max_tokens, moved in ((1000, True), (4, False)):
+            body = ask(LONG, max_tokens=max_tokens)
+            async with http.post(
+                f"http://{s.addresses['outbound']}/v1/chat/completions", json=body
+            ) as r:
+                assert r.status == 200, await r.read()
+                fell = r.headers.get("x-meshd-fallback")
+            if moved:
+                # Priced on its prefill leg alone it would have stayed (under the cap).
+                assert fell == "small; from=decode; reason=over_cost_cap"
+                assert p.requests == [] and d.requests == [] and len(small.requests) == 1
+            else:
+                assert fell is None and len(p.requests) == 1 and len(d.requests) == 1
