@@ -516,10 +516,15 @@ class CostLedger:
     ) -> list[TaskResult]:
         """Account one request; returns the tasks this closed (its own, idle or evicted).
         `costs`: the record's `attempt_costs`, when the caller has computed them already."""
-        closed = self.close_idle(record.ts)
-        self._now = max(self._now, record.ts)
-        self._first_start = min(self._first_start, record.ts)
-        self._last_end = max(self._last_end, record.ts + max(0.0, record.e2e_s or 0.0))
+        closed = self.close_idle(record.ts) if self._open else []
+        ts = record.ts
+        if ts > self._now:
+            self._now = ts
+        if ts < self._first_start:
+            self._first_start = ts
+        end = ts + max(0.0, record.e2e_s or 0.0)
+        if end > self._last_end:
+            self._last_end = end
         if self._fleet is None:
             self._see_endpoints(record)
         tenant = record.tenant or "-"
@@ -527,35 +532,75 @@ class CostLedger:
         pool = record.pool or "-"
         if costs is None:
             costs = self.attempt_costs(record)
-        if any(e for _, _, e in costs):
-            self._estimated += 1
-        seconds = sum(s for s, _, _ in costs)
-        usd = sum(c for _, c, _ in costs)
-        ok = record.outcome == OK_OUTCOME
-        # The answer's cost: its final attempt, and a prefill step that served it.
-        final_usd = costs[-1][1] + sum(
-            c
-            for a, (_, c, _) in zip(record.attempts[:-1], costs[:-1], strict=True)
-            if _prefill_step(a) and a.outcome == OK_OUTCOME
-        )
-        # Buckets decided now: the request's fate is known; only ok work waits for its task.
-        if ok:
-            immediate = {"retries": usd - final_usd}
-        elif record.outcome in ABANDONED_OUTCOMES:
-            immediate = {"abandoned_streams": usd}
+        if len(costs) == 1:  # the usual request: sum() of its one attempt, without sum()
+            seconds, usd, estimated = costs[0]
+            seconds, usd = 0 + seconds, 0 + usd
         else:
-            immediate = {"failed_requests": usd}
+            estimated = any(e for _, _, e in costs)
+            seconds = sum(s for s, _, _ in costs)
+            usd = sum(c for _, c, _ in costs)
+        if estimated:
+            self._estimated += 1
+        outcome = record.outcome
+        ok = outcome == OK_OUTCOME
+        # The answer's cost: its final attempt, and a prefill step that served it.
+        attempts = record.attempts
+        if len(costs) == 1 and len(attempts) <= 1:
+            final_usd = costs[0][1] + 0
+        else:
+            final_usd = costs[-1][1] + sum(
+                c
+                for a, (_, c, _) in zip(attempts[:-1], costs[:-1], strict=True)
+                if _prefill_step(a) and a.outcome == OK_OUTCOME
+            )
+        # Buckets decided now: the request's fate is known; only ok work waits for its task.
+        prompt_tokens = record.prompt_tokens or 0
+        completion_tokens = record.completion_tokens or 0
+        abandoned = not ok and outcome in ABANDONED_OUTCOMES
+        # A request alone is its own task, closed at once: its close is done here, each
+        # slice's figures moved as an open task's close would (same operations, same order),
+        # without the open entry made and dropped.
+        lone = not record.task_id and not record.workflow_id
+        settle = 0.0 + final_usd
         for figures in self._slices(tenant, model):
             figures.requests += 1
             figures.ok_requests += ok
-            figures.input_tokens += record.prompt_tokens or 0
-            figures.output_tokens += record.completion_tokens or 0
+            figures.input_tokens += prompt_tokens
+            figures.output_tokens += completion_tokens
             figures.gpu_seconds += seconds
             figures.cost_usd += usd
-            for bucket, value in immediate.items():
-                setattr(figures, bucket, getattr(figures, bucket) + value)
             if ok:
+                figures.retries += usd - final_usd
                 figures.pending_usd += final_usd
+            elif abandoned:
+                figures.abandoned_streams += usd
+            else:
+                figures.failed_requests += usd
+            if lone:
+                if ok:
+                    figures.pending_usd -= settle
+                    figures.useful_usd += settle
+                    figures.tasks_succeeded += 1
+                else:
+                    figures.tasks_failed += 1
+        if lone:
+            closed.append(
+                TaskResult(
+                    key="request:" + record.request_id,
+                    tenant=tenant,
+                    model=model,
+                    succeeded=ok,
+                    requests=1,
+                    cost_usd=0.0 + usd,
+                    wasted_usd=0.0 + (usd - final_usd) if ok else 0.0 + usd + 0,
+                    first_ts=ts,
+                    last_ts=ts,
+                    reason="final_ok" if ok else "final",
+                    pool=pool,
+                    settled_usd=0 + settle if ok else 0,
+                )
+            )
+            return closed
 
         key = task_key_of(record)
         task = self._open.get(key)
@@ -583,8 +628,7 @@ class CostLedger:
         task.knows_final = (
             task.knows_final or record.final is not None or record.steps_in_task is not None
         )
-        lone = key.startswith("request:")
-        if (is_final and ok) or lone:
+        if is_final and ok:
             task.model = model  # a task's model is the one its final step ran on
             closed.append(self._close(key, succeeded=ok, reason="final_ok" if ok else "final"))
         while len(self._open) > self.max_open_tasks:
@@ -677,11 +721,14 @@ class CostLedger:
         )
 
     def _slices(self, tenant: str, model: str) -> tuple[_Figures, _Figures, _Figures]:
-        return (
-            self._total,
-            self._tenants.setdefault(tenant, _Figures()),
-            self._models.setdefault(model, _Figures()),
-        )
+        # get() first: setdefault(key, _Figures()) would build a _Figures on every call.
+        by_tenant = self._tenants.get(tenant)
+        if by_tenant is None:
+            by_tenant = self._tenants[tenant] = _Figures()
+        by_model = self._models.get(model)
+        if by_model is None:
+            by_model = self._models[model] = _Figures()
+        return self._total, by_tenant, by_model
 
     def _close_judged(self, key: str, reason: str) -> TaskResult:
         task = self._open[key]
@@ -703,11 +750,7 @@ class CostLedger:
         if not succeeded:
             task.wasted_usd += settled
         # The task is counted once, under its own tenant and its final step's model.
-        for figures in (
-            self._total,
-            self._tenants.setdefault(task.tenant, _Figures()),
-            self._models.setdefault(task.model, _Figures()),
-        ):
+        for figures in self._slices(task.tenant, task.model):
             if succeeded:
                 figures.tasks_succeeded += 1
             else:
