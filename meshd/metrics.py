@@ -9,7 +9,8 @@ breaker, admission, failover)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from bisect import bisect_left
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -18,12 +19,19 @@ from prometheus_client.registry import Collector
 
 from meshd.autoscale_metrics import AutoscaleCollector
 
+try:
+    from prometheus_client.values import MutexValue as _MutexValue
+except ImportError:  # pragma: no cover - another prometheus_client layout
+    _MutexValue = None  # type: ignore[assignment,misc]
+
 __all__ = [
     "BREAKER_CLOSED",
     "BREAKER_HALF_OPEN",
     "BREAKER_OPEN",
     "DataPlaneMetrics",
     "GpuSecondsProvisioned",
+    "LoopValue",
+    "counter_adder",
 ]
 
 # TTFT of LLM streams spans milliseconds (cache hit, short prompt) to minutes
@@ -47,7 +55,91 @@ BREAKER_HALF_OPEN = 1
 BREAKER_OPEN = 2
 
 
-class _Histogram(Histogram):
+class LoopValue:
+    """A metric's number without prometheus_client's MutexValue lock: every DataPlaneMetrics
+    figure is written on the sidecar's event loop thread, and /metrics is read there too
+    (meshd/admin.py, and the control feed's collectors, all on that loop), so a lock taken
+    and released per update buys nothing. The same methods as MutexValue, which the
+    library's metric objects call; the sums are the same float additions."""
+
+    __slots__ = ("_exemplar", "_value")
+    _multiprocess = False
+
+    def __init__(self) -> None:
+        self._value = 0.0
+        self._exemplar: Any = None
+
+    def inc(self, amount: float) -> None:
+        self._value += amount
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self._value = value
+
+    def set_exemplar(self, exemplar: Any) -> None:
+        self._exemplar = exemplar
+
+    def get(self) -> float:
+        return self._value
+
+    def get_exemplar(self) -> Any:
+        return self._exemplar
+
+
+def _unlocked(value: Any) -> Any:
+    """A LoopValue in place of the library's usual MutexValue (another kind of value, e.g.
+    its multiprocess mode's, is kept)."""
+    return LoopValue() if _MutexValue is not None and type(value) is _MutexValue else value
+
+
+def counter_adder(child: Any) -> Callable[[float], None]:
+    """How to add to a counter child with the least work, for amounts that are never
+    negative: its LoopValue's own `inc` (one call) instead of Counter.inc, which first
+    checks, in two more calls, that the child is one (labels() made it so) and that the
+    amount is not negative. A counter not of DataPlaneMetrics (another value), Counter.inc."""
+    value = getattr(child, "_value", None)
+    if type(value) is LoopValue:
+        inc: Callable[[float], None] = value.inc
+        return inc
+    return child.inc
+
+
+class _LoopCounter(Counter):
+    """A Counter whose children keep a LoopValue."""
+
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._value = _unlocked(self._value)
+
+
+class _LoopGauge(Gauge):
+    """A Gauge whose children keep a LoopValue."""
+
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._value = _unlocked(self._value)
+
+
+class _LoopHistogram(Histogram):
+    """A Histogram whose children keep LoopValues, and observe without Histogram.observe's
+    scan of the buckets in Python: the bucket is bisect_left of the upper bounds, the first
+    bound >= the amount, as the scan finds it (NaN, which the scan puts in no bucket, and
+    exemplars go the library's way)."""
+
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._sum = _unlocked(self._sum)
+        self._buckets = [_unlocked(b) for b in self._buckets]
+
+    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
+        total = getattr(self, "_sum", None)  # a labelled parent has none: the library raises
+        if type(total) is not LoopValue or exemplar or amount != amount:
+            super().observe(amount, exemplar)
+            return
+        total._value += amount
+        self._buckets[bisect_left(self._upper_bounds, amount)]._value += 1
+
+
+class _Histogram(_LoopHistogram):
     """A histogram whose trailing labels may be left out of a positional `labels()` call
     (they read ""): the per-model/tenant labels were added after the sidecar's own calls
     `ttft.labels(pool, endpoint)` and `request_duration.labels(kind, pool)` were written,
@@ -123,7 +215,7 @@ class DataPlaneMetrics:
         # meshd_pool_* (meshd/autoscale_metrics.py): bound to the sidecar's pools at start.
         self.autoscale = AutoscaleCollector(clock)
         r.register(self.autoscale)
-        self.access_log_dropped = Counter(
+        self.access_log_dropped = _LoopCounter(
             "meshd_access_log_dropped_records",
             "Access-log records dropped because the writer's queue was full",
             registry=r,
@@ -131,25 +223,25 @@ class DataPlaneMetrics:
 
     def _register_requests(self, r: CollectorRegistry) -> None:
         """Requests and their upstream attempts and retries."""
-        self.requests = Counter(
+        self.requests = _LoopCounter(
             "meshd_requests",
             "Client requests finished, by route kind, pool and outcome",
             ["kind", "pool", "outcome"],
             registry=r,
         )
-        self.upstream_attempts = Counter(
+        self.upstream_attempts = _LoopCounter(
             "meshd_upstream_attempts",
             "Upstream attempts by endpoint and result",
             ["pool", "endpoint", "result"],
             registry=r,
         )
-        self.retries = Counter(
+        self.retries = _LoopCounter(
             "meshd_retries",
             "Upstream attempts after the first, by the failure that caused them",
             ["pool", "reason"],
             registry=r,
         )
-        self.retry_budget_exhausted = Counter(
+        self.retry_budget_exhausted = _LoopCounter(
             "meshd_retry_budget_exhausted",
             "Retries not made because the pool's retry budget was spent",
             ["pool"],
@@ -172,7 +264,7 @@ class DataPlaneMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = _LoopHistogram(
             "meshd_inter_token_latency_seconds",
             "Mean time between output tokens of one upstream attempt (first token to end, "
             "over tokens - 1), observed once per attempt with two tokens or more",
@@ -180,25 +272,25 @@ class DataPlaneMetrics:
             buckets=_INTER_TOKEN_BUCKETS,
             registry=r,
         )
-        self.stream_tokens = Counter(
+        self.stream_tokens = _LoopCounter(
             "meshd_stream_tokens",
             "Token-bearing SSE events relayed to clients",
             ["pool"],
             registry=r,
         )
-        self.active_streams = Gauge(
+        self.active_streams = _LoopGauge(
             "meshd_active_requests", "Requests being served now", registry=r
         )
 
     def _register_refusals(self, r: CollectorRegistry) -> None:
         """What meshd answered itself, headers it stripped, clients that left."""
-        self.rejected = Counter(
+        self.rejected = _LoopCounter(
             "meshd_rejected_requests",
             "Requests meshd answered itself with an error, by reason",
             ["reason"],
             registry=r,
         )
-        self.pd_requests = Counter(
+        self.pd_requests = _LoopCounter(
             "meshd_pd_requests",
             "Requests to a decode pool (prefill/decode disaggregation), by path (split: a "
             "prefill step on the prefill pool, then the decode; whole: served on the decode "
@@ -206,19 +298,19 @@ class DataPlaneMetrics:
             ["pool", "path", "reason"],
             registry=r,
         )
-        self.fallbacks = Counter(
+        self.fallbacks = _LoopCounter(
             "meshd_fallbacks",
             "Requests moved to a fallback pool (pools[].fallbacks), by the pool they left, "
             "the pool they went to and why",
             ["pool", "to", "reason"],
             registry=r,
         )
-        self.stripped_headers = Counter(
+        self.stripped_headers = _LoopCounter(
             "meshd_stripped_routing_headers",
             "x-meshd-* headers removed because the client is outside the trust boundary",
             registry=r,
         )
-        self.client_disconnects = Counter(
+        self.client_disconnects = _LoopCounter(
             "meshd_client_disconnects",
             "Requests whose client went away before the response finished",
             ["pool"],
@@ -227,31 +319,31 @@ class DataPlaneMetrics:
 
     def _register_breaker(self, r: CollectorRegistry) -> None:
         """Reliability per endpoint: the circuit breaker and outlier ejection."""
-        self.breaker_state = Gauge(
+        self.breaker_state = _LoopGauge(
             "meshd_breaker_state",
             "Circuit breaker state per endpoint: 0 closed, 1 half-open, 2 open",
             ["pool", "endpoint"],
             registry=r,
         )
-        self.breaker_transitions = Counter(
+        self.breaker_transitions = _LoopCounter(
             "meshd_breaker_transitions",
             "Circuit breaker state changes, by the state entered",
             ["pool", "endpoint", "to"],
             registry=r,
         )
-        self.breaker_rejections = Counter(
+        self.breaker_rejections = _LoopCounter(
             "meshd_breaker_rejections",
             "Attempts not sent because the breaker refused them, by reason",
             ["pool", "reason"],
             registry=r,
         )
-        self.outlier_ejected = Gauge(
+        self.outlier_ejected = _LoopGauge(
             "meshd_outlier_ejected",
             "1 while the endpoint is ejected by outlier detection, else 0",
             ["pool", "endpoint"],
             registry=r,
         )
-        self.outlier_ejections = Counter(
+        self.outlier_ejections = _LoopCounter(
             "meshd_outlier_ejections",
             "Outlier ejections, by the signal that caused them",
             ["pool", "endpoint", "reason"],
@@ -261,45 +353,45 @@ class DataPlaneMetrics:
     def _register_admission(self, r: CollectorRegistry) -> None:
         """Reliability per pool: admission, the throttle, affinity departures, mid-stream
         failover, tokens in flight."""
-        self.admission_queue_depth = Gauge(
+        self.admission_queue_depth = _LoopGauge(
             "meshd_admission_queue_depth",
             "Requests waiting in the admission queue now",
             ["pool"],
             registry=r,
         )
-        self.admission_queue_wait = Histogram(
+        self.admission_queue_wait = _LoopHistogram(
             "meshd_admission_queue_wait_seconds",
             "Time requests spent in the admission queue before admission or rejection",
             ["pool"],
             buckets=_QUEUE_WAIT_BUCKETS,
             registry=r,
         )
-        self.admission_rejections = Counter(
+        self.admission_rejections = _LoopCounter(
             "meshd_admission_rejections",
             "Requests refused by admission control, by reason",
             ["pool", "reason"],
             registry=r,
         )
-        self.throttled_requests = Counter(
+        self.throttled_requests = _LoopCounter(
             "meshd_throttled_requests",
             "Requests delayed or refused by the client-side throttle",
             ["pool"],
             registry=r,
         )
-        self.affinity_departures = Counter(
+        self.affinity_departures = _LoopCounter(
             "meshd_affinity_departures",
             "Requests sent away from the endpoint holding their prefix (a follow-up step's "
             "engine), by reason (deadline, overloaded, faster-elsewhere, replicate)",
             ["pool", "reason"],
             registry=r,
         )
-        self.stream_resumes = Counter(
+        self.stream_resumes = _LoopCounter(
             "meshd_stream_resumes",
             "Mid-stream failovers, by outcome (resumed, refused, failed)",
             ["pool", "outcome"],
             registry=r,
         )
-        self.tokens_in_flight = Gauge(
+        self.tokens_in_flight = _LoopGauge(
             "meshd_tokens_in_flight",
             "Tokens (prompt + expected completion) of requests in flight now",
             ["pool"],
@@ -309,25 +401,25 @@ class DataPlaneMetrics:
     def _register_tokens(self, r: CollectorRegistry) -> None:
         """Tokens and the prefix cache: hit rate = hit / prompt; prediction quality = hit /
         predicted (both by endpoint, on the attempt that served the request)."""
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = _LoopCounter(
             "meshd_prompt_tokens",
             "Input tokens of finished requests (engine usage, else meshd's estimate)",
             ["pool", "endpoint"],
             registry=r,
         )
-        self.completion_tokens = Counter(
+        self.completion_tokens = _LoopCounter(
             "meshd_completion_tokens",
             "Output tokens relayed to clients (every attempt of a resumed stream)",
             ["pool", "endpoint"],
             registry=r,
         )
-        self.prefix_cache_predicted_tokens = Counter(
+        self.prefix_cache_predicted_tokens = _LoopCounter(
             "meshd_prefix_cache_predicted_tokens",
             "Prompt tokens the picker expected the chosen endpoint to have cached",
             ["pool", "endpoint"],
             registry=r,
         )
-        self.prefix_cache_hit_tokens = Counter(
+        self.prefix_cache_hit_tokens = _LoopCounter(
             "meshd_prefix_cache_hit_tokens",
             "Prompt tokens the engine served from its prefix cache (usage cached_tokens)",
             ["pool", "endpoint"],
@@ -337,7 +429,7 @@ class DataPlaneMetrics:
     def _register_cost(self, r: CollectorRegistry, clock: Any) -> None:
         """Cost (filters/cost_ledger.py). Cost per successful task over a window =
         rate(meshd_task_cost_usd_total) / rate(meshd_tasks_total{outcome="success"})."""
-        self.gpu_busy_seconds = Counter(
+        self.gpu_busy_seconds = _LoopCounter(
             "meshd_gpu_busy_seconds",
             "GPU-seconds requests used (engine-reported, else the timing model's estimate)",
             ["pool", "gpu"],
@@ -345,38 +437,38 @@ class DataPlaneMetrics:
         )
         self.gpu_provisioned_seconds = GpuSecondsProvisioned(clock)
         r.register(self.gpu_provisioned_seconds)
-        self.cost_usd = Counter(
+        self.cost_usd = _LoopCounter(
             "meshd_cost_usd",
             "Dollars spent on requests as they finish: GPU-seconds x the GPU's price",
             ["pool", "gpu"],
             registry=r,
         )
-        self.waste_usd = Counter(
+        self.waste_usd = _LoopCounter(
             "meshd_waste_usd",
             "Dollars wasted, by kind: retries, failed_requests, abandoned_streams, "
             "failed_tasks (each dollar in one kind)",
             ["pool", "kind"],
             registry=r,
         )
-        self.tasks = Counter(
+        self.tasks = _LoopCounter(
             "meshd_tasks",
             "Tasks closed (task id, else workflow id, else the request alone), by outcome: "
             "success or failure",
             ["pool", "outcome"],
             registry=r,
         )
-        self.task_cost_usd = Counter(
+        self.task_cost_usd = _LoopCounter(
             "meshd_task_cost_usd",
             "Dollars spent by closed tasks (every request of the task, waste included)",
             ["pool", "outcome"],
             registry=r,
         )
-        self.cost_per_successful_task = Gauge(
+        self.cost_per_successful_task = _LoopGauge(
             "meshd_cost_per_successful_task_usd",
             "All dollars spent / tasks succeeded, since the sidecar started",
             registry=r,
         )
-        self.successful_tasks_per_usd = Gauge(
+        self.successful_tasks_per_usd = _LoopGauge(
             "meshd_successful_tasks_per_usd",
             "Tasks succeeded per dollar spent, since the sidecar started",
             registry=r,

@@ -52,13 +52,8 @@ from meshd import __version__
 from meshd import telemetry as t
 from meshd.access_log import AccessLogWriter
 from meshd.attempt_trace import AttemptTrace
-from meshd.metrics import DataPlaneMetrics
+from meshd.metrics import DataPlaneMetrics, counter_adder
 from meshd.request_trace import RequestTrace, RouteLike
-
-try:
-    from prometheus_client.values import MutexValue as _MutexValue
-except ImportError:  # pragma: no cover - another prometheus_client layout
-    _MutexValue = None  # type: ignore[assignment,misc]
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -71,6 +66,7 @@ __all__ = [
     "RequestObserver",
     "RequestTrace",
     "RouteLike",
+    "counter_adder",
 ]
 
 # Label values taken from clients are capped: each distinct value is a set of series in
@@ -111,19 +107,6 @@ class BoundedLabels:
 
     def __len__(self) -> int:
         return len(self._known)
-
-
-def counter_adder(child: Any) -> Callable[[float], None]:
-    """How to add to a Prometheus counter child with the least work, for amounts that are
-    never negative: its value's own `inc` (prometheus_client's MutexValue: one call under
-    its lock) instead of Counter.inc, which first checks, in two more calls, that the child
-    is one (labels() made it so) and that the amount is not negative. Where the library
-    keeps its value otherwise (multiprocess mode, another version), Counter.inc."""
-    value = getattr(child, "_value", None)
-    if _MutexValue is not None and type(value) is _MutexValue:
-        inc: Callable[[float], None] = value.inc
-        return inc
-    return child.inc
 
 
 class _EndpointSeries:

@@ -7,12 +7,24 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
-from prometheus_client import generate_latest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshd.metrics import BREAKER_HALF_OPEN, BREAKER_OPEN, DataPlaneMetrics
+from meshd.metrics import (
+    BREAKER_HALF_OPEN,
+    BREAKER_OPEN,
+    DataPlaneMetrics,
+    LoopValue,
+    _LoopCounter,
+    _LoopGauge,
+    _LoopHistogram,
+    counter_adder,
+)
 from meshd.response_cache import ResponseCacheMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,3 +144,56 @@ def test_legacy_positional_label_calls_still_work() -> None:
     )
     with pytest.raises(ValueError):
         m.ttft.labels("a", "b", "c", "d", "e")
+
+
+_amounts = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, 0.005, 0.01, 1.0, 300.0, -1.0]),  # on and around the bounds
+)
+
+
+def _exposition(registry: CollectorRegistry) -> list[str]:
+    """/metrics without the _created lines (a clock reading when each child was made)."""
+    return [
+        line for line in generate_latest(registry).decode().splitlines() if "_created" not in line
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    observations=st.lists(st.tuples(st.sampled_from(["a", "b"]), _amounts), max_size=30),
+    adds=st.lists(st.tuples(st.sampled_from(["a", "b"]), st.floats(0, 1e6)), max_size=10),
+)
+def test_loop_metrics_expose_what_the_library_s_own_would(
+    observations: list[tuple[str, float]], adds: list[tuple[str, float]]
+) -> None:
+    """meshd/metrics.py's lock-free metrics (LoopValue, the histogram's bisected bucket,
+    counter_adder) against prometheus_client's classes fed the same: the same /metrics."""
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    kw: dict[str, Any] = {"buckets": (0.005, 0.01, 0.5, 1.0, 300.0)}
+    h1 = _LoopHistogram("h_seconds", "h", ["k"], registry=ours, **kw)
+    h2 = Histogram("h_seconds", "h", ["k"], registry=theirs, **kw)
+    c1 = _LoopCounter("c", "c", ["k"], registry=ours)
+    c2 = Counter("c", "c", ["k"], registry=theirs)
+    g1 = _LoopGauge("g", "g", ["k"], registry=ours)
+    g2 = Gauge("g", "g", ["k"], registry=theirs)
+    for label, amount in observations:
+        h1.labels(label).observe(amount)
+        h2.labels(label).observe(amount)
+        g1.labels(label).inc(amount)
+        g2.labels(label).inc(amount)
+    for label, amount in adds:
+        counter_adder(c1.labels(label))(amount)
+        c2.labels(label).inc(amount)
+    assert _exposition(ours) == _exposition(theirs)
+    with pytest.raises(ValueError, match="missing label values"):
+        h1.observe(1.0)  # a labelled parent: refused, as the library does
+
+
+def test_data_plane_metrics_keep_loop_values() -> None:
+    m = DataPlaneMetrics()
+    assert type(m.requests.labels("chat", "p", "ok")._value) is LoopValue
+    assert type(m.tokens_in_flight.labels("p")._value) is LoopValue
+    child = m.ttft.labels("p", "e", "m", "t")
+    assert type(child._sum) is LoopValue
+    assert {type(b) for b in child._buckets} == {LoopValue}

@@ -422,7 +422,7 @@ def test_a_counter_adder_adds_as_the_counter_would() -> None:
     metrics = DataPlaneMetrics()
     child = metrics.requests.labels("chat", "default", "ok")
     add = counter_adder(child)
-    assert add != child.inc  # prometheus_client's MutexValue: its own inc
+    assert add != child.inc  # its LoopValue's own inc (meshd/metrics.py)
     add(1)
     add(2.5)
     child.inc()
