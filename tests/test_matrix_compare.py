@@ -109,3 +109,55 @@ def test_max_over_mean_passes_over_two_only_where_meshd_was_faster():
     faster = compare(cell({"max_over_mean": 2.5, "ttft_p90": 0.9, "e2e_p50": 2.9}))
     assert faster["max_over_mean"]["pass"]
     assert compare(cell({"max_over_mean": 1.9, "ttft_p90": 1.5}))["max_over_mean"]["pass"]
+
+
+def test_mixed_cells_run_both_listings_and_report_their_mean(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A mixed fleet is run H100-first and A100-first (a rule breaking ties by endpoint
+    order wins or loses by the listing); each figure is the mean of the two."""
+    from types import SimpleNamespace
+
+    from loadtest.bench import matrix, virtual
+
+    listings: list[tuple[str, ...]] = []
+
+    def fake_policy(policy: str, fleet: Any, requests: Any, settings: Any, **kw: Any) -> Any:
+        listings.append(tuple(fleet.gpus))
+        return SimpleNamespace(), SimpleNamespace(outcomes=[])
+
+    def fake_figures(policy: str, requests: Any, outcomes: Any, result: Any, fleet: Any) -> Any:
+        first = fleet.gpus[0] == "H100"
+        return matrix.Figures(
+            policy=policy,
+            ok=10 if first else 13,
+            sent=20,
+            ttft_p90=0.03 if first else 0.09,
+            ttft_p99=0.1,
+            e2e_p50=1.0 if first else 3.0,
+            hit_rate=0.5,
+            engine_hit_rate=0.5,
+            keep=None if first else 0.8,
+            makespan_p50=None,
+            task_success=None,
+            wasted_share=None,
+            cost_usd=2.0,
+            cost_per_ok_task=None,
+            max_over_mean=8.0,
+        )
+
+    monkeypatch.setattr(virtual, "run_virtual_policy", fake_policy)
+    monkeypatch.setattr(matrix, "figures", fake_figures)
+    monkeypatch.setattr(matrix, "floor_p90", lambda requests, fleet: None)
+    out = matrix.run_cell(Cell("agentic", engines=4, gpus="mixed"), quick=True)
+    policies = len(PEERS) + 2  # meshd, and meshd told the GPUs
+    assert listings.count(("H100", "A100", "H100", "A100")) == policies
+    assert listings.count(("A100", "H100", "A100", "H100")) == policies
+    assert out["orders"] == 2
+    row = out["figures"][0]
+    assert row["ttft_p90"] == pytest.approx(0.06) and row["e2e_p50"] == pytest.approx(2.0)
+    assert row["ok"] == 12 and row["keep"] == 0.8 and row["makespan_p50"] is None
+    listings.clear()
+    same = matrix.run_cell(Cell("agentic", engines=4), quick=True)
+    assert same["orders"] == 1 and len(listings) == len(PEERS) + 1
+    assert same["figures"][0]["ttft_p90"] == pytest.approx(0.03)

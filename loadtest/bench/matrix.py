@@ -25,7 +25,9 @@ The cells vary one axis at a time around a centre (8 identical H100s, small cach
 - engines: 4, 8, 16, 64; cache: `small` (KV for ~10 of the workload's mean prompts per
   engine, and at least a batch of 32 mean requests: ~32 of Mooncake's) or `large`
   (~1,000); load: 0.5, 0.8, 1.0, 1.5 of the fleet's nominal capacity
-  (below); GPUs: identical H100s, or H100 and A100 alternating (`mixed`).
+  (below); GPUs: identical H100s, or H100 and A100 alternating (`mixed`: run twice,
+  listed H100 first and A100 first, each figure the mean of the two, since a rule that
+  breaks ties by endpoint order wins or loses by the listing).
 
 Load: the arrivals are compressed so that the offered work per second, in H100-seconds
 (each prompt's prefill on an idle H100, attention included, plus its output tokens at an
@@ -47,7 +49,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +279,21 @@ class Figures:
     fixed_cost_per_ok_task: float | None = None
 
 
+def mean_figures(runs: Sequence[Figures]) -> Figures:
+    """One policy's figures over several runs of a cell (a mixed fleet's two listings):
+    each the mean of the runs that have it (counts rounded), None where none has it."""
+    if len(runs) == 1:
+        return runs[0]
+    merged: dict[str, Any] = {"policy": runs[0].policy}
+    for f in fields(Figures):
+        if f.name == "policy":
+            continue
+        got = [v for r in runs if (v := getattr(r, f.name)) is not None]
+        mean = sum(got) / len(got) if got else None
+        merged[f.name] = round(mean) if f.type == "int" and mean is not None else mean
+    return Figures(**merged)
+
+
 def _chains(outcomes: Sequence[RequestOutcome]) -> dict[str, dict[int, RequestOutcome]]:
     by: dict[str, dict[int, RequestOutcome]] = collections.defaultdict(dict)
     for o in outcomes:
@@ -404,11 +421,20 @@ def run_cell(cell: Cell, quick: bool = False) -> dict[str, Any]:
     }
     rows = []
     started = time.monotonic()
+    # A mixed fleet runs listed both ways (H100 first, then A100 first), each figure the
+    # mean of the two: a rule that breaks ties by endpoint order otherwise wins or loses by
+    # the listing (the peers' cache_aware sent every request of the agentic cell to the
+    # first engine: TTFT p90 28 ms when it was an H100, 90 ms when an A100).
+    fleets = [fleet] + ([replace(fleet, gpus=fleet.gpus[::-1])] if cell.gpus == "mixed" else [])
     for p in policies:
-        result, run = run_virtual_policy(p, fleet, requests, settings, log=lambda m: None)
-        assert run is not None
-        rows.append(asdict(figures(p, requests, run.outcomes, result, fleet)))
+        each = []
+        for f in fleets:
+            result, run = run_virtual_policy(p, f, requests, settings, log=lambda m: None)
+            assert run is not None
+            each.append(figures(p, requests, run.outcomes, result, f))
+        rows.append(asdict(mean_figures(each)))
     out["figures"] = rows
+    out["orders"] = len(fleets)
     out["ttft_floor_p90"] = floor_p90(requests, fleet)
     out["hit_bound"] = hit_bound(cell, requests)
     out["requests"] = len(requests)
