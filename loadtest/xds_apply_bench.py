@@ -20,7 +20,7 @@ published) just before.
 
 Run: .venv/bin/python -m loadtest.xds_apply_bench [--engines 1000] [--updates 20000]
      [--per-response 1,10,100] [--rounds 5] [--rate 10000] [--duration 10] [--batch 50]
-     [--no-process] [--json PATH]
+     [--ack-pace-ms MS] [--no-process] [--json PATH]
 
 --json PATH writes every figure: `engines`; `apply` (per resources-per-response K, as a
 string key): {"before_us", "now_us", "now_over_before", "before_cold_us", "now_cold_us",
@@ -30,7 +30,8 @@ sidecar's caches are when a push comes; thread CPU of the applies alone); `proce
 "sidecar_cpu_share", "sidecar_us_per_update", "sidecar_idle_share",
 "sidecar_share_at_10hz" (the share the measured us/update gives 1,000 engines at 10 Hz),
 "control_plane_cpu_share", "publishers_cpu_share", "engines_followed",
-"updates_per_response" (what the control plane's pushes to the sidecar carried)}.
+"updates_per_response" (what the control plane's pushes to the sidecar carried),
+"ack_pace_ms" (the sidecar's ACK pace: control_feed.ACK_PACE_S, or --ack-pace-ms)}.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ from envoy.service.discovery.v3 import discovery_pb2 as pb
 import xds  # noqa: F401  (makes xds-protos' own `xds` package importable; see xds/__init__.py)
 from loadtest import procstats
 from loadtest.xds_scale_bench import engine_body_us, engine_name
-from xds.client import Entry, Update, _entry
+from xds.client import Update
+from xds.delta_response import Entry, _entry
 from xds.resources import EndpointState, ResourceError, decode_endpoint_state
 
 T = "type.googleapis.com/meshd.v1.EndpointState"
@@ -152,8 +154,8 @@ class ApplyPath:
 
 
 def feed_apply(engines: int) -> ApplyPath:
-    """The sidecar's path for one serialized response: gRPC's parse, the subscriber's apply
-    and the feed's, the ACK serialized."""
+    """The sidecar's path for one serialized response as gRPC hands it over (bytes): the
+    subscriber's parse and apply and the feed's, the ACK serialized."""
     from meshd.config import load_config
     from meshd.control_feed import ControlFeed
     from meshd.metrics import DataPlaneMetrics
@@ -161,14 +163,7 @@ def feed_apply(engines: int) -> ApplyPath:
 
     cfg = load_config(None, base=sidecar_config(engines), env={})
     feed = ControlFeed(cfg, build_routers(cfg), DataPlaneMetrics())
-    sub = feed.subscriber
-    parse = pb.DeltaDiscoveryResponse.FromString
-
-    def apply(raw: bytes) -> bytes:
-        out: bytes = sub._apply(parse(raw)).SerializeToString()
-        return out
-
-    return ApplyPath(apply, lambda: len(feed.engines()), feed.routers)
+    return ApplyPath(feed.subscriber._apply, lambda: len(feed.engines()), feed.routers)
 
 
 class _Before:
@@ -408,7 +403,13 @@ def _scrape(admin: str) -> tuple[float, float]:
 
 
 def bench_process(
-    engines: int, rate: float, duration_s: float, batch: int, publishers: int, named: bool = True
+    engines: int,
+    rate: float,
+    duration_s: float,
+    batch: int,
+    publishers: int,
+    named: bool = True,
+    ack_pace_s: float | None = None,
 ) -> dict[str, float]:
     from loadtest.overhead import start_child
 
@@ -447,6 +448,9 @@ def bench_process(
                 yaml.safe_dump(sidecar_config(engines, f"127.0.0.1:{port}", named=named))
             )
             cmd = [sys.executable, "-m", "meshd.cli", "sidecar", "--config", str(path)]
+            if ack_pace_s is not None:  # the sidecar with another ACK pace (_sidecar_main)
+                cmd = [sys.executable, "-m", "loadtest.xds_apply_bench", "--sidecar", str(path)]
+                cmd += ["--ack-pace-ms", str(ack_pace_s * 1e3)]
             sidecar = start_child("sidecar", cmd, Path(tmp), 60.0)
             admin = str(sidecar.ready["admin"])
             deadline = time.monotonic() + 60
@@ -510,6 +514,15 @@ def bench_process(
     }
 
 
+def _sidecar_main(config: str, ack_pace_ms: float) -> int:
+    """`meshd sidecar --config CONFIG` with meshd.control_feed.ACK_PACE_S set."""
+    import meshd.control_feed
+    from meshd.cli import main as meshd_main
+
+    meshd.control_feed.ACK_PACE_S = ack_pace_ms / 1e3
+    return meshd_main(["sidecar", "--config", config])
+
+
 # -- report -------------------------------------------------------------------------------------
 
 
@@ -529,8 +542,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="(b)'s sidecar takes the wildcard (default: it names its engines, pool-scoped)",
     )
+    ap.add_argument(
+        "--ack-pace-ms",
+        type=float,
+        help="(b)'s sidecar ACKs EndpointState responses at most this often (default: "
+        "meshd.control_feed.ACK_PACE_S)",
+    )
+    ap.add_argument("--sidecar", metavar="CONFIG", help=argparse.SUPPRESS)  # _sidecar_main
     ap.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     args = ap.parse_args(argv)
+    if args.sidecar:
+        return _sidecar_main(args.sidecar, args.ack_pace_ms)
     sizes = [int(k) for k in args.per_response.split(",")]
 
     out: dict[str, Any] = {"engines": args.engines, "apply": {}}
@@ -562,14 +584,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.batch,
             args.publishers,
             named=not args.wildcard,
+            ack_pace_s=None if args.ack_pace_ms is None else args.ack_pace_ms / 1e3,
         )
         out["process"] = r
+        from meshd.control_feed import ACK_PACE_S
+
+        pace_ms = ACK_PACE_S * 1e3 if args.ack_pace_ms is None else args.ack_pace_ms
+        r["ack_pace_ms"] = pace_ms
         print(
             f"\n(b) one sidecar process following {r['engines_followed']:.0f} engines, "
             f"{args.rate:,.0f} updates/s asked for {r['window_s']:.1f} s "
             f"({args.publishers} publishers, {args.batch} engines a publish; subscribed "
-            f"{'with the wildcard' if args.wildcard else 'by name'}; "
-            f"{r['updates_per_response']:.1f} updates a response to the sidecar)"
+            f"{'with the wildcard' if args.wildcard else 'by name'}; ACKs at most every "
+            f"{pace_ms:g} ms; {r['updates_per_response']:.1f} updates a response to the "
+            "sidecar)"
         )
         print(
             f"{'published/s':>12}{'applied/s':>11}{'CPU share':>11}{'us/update':>11}"

@@ -30,4 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from xds.engine_report import IMPLEMENTATION as XDS_DECODE
 
     print(f"xds EndpointState decode: {XDS_DECODE}")
+    from xds.delta_response import IMPLEMENTATION as XDS_READ
+
+    print(f"xds response read: {XDS_READ}")
     return 0

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from test_xds_resources import STATE
 
 import xds.resources as resources
-from xds.client import Entry, Subscriber, _entry
+from xds.client import Subscriber
+from xds.delta_response import Entry, _entry
 from xds.resources import (
     ENDPOINT_STATE_TYPE,
     MAX_RESOURCE_BYTES,
@@ -344,13 +345,17 @@ def test_entry_shortcut_is_an_ordinary_frozen_entry() -> None:
         e.version = "v2"  # type: ignore[misc]
 
 
-def _response(bodies: dict[str, bytes], nonce: str = "1") -> pb.DeltaDiscoveryResponse:
+def _response(bodies: dict[str, bytes], nonce: str = "1") -> bytes:
     resp = pb.DeltaDiscoveryResponse(type_url=ENDPOINT_STATE_TYPE, nonce=nonce)
     for name, body in bodies.items():
         r = resp.resources.add(name=name, version=f"v-{name}")
         r.resource.type_url = ENDPOINT_STATE_TYPE
         r.resource.value = body
-    return resp
+    return resp.SerializeToString()
+
+
+def _reply(raw: bytes) -> pb.DeltaDiscoveryRequest:
+    return pb.DeltaDiscoveryRequest.FromString(raw)
 
 
 def test_apply_acks_with_entries_as_the_reference_decodes_them() -> None:
@@ -366,7 +371,7 @@ def test_apply_acks_with_entries_as_the_reference_decodes_them() -> None:
         "e2": dataclasses.replace(STATE, address="10.0.0.8:8000").encode(),
         "e3": STATE.encode(),  # not subscribed to
     }
-    reply = sub._apply(_response(bodies))
+    reply = _reply(sub._apply(_response(bodies)))
     assert not reply.HasField("error_detail") and reply.response_nonce == "1"
     expected = {n: Entry(n, f"v-{n}", reference_decode(bodies[n]), 7.0) for n in ("e1", "e2")}
     assert dict(sub.entries(ENDPOINT_STATE_TYPE)) == expected
@@ -376,7 +381,7 @@ def test_apply_acks_with_entries_as_the_reference_decodes_them() -> None:
 def test_apply_nacks_a_malformed_resource_with_the_reference_message() -> None:
     sub = Subscriber("127.0.0.1:1", {ENDPOINT_STATE_TYPE: None})
     bad = pack({"v": 1, "address": "a:1", "requests_running": True})
-    reply = sub._apply(_response({"e1": STATE.encode(), "e2": bad}))
+    reply = _reply(sub._apply(_response({"e1": STATE.encode(), "e2": bad})))
     with pytest.raises(ResourceError) as exc:
         reference_decode(bad)
     assert reply.error_detail.message == f"e2: {exc.value}"

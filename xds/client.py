@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -28,8 +29,10 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2 as pb
 from grpc import aio
 
+from xds.delta_response import Entry, Interest, read_response
 from xds.resources import DECODERS, ResourceError
 from xds.server import PUBLISH_METHOD, ServerLimits
+from xds.wire import len_field
 
 __all__ = ["Backoff", "Entry", "Publisher", "Subscriber", "SubscriberStats", "Update"]
 
@@ -79,39 +82,6 @@ class Backoff:
 
 
 @dataclass(frozen=True, slots=True)
-class Entry:
-    """A resource as last received: decoded value, its version, when it arrived."""
-
-    name: str
-    version: str
-    value: Any
-    received_at: float
-
-
-_new = object.__new__
-
-
-class _EntrySlots:
-    """Entry's slot layout without its frozen `__setattr__` (see _entry)."""
-
-    __slots__ = Entry.__slots__
-
-
-def _entry(name: str, version: str, value: Any, received_at: float) -> Entry:
-    """Entry(name, version, value, received_at), built with plain slot stores and then
-    given Entry's class (allowed between classes of identical layout): the frozen
-    dataclass's __init__ stores through object.__setattr__, several times the cost, once
-    per resource applied (loadtest/xds_codec_bench.py, "decode+apply")."""
-    e: Any = _new(_EntrySlots)
-    e.name = name
-    e.version = version
-    e.value = value
-    e.received_at = received_at
-    e.__class__ = Entry
-    return e
-
-
-@dataclass(frozen=True, slots=True)
 class Update:
     """What one applied response changed."""
 
@@ -130,12 +100,6 @@ class SubscriberStats:
     disconnects: int = 0
     failovers: int = 0  # moves to another replica
     connect_failures: int = 0  # sessions that never connected
-
-
-@dataclass(slots=True)
-class _Interest:
-    wildcard: bool
-    names: set[str] = field(default_factory=set)
 
 
 class Subscriber:
@@ -161,6 +125,7 @@ class Subscriber:
         on_update: Callable[[Update], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        ack_pace_s: Mapping[str, float] | None = None,
     ) -> None:
         self.targets: tuple[str, ...] = (target,) if isinstance(target, str) else tuple(target)
         if not self.targets:
@@ -184,10 +149,15 @@ class Subscriber:
         self._clock = clock
         self._rng = rng or random.Random()
         self._interest = {
-            t: _Interest(wildcard=names is None, names=set(names or ()))
+            t: Interest(wildcard=names is None, names=set(names or ()))
             for t, names in subscriptions.items()
         }
         self._state: dict[str, dict[str, Entry]] = {t: {} for t in self._interest}
+        # Per type: at least this long between ACKs (so between responses: the control
+        # plane sends the next once this one is ACKed, with what changed meanwhile).
+        self._ack_pace = {t: s for t, s in (ack_pace_s or {}).items() if s > 0}
+        self._acked_at: dict[str, float] = {}  # type -> loop time of its last ACK
+        self._response_type = ""  # the type of the response _apply read last
         self.stats = SubscriberStats()
         self._connected = False
         self._last_update_at: float | None = None
@@ -195,6 +165,7 @@ class Subscriber:
         self._call: aio.StreamStreamCall | None = None
         self._write_lock = asyncio.Lock()
         self._events = asyncio.Condition()
+        self._waiters = 0  # wait_until calls waiting: a response notifies only then
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -235,8 +206,12 @@ class Subscriber:
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Return once `predicate()` holds; re-checked after every response and every
         connect or disconnect."""
-        async with self._events:
-            await self._events.wait_for(predicate)
+        self._waiters += 1
+        try:
+            async with self._events:
+                await self._events.wait_for(predicate)
+        finally:
+            self._waiters -= 1
 
     async def _notify(self) -> None:
         async with self._events:
@@ -248,7 +223,7 @@ class Subscriber:
         names = set(names)
         interest = self._interest.get(type_url)
         if interest is None:
-            interest = self._interest[type_url] = _Interest(wildcard=False)
+            interest = self._interest[type_url] = Interest(wildcard=False)
             self._state.setdefault(type_url, {})
         asked = interest.wildcard or bool(interest.names)
         new = names - interest.names
@@ -367,10 +342,10 @@ class Subscriber:
         """One stream, until it ends; returns whether it connected."""
         got_response = False
         async with self._channel() as channel:
+            # Responses come as bytes (read_response parses them); requests go as
+            # bytes (an ACK, pre-framed) or as messages.
             method = channel.stream_stream(
-                DELTA_METHOD,
-                request_serializer=pb.DeltaDiscoveryRequest.SerializeToString,
-                response_deserializer=pb.DeltaDiscoveryResponse.FromString,
+                DELTA_METHOD, request_serializer=_request_bytes, response_deserializer=None
             )
             call = method()
             self._call = call
@@ -399,57 +374,74 @@ class Subscriber:
             log.info("connected to the control plane %s", self.target)
             await self._notify()
             while True:
-                resp = await call.read()
-                if resp is aio.EOF:
+                raw = await call.read()
+                if raw is aio.EOF:
                     return got_response
-                reply = self._apply(resp)
+                reply = self._apply(raw)
+                if self._ack_pace:
+                    await self._pace(self._response_type)
                 async with self._write_lock:
                     await call.write(reply)
-                await self._notify()
+                if self._waiters:
+                    await self._notify()
 
-    def _apply(self, resp: pb.DeltaDiscoveryResponse) -> pb.DeltaDiscoveryRequest:
-        """Decode and apply one response (all or nothing); the ACK or NACK to send."""
+    async def _pace(self, type_url: str) -> None:
+        """Hold the ACK of a paced type until its pace has passed since the last one."""
+        pace = self._ack_pace.get(type_url)
+        if pace is None:
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._acked_at.get(type_url, -math.inf) + pace - loop.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self._acked_at[type_url] = loop.time()
+
+    def _apply(self, raw: bytes) -> bytes:
+        """Decode and apply one serialized response (all or nothing); the ACK or NACK to
+        send, serialized. A message protobuf cannot parse raises its DecodeError (the
+        session ends, as when gRPC's own parse failed)."""
         now = self._clock()
         self._last_update_at = now
         self.stats.responses += 1
-        t = resp.type_url
-        reply = pb.DeltaDiscoveryRequest(type_url=t, response_nonce=resp.nonce)
-        interest = self._interest.get(t)
-        if interest is None:
-            return reply  # a type we unsubscribed from entirely: ACK and ignore
-        decoder = self._decoders.get(t)
-        wildcard, names = interest.wildcard, interest.names
-        changed: dict[str, Entry] = {}
-        # Per resource, each protobuf field is read once (every read builds a new object).
-        try:
-            for r in resp.resources:
-                name = r.name
-                if not (wildcard or name in names):
-                    continue
-                any_ = r.resource
-                if any_.type_url != t:
-                    raise ResourceError(f"Any type {any_.type_url!r} in a {t} response")
-                try:
-                    value = any_.value if decoder is None else decoder(any_.value)
-                except ResourceError as exc:
-                    raise ResourceError(f"{name}: {exc}") from None
-                except Exception as exc:  # a decoder bug must not take the subscriber down
-                    raise ResourceError(f"{name}: {type(exc).__name__}: {exc}") from None
-                changed[name] = _entry(name, r.version, value, now)
-        except ResourceError as exc:
+        resp = read_response(raw, self._interest, self._decoders, now)
+        t, changed = resp.type_url, resp.changed
+        self._response_type = t
+        if resp.error is not None:
             self.stats.nacks += 1
-            self.stats.last_nack = str(exc)
-            log.warning("NACK %s nonce %s: %s", t, resp.nonce, exc)
-            reply.error_detail.code = _INVALID_ARGUMENT
-            reply.error_detail.message = str(exc)
-            return reply
+            self.stats.last_nack = resp.error
+            log.warning("NACK %s nonce %s: %s", t, resp.nonce, resp.error)
+            nack = pb.DeltaDiscoveryRequest(type_url=t, response_nonce=resp.nonce)
+            nack.error_detail.code = _INVALID_ARGUMENT
+            nack.error_detail.message = resp.error
+            return nack.SerializeToString()
+        ack = _ack(t, resp.nonce)
+        if changed is None:
+            return ack  # a type we unsubscribed from entirely: ACK and ignore
         table = self._state.setdefault(t, {})
         table.update(changed)
-        removed = frozenset(n for n in resp.removed_resources if table.pop(n, None) is not None)
+        removed = frozenset(n for n in resp.removed if table.pop(n, None) is not None)
         self.stats.acks += 1
         if self._on_update is not None and (changed or removed):
             self._on_update(Update(t, MappingProxyType(changed), removed))
-        return reply
+        return ack
+
+
+def _request_bytes(req: pb.DeltaDiscoveryRequest | bytes) -> bytes:
+    return req if type(req) is bytes else req.SerializeToString()  # type: ignore[union-attr]
+
+
+_ACK_TYPE: dict[str, bytes] = {}
+
+
+def _ack(type_url: str, nonce: str) -> bytes:
+    """DeltaDiscoveryRequest(type_url, response_nonce) serialized, framed by hand (its
+    fields 2 and 6; the type's frame built once): an ACK goes out for every response."""
+    head = _ACK_TYPE.get(type_url)
+    if head is None:
+        if len(_ACK_TYPE) >= 64:
+            _ACK_TYPE.clear()
+        head = _ACK_TYPE[type_url] = len_field(2, type_url.encode())
+    return head + len_field(6, nonce.encode())
 
 
 class Publisher:

@@ -1,0 +1,429 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Compiled twin of xds/delta_response.py's `reference_read`: a serialized
+DeltaDiscoveryResponse read in C from its protobuf wire format (protobuf.dev's encoding
+doc) straight into the Entries the subscriber keeps, with no protobuf message, no
+Resource or Any wrapper and no per-field string but the name (shared between updates)
+and the version. Import through xds.delta_response.
+
+It reads the subset of the wire format our control plane writes, on which it agrees with
+protobuf's parse by construction: the fields DeltaDiscoveryResponse, Resource and Any
+define that the subscriber reads (system_version_info, resources, type_url, nonce,
+removed_resources; Resource's version, resource, name; Any's type_url and value), each
+singular one at most once, with its own wire type, strings valid UTF-8; fields no schema
+defines (unknown) of wire types 0, 1, 2 and 5 are skipped, as protobuf keeps them aside.
+Everything else (a defined field it does not read: aliases, ttl, control_plane...; a
+field given twice; groups; a varint of 10 bytes; malformed framing), and every response
+the subscriber refuses (an Any of another type, a decoder's error), goes to the
+reference, which returns the same DeltaResponse or raises protobuf's DecodeError
+(tests/test_delta_response.py compares the two on arbitrary responses).
+
+What it speeds up: a sidecar applying the control plane's pushes (issue #23). Reading a
+response of 60 EndpointStates (1,000 engines in turn, caches warm, this 2-core VM): 1.6 us
+a resource against 3.1 us for the reference, the body's decode (1.1 us) included; the
+whole in-process apply of an update (`python -m loadtest.xds_apply_bench` (a), 60 a
+response: read, the feed's apply, the ACK) 4.6 -> 2.4-2.6 us. In a real sidecar process
+the figure is set by cold caches and gRPC's per-response cost (docs/control-plane-scale.md).
+"""
+
+import types
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF, Py_XDECREF
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.stdint cimport uint64_t
+from libc.string cimport memcmp
+
+__all__ = ["bind", "read_response"]
+
+
+cdef extern from "Python.h":
+    ctypedef struct PyMemberDef:
+        const char *name
+        int type
+        Py_ssize_t offset
+        int flags
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef *d_member
+    object PyType_GenericAlloc(type t, Py_ssize_t nitems)
+
+cdef extern from "structmember.h":
+    int T_OBJECT_EX
+    int READONLY
+
+
+# -- reading the wire format ----------------------------------------------------------------
+
+
+cdef struct Reader:
+    const unsigned char *p
+    const unsigned char *end
+
+
+cdef struct Span:
+    const unsigned char *p
+    Py_ssize_t n
+    bint seen
+
+
+cdef enum:
+    WT_VARINT = 0
+    WT_I64 = 1
+    WT_LEN = 2
+    WT_I32 = 5
+
+
+cdef inline bint _varint(Reader *r, uint64_t *out) noexcept:
+    """A varint of at most 9 bytes (63 bits); False past the end or longer (the reference
+    then decides)."""
+    cdef uint64_t v = 0
+    cdef int shift = 0
+    cdef unsigned char b
+    while r.p < r.end and shift < 63:
+        b = r.p[0]
+        r.p += 1
+        v |= (<uint64_t>(b & 0x7F)) << shift
+        if b < 0x80:
+            out[0] = v
+            return True
+        shift += 7
+    return False
+
+
+cdef inline bint _tag(Reader *r, uint64_t *number, int *wire) noexcept:
+    cdef uint64_t t
+    if not _varint(r, &t):
+        return False
+    number[0] = t >> 3
+    wire[0] = <int>(t & 7)
+    return 0 < number[0] < (1 << 29)
+
+
+cdef inline bint _len(Reader *r, Span *s) noexcept:
+    """A length-delimited payload: its bytes, the reader past them."""
+    cdef uint64_t n
+    if not _varint(r, &n) or n > <uint64_t>(r.end - r.p):
+        return False
+    s.p = r.p
+    s.n = <Py_ssize_t>n
+    r.p += n
+    return True
+
+
+cdef inline bint _skip(Reader *r, int wire) noexcept:
+    """Past an unknown field's value (wire types 0, 1, 2, 5; groups: False)."""
+    cdef uint64_t v
+    cdef Span s
+    if wire == WT_VARINT:
+        return _varint(r, &v)
+    if wire == WT_LEN:
+        return _len(r, &s)
+    if wire == WT_I64:
+        if r.end - r.p < 8:
+            return False
+        r.p += 8
+        return True
+    if wire == WT_I32:
+        if r.end - r.p < 4:
+            return False
+        r.p += 4
+        return True
+    return False
+
+
+cdef bint _utf8_ok(const unsigned char *p, Py_ssize_t n):
+    """Whether the bytes are valid UTF-8 (protobuf checks every proto3 string)."""
+    cdef Py_ssize_t i
+    for i in range(n):
+        if p[i] >= 0x80:
+            break
+    else:
+        return True
+    try:
+        PyUnicode_DecodeUTF8(<const char *>p, n, NULL)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+cdef inline bint _string_once(Reader *r, int wire, Span *s):
+    """A singular string field: its first occurrence, of wire type 2, valid UTF-8."""
+    if wire != WT_LEN or s.seen or not _len(r, s):
+        return False
+    s.seen = True
+    return _utf8_ok(s.p, s.n)
+
+
+cdef struct ResourceSpans:
+    Span version
+    Span name
+    Span any_type
+    Span value
+    bint any_seen
+
+
+cdef bint _any(const unsigned char *p, Py_ssize_t n, ResourceSpans *out):
+    cdef Reader r
+    cdef uint64_t number
+    cdef int wire
+    r.p = p
+    r.end = p + n
+    while r.p < r.end:
+        if not _tag(&r, &number, &wire):
+            return False
+        if number == 1:
+            if not _string_once(&r, wire, &out.any_type):
+                return False
+        elif number == 2:
+            if wire != WT_LEN or out.value.seen or not _len(&r, &out.value):
+                return False
+            out.value.seen = True
+        elif not _skip(&r, wire):
+            return False
+    return True
+
+
+cdef bint _resource(const unsigned char *p, Py_ssize_t n, ResourceSpans *out):
+    """A Resource's fields (envoy.service.discovery.v3.Resource)."""
+    cdef Reader r
+    cdef uint64_t number
+    cdef int wire
+    cdef Span body
+    out.version.seen = out.name.seen = out.any_type.seen = out.value.seen = False
+    out.version.n = out.name.n = out.any_type.n = out.value.n = 0
+    out.any_seen = False
+    r.p = p
+    r.end = p + n
+    while r.p < r.end:
+        if not _tag(&r, &number, &wire):
+            return False
+        if number == 1:
+            if not _string_once(&r, wire, &out.version):
+                return False
+        elif number == 3:
+            if not _string_once(&r, wire, &out.name):
+                return False
+        elif number == 2:
+            if wire != WT_LEN or out.any_seen or not _len(&r, &body):
+                return False
+            out.any_seen = True
+            if not _any(body.p, body.n, out):
+                return False
+        elif number == 4 or 6 <= number <= 9:  # aliases, ttl, cache_control, resource_name, metadata
+            return False
+        elif not _skip(&r, wire):
+            return False
+    return True
+
+
+# -- strings built once ---------------------------------------------------------------------
+
+
+# An engine's resource name and the type URL come again with every response; each is built
+# once, then shared (str is immutable). Bounded: MEMO_SLOTS entries of at most
+# MEMO_MAX_BYTES each; another string landing in a slot replaces it.
+cdef enum:
+    MEMO_SLOTS = 8192  # a power of two
+    MEMO_MAX_BYTES = 256
+
+cdef struct MemoSlot:
+    PyObject *raw  # bytes
+    PyObject *value  # str
+
+cdef MemoSlot _memo[MEMO_SLOTS]
+
+
+cdef object _text(const unsigned char *p, Py_ssize_t n):
+    """The str of UTF-8 already checked."""
+    if n > MEMO_MAX_BYTES:
+        return PyUnicode_DecodeUTF8(<const char *>p, n, NULL)
+    cdef uint64_t h = 14695981039346656037ULL  # FNV-1a
+    cdef Py_ssize_t i
+    for i in range(n):
+        h = (h ^ p[i]) * 1099511628211ULL
+    cdef MemoSlot *m = &_memo[(h ^ (h >> 29)) & (MEMO_SLOTS - 1)]
+    if (
+        m.raw != NULL
+        and PyBytes_GET_SIZE(<object>m.raw) == n
+        and memcmp(PyBytes_AS_STRING(<object>m.raw), p, n) == 0
+    ):
+        return <object>m.value
+    value = PyUnicode_DecodeUTF8(<const char *>p, n, NULL)
+    raw = PyBytes_FromStringAndSize(<const char *>p, n)
+    Py_INCREF(raw)
+    Py_INCREF(value)
+    old_raw, old_value = m.raw, m.value
+    m.raw, m.value = <PyObject *>raw, <PyObject *>value
+    Py_XDECREF(old_raw)
+    Py_XDECREF(old_value)
+    return value
+
+
+# -- building the objects -------------------------------------------------------------------
+
+
+cdef type _Entry = None
+cdef type _DeltaResponse = None
+cdef object _reference = None
+cdef Py_ssize_t _entry_off[4]
+cdef bint _slots_bound = False
+
+
+cdef Py_ssize_t _slot_offset(type cls, str name) except -2:
+    d = cls.__dict__.get(name)
+    if type(d) is not types.MemberDescriptorType:
+        return -1
+    cdef PyMemberDef *m = (<PyMemberDescrObject *>d).d_member
+    if m.type != T_OBJECT_EX or (m.flags & READONLY):
+        return -1
+    return m.offset
+
+
+def bind(entry, delta_response, reference):
+    """Give the module its classes (xds.delta_response.Entry, DeltaResponse) and the
+    reference it falls back to; returns whether it builds Entries through their slots
+    (a plain slotted dataclass of exactly those fields), else through the class."""
+    import dataclasses
+
+    global _Entry, _DeltaResponse, _reference, _slots_bound
+    _Entry, _DeltaResponse, _reference = entry, delta_response, reference
+    _slots_bound = False
+    names = ("name", "version", "value", "received_at")
+    if not (
+        dataclasses.is_dataclass(entry)
+        and tuple(f.name for f in dataclasses.fields(entry)) == names
+        and entry.__new__ is object.__new__
+        and entry.__dictoffset__ == 0
+        and getattr(entry, "__post_init__", None) is None
+    ):
+        return False
+    for i, name in enumerate(names):
+        _entry_off[i] = _slot_offset(entry, name)
+        if _entry_off[i] < 0:
+            return False
+    _slots_bound = True
+    return True
+
+
+cdef inline void _store(object o, Py_ssize_t off, object value):
+    cdef PyObject **slot = <PyObject **>((<char *><PyObject *>o) + off)
+    Py_INCREF(value)
+    Py_XDECREF(slot[0])
+    slot[0] = <PyObject *>value
+
+
+cdef object _new_entry(object name, object version, object value, object now):
+    if not _slots_bound:
+        return _Entry(name, version, value, now)
+    e = PyType_GenericAlloc(_Entry, 0)
+    _store(e, _entry_off[0], name)
+    _store(e, _entry_off[1], version)
+    _store(e, _entry_off[2], value)
+    _store(e, _entry_off[3], now)
+    return e
+
+
+cdef inline object _str(Span *s):
+    return _text(s.p, s.n) if s.seen else ""
+
+
+def read_response(raw, interests, decoders, now):
+    """A serialized DeltaDiscoveryResponse as a DeltaResponse, or protobuf's DecodeError:
+    what reference_read returns or raises, for every input.
+
+    One pass over the top level finds the type, the nonce and the removed names; a second
+    reads each resource (all of them: a malformed one the subscriber does not want still
+    makes protobuf refuse the message) and decodes those subscribed.
+    """
+    cdef Reader r
+    cdef uint64_t number
+    cdef int wire
+    cdef Span version_info, type_url, nonce, item
+    cdef ResourceSpans res
+    cdef const char *data
+    cdef Py_ssize_t resources = 0
+    cdef bint wildcard = False
+    names = None
+    cdef dict changed
+    if _reference is None:
+        raise RuntimeError("not bound: import xds.delta_response")
+    if type(raw) is not bytes:
+        return _reference(raw, interests, decoders, now)
+    data = <bytes>raw
+    version_info.seen = type_url.seen = nonce.seen = False
+    removed = []
+    r.p = <const unsigned char *>data
+    r.end = r.p + len(<bytes>raw)
+    while r.p < r.end:
+        if not _tag(&r, &number, &wire):
+            return _reference(raw, interests, decoders, now)
+        if number == 2:
+            if wire != WT_LEN or not _len(&r, &item):
+                return _reference(raw, interests, decoders, now)
+            resources += 1
+        elif number == 6:
+            if wire != WT_LEN or not _len(&r, &item) or not _utf8_ok(item.p, item.n):
+                return _reference(raw, interests, decoders, now)
+            removed.append(PyUnicode_DecodeUTF8(<const char *>item.p, item.n, NULL))
+        elif number == 1:
+            if not _string_once(&r, wire, &version_info):
+                return _reference(raw, interests, decoders, now)
+        elif number == 4:
+            if not _string_once(&r, wire, &type_url):
+                return _reference(raw, interests, decoders, now)
+        elif number == 5:
+            if not _string_once(&r, wire, &nonce):
+                return _reference(raw, interests, decoders, now)
+        elif 7 <= number <= 9:  # control_plane, removed_resource_names, resource_errors
+            return _reference(raw, interests, decoders, now)
+        elif not _skip(&r, wire):
+            return _reference(raw, interests, decoders, now)
+    t = _str(&type_url)
+    interest = interests.get(t)
+    decoder = None
+    changed = {}
+    if interest is not None:
+        decoder = decoders.get(t)
+        wildcard = interest.wildcard
+        names = interest.names
+    r.p = <const unsigned char *>data
+    while resources:
+        _tag(&r, &number, &wire)  # well formed: pass 1 read it
+        if wire != WT_LEN:
+            _skip(&r, wire)
+            continue
+        _len(&r, &item)
+        if number != 2:
+            continue
+        resources -= 1
+        if not _resource(item.p, item.n, &res):
+            return _reference(raw, interests, decoders, now)
+        if interest is None:
+            continue
+        name = _str(&res.name)
+        if not wildcard and name not in names:
+            continue
+        if (
+            not res.any_type.seen
+            or type_url.n != res.any_type.n
+            or memcmp(type_url.p, res.any_type.p, type_url.n) != 0
+        ):
+            return _reference(raw, interests, decoders, now)  # refused: its message
+        body = PyBytes_FromStringAndSize(<const char *>res.value.p, res.value.n)
+        if decoder is not None:
+            try:
+                body = decoder(body)
+            except Exception:
+                return _reference(raw, interests, decoders, now)  # refused: its message
+        version = (
+            PyUnicode_DecodeUTF8(<const char *>res.version.p, res.version.n, NULL)
+            if res.version.seen
+            else ""
+        )
+        changed[name] = _new_entry(name, version, body, now)
+    nonce_str = (
+        PyUnicode_DecodeUTF8(<const char *>nonce.p, nonce.n, NULL) if nonce.seen else ""
+    )
+    if interest is None:
+        return _DeltaResponse(t, nonce_str, None, (), None)
+    return _DeltaResponse(t, nonce_str, changed, tuple(removed), None)
