@@ -103,6 +103,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "answers again (0: never) (default %(default)s)",
     )
     p.add_argument(
+        "--shard-unfollow-s",
+        type=float,
+        default=60.0,
+        help="no Envoy has followed this shard this long: stop following the other shards "
+        "until one does again (0: never stop) (default %(default)s)",
+    )
+    p.add_argument(
         "--admin",
         default="127.0.0.1:15014",
         metavar="HOST:PORT",
@@ -255,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
             eds=not args.no_eds,
             eds_shards=siblings,
             eds_shard_stale_s=args.shard_stale_s if args.shard_stale_s > 0 else math.inf,
+            eds_shard_unfollow_s=args.shard_unfollow_s if args.shard_unfollow_s > 0 else math.inf,
             shard_credentials=_shard_credentials(tls),
             tracer_provider=provider,
         )

@@ -12,9 +12,11 @@ over them all), and no Envoy config changes with the number of shards.
 A shard that cannot be reached keeps its engines in the view for `stale_after_s` (as an
 engine whose agent went quiet keeps its state for the resource TTL), then they leave; they
 come back when it answers again. Following starts with the first Envoy (no cost before:
-the EDS view waits for one) and stays; Envoy's first assignment waits until every other
-shard has answered once, at most `sync_timeout_s` (not a view with a shard missing, which
-would put the whole pool's load on the shards that answered first).
+the EDS view waits for one) and stops once no Envoy has followed this shard for
+`unfollow_after_s` (an Envoy reconnecting in between finds it still following); the next
+Envoy starts it again. Envoy's first assignment waits until every other shard has answered
+once, at most `sync_timeout_s` (not a view with a shard missing, which would put the whole
+pool's load on the shards that answered first).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ log = logging.getLogger("meshd.xds.eds_shards")
 
 STALE_AFTER_S = 30.0  # meshd control-plane --resource-ttl-s's default
 SYNC_TIMEOUT_S = 2.0
+UNFOLLOW_AFTER_S = 60.0  # no Envoy this long: stop following the other shards
 TICK_S = 0.1  # staleness and readiness are looked at this often
 
 
@@ -99,6 +102,9 @@ class ShardedEds:
 
     Deferred as EdsView is: changes mark pools dirty and call `on_change`; `flush()`
     (the control plane's, once per fan-out) writes the pools touched since.
+
+    `followed()` says whether an Envoy follows the view now (the control plane's streams);
+    with it, following stops after `unfollow_after_s` without one (None: it never stops).
     """
 
     def __init__(
@@ -113,6 +119,8 @@ class ShardedEds:
         backoff: Backoff | None = None,
         on_change: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
+        followed: Callable[[], bool] | None = None,
+        unfollow_after_s: float = UNFOLLOW_AFTER_S,
     ) -> None:
         self.cache = cache
         # The other shards; may be changed until `start` (a test's shards bind port 0).
@@ -132,6 +140,10 @@ class ShardedEds:
         self._own: dict[str, tuple[Resource, tuple[ShardEndpoint, ...]]] = {}
         self._started_at: float | None = None
         self._ready = False
+        self._followed = followed
+        self.unfollow_after_s = unfollow_after_s
+        self._alone_since: float | None = None  # since when no Envoy follows the view
+        self.stops = 0  # times following stopped for want of an Envoy
         self._task: asyncio.Task[None] | None = None
         self._unwatch = cache.watch(self._on_cache)
 
@@ -163,12 +175,38 @@ class ShardedEds:
         for sub in self._subs:
             sub.start()
         self._task = asyncio.ensure_future(self._watch_loop())
+        # This shard's pools, and (following again) those of the view it served last.
         self._dirty |= set(self.cache.resources(SHARD_CLA_TYPE))
+        self._dirty |= set(self.cache.resources(CLA_TYPE))
         log.info(
             "EDS over %d shards: following %s",
             len(self._subs) + 1,
             "; ".join(",".join(sub.targets) for sub in self._subs),
         )
+
+    async def unfollow_if_alone(self) -> bool:
+        """Stop following the other shards once no Envoy has followed the view for
+        `unfollow_after_s` (their channels closed, the view left as it was: nobody reads
+        it); returns whether it stopped. The watch loop calls it after each tick."""
+        if self._started_at is None or self._followed is None:
+            return False
+        now = self._clock()
+        if self._followed():
+            self._alone_since = None
+            return False
+        if self._alone_since is None:
+            self._alone_since = now
+        if now - self._alone_since < self.unfollow_after_s:
+            return False
+        subs, self._subs = self._subs, []
+        self._started_at = self._alone_since = None
+        self._ready = False
+        self._live = []
+        self.stops += 1
+        log.info("no Envoy for %.0f s: no longer following the other shards", self.unfollow_after_s)
+        for sub in subs:
+            await sub.close()
+        return True
 
     async def close(self) -> None:
         self._unwatch()
@@ -255,6 +293,9 @@ class ShardedEds:
         while True:
             await asyncio.sleep(min(TICK_S, self.stale_after_s / 4))
             self.tick()
+            if await self.unfollow_if_alone():
+                self._task = None  # this task; start() makes another
+                return
 
     def flush(self) -> None:
         """Write the merged assignment of every pool touched since the last flush (a pool

@@ -549,6 +549,8 @@ class _Stream:
             eds.flush()  # the view waits while no one follows it (ControlPlane._eds_wanted)
             shards = self.cp.eds_shards
             if shards is not None and type_url == CLA_TYPE:
+                if not shards.started:
+                    self._eds_ready_seen = False  # (again) not before they answered
                 shards.start()  # an Envoy: the other shards' engines join the view
                 shards.flush()
 
@@ -958,6 +960,7 @@ class ControlPlane:
         eds: bool = True,
         eds_shards: Sequence[Sequence[str]] = (),
         eds_shard_stale_s: float = 30.0,
+        eds_shard_unfollow_s: float = 60.0,
         shard_credentials: grpc.ChannelCredentials | None = None,
         clock: Callable[[], float] = time.monotonic,
         tracer_provider: Any = None,
@@ -966,7 +969,8 @@ class ControlPlane:
         `eds_shards`: the fleet's other control-plane shards (each its replicas'
         addresses); then the assignments are every shard's engines, the others' followed
         from the first Envoy on (xds/eds_shards.py; `shard_credentials` for their
-        channels), a shard unreachable for `eds_shard_stale_s` leaving them.
+        channels), a shard unreachable for `eds_shard_stale_s` leaving them; following
+        stops once no Envoy has followed this one for `eds_shard_unfollow_s`.
         `tracer_provider`: an OpenTelemetry TracerProvider (meshd.telemetry.setup_tracing);
         then each accepted or refused publish makes a SPAN_XDS_PUBLISH span and each
         response a SPAN_XDS_PUSH span, open until the client answers it (a NACK sets
@@ -987,6 +991,8 @@ class ControlPlane:
                 credentials=shard_credentials,
                 on_change=self._eds_shards_changed,
                 clock=clock,
+                followed=self._envoy_follows,
+                unfollow_after_s=eds_shard_unfollow_s,
             )
         elif eds:
             self.eds = EdsView(self.cache, deferred=True)
@@ -1149,6 +1155,10 @@ class ControlPlane:
         if self.eds_shards is not None and self.eds_shards.started:
             return True
         return any(CLA_TYPE in s.subs or SHARD_CLA_TYPE in s.subs for s in self._streams)
+
+    def _envoy_follows(self) -> bool:
+        """Whether a stream (an Envoy) follows the EDS view now."""
+        return any(CLA_TYPE in s.subs for s in self._streams)
 
     def eds_ready(self) -> bool:
         """Whether Envoy may have the EDS view: always, but with shards not before every
@@ -1458,6 +1468,7 @@ class ControlPlane:
                 task.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
             stream.end_spans()
+            await self._notify_waiters()  # a stream gone changes what predicates see
 
     async def _read(self, stream: _Stream, requests: AsyncIterator[Any]) -> None:
         async for req in requests:
