@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from filters.retry_budget import parse_retry_after
 from meshd.accounting import Accounting
 from meshd.admission_gate import AdmissionGate
 from meshd.context import Attempt, Plane, RequestContext
-from meshd.deadlines import Deadlines
+from meshd.deadlines import Deadlines, Timeout
 from meshd.disagg import Disaggregator, PrefillLeg, PrefillLegFailed, kv_fetch_failed, whole_body
 from meshd.fallback import move_before_trying
 from meshd.http_message import HttpRequest, Reply
@@ -230,23 +231,32 @@ class Attempts:
                 tries.failures.append(opened)
                 return _STOP
             leg = opened
-        attempt = self.start(ctx, route, tries.reason, overlap=leg is not None)
+        # The attempt is counted (router, guard) and its first-byte timer armed once its
+        # bytes are on their way (UpstreamPool.request's `sent`): nothing there decides
+        # where this request goes, so it waits until after the send (issue #22).
+        paired = leg is not None and self.pd is not None
+        attempt = self.start(ctx, route, tries.reason, overlap=leg is not None, count=paired)
         try:
             left = min(ctx.deadline, ctx.head_by) - loop.time()
             try:
-                async with self.deadlines.timeout(
-                    loop.time() + min(up_cfg.first_byte_timeout_s, left)
-                ):
+                with self.deadlines.timeout(
+                    loop.time() + min(up_cfg.first_byte_timeout_s, left), armed=paired
+                ) as timer:
                     if leg is not None and self.pd is not None:
                         upstream = await self.pd.send_pair(ctx, leg, attempt, url)
                     else:
-                        upstream = await plane.upstream.request(
-                            url,
-                            ctx.method,
-                            ctx.target,
-                            attempt.trace.inject_headers(ctx.upstream_headers),
-                            ctx.body,
-                        )
+                        try:
+                            upstream = await plane.upstream.request(
+                                url,
+                                ctx.method,
+                                ctx.target,
+                                attempt.trace.inject_headers(ctx.upstream_headers),
+                                ctx.body,
+                                functools.partial(self._sent, ctx, attempt, timer),
+                            )
+                        finally:
+                            if not attempt.counted:  # failed before its bytes left
+                                self.count(ctx, attempt)
             except PrefillLegFailed as exc:
                 # The pair's prefill leg failed first: the decode engine is not to blame.
                 # Both legs again, another prefill engine, within the retry budget.
@@ -378,11 +388,13 @@ class Attempts:
         pool: str | None = None,
         overlap: bool = False,
         pick: PickRequest | None = None,
+        count: bool = True,
     ) -> Attempt:
         """An attempt begins: the router and the guard count it in flight. `pool`: the
         pool the route is of, when not the request's (a prefill step). `overlap`: it runs
         beside the attempt before it (a pair's decode leg beside its prefill leg). `pick`:
-        what the router was asked for, when not ctx.pick (a prefill step's: one token)."""
+        what the router was asked for, when not ctx.pick (a prefill step's: one token).
+        `count=False`: the caller counts it later (`count`), once its bytes are sent."""
         plane = self.plane
         assert ctx.pick is not None
         pick = pick or ctx.pick
@@ -396,14 +408,28 @@ class Attempts:
             trace.kv_transfer(ctx.pd_transfers.get(route.url, ctx.pd.transfer_s))
         if reason != "resume":  # a continuation's prompt is not the text the pick estimated
             attempt.inference = ctx.inference
+        ctx.tried.add(route.url)
+        if count:
+            self.count(ctx, attempt)
+        else:
+            attempt.counted = False
+        return attempt
+
+    def _sent(self, ctx: RequestContext, attempt: Attempt, timer: Timeout) -> None:
+        timer.arm()
+        self.count(ctx, attempt)
+
+    def count(self, ctx: RequestContext, attempt: Attempt) -> None:
+        """The router and the guard count the attempt in flight (once)."""
+        attempt.counted = True
         now = time.monotonic()
-        router.started(route, attempt.rid, pick, now)
+        attempt.router.started(attempt.route, attempt.rid, attempt.pick, now)
+        guard = attempt.guard
         if guard is not None:
-            guard.started(route.url, attempt.rid, ctx.tokens, now, model=ctx.pick.model)
+            assert ctx.pick is not None
+            guard.started(attempt.route.url, attempt.rid, ctx.tokens, now, model=ctx.pick.model)
             if ctx.item_id is not None and (ev := guard.routed(ctx.item_id, now)) is not None:
                 self.gate.apply(ctx.pool, ev)  # the next held new task may be judged
-        ctx.tried.add(route.url)
-        return attempt
 
     @staticmethod
     def _leg_transfers(ctx: RequestContext, reason: str) -> bool:

@@ -80,6 +80,7 @@ class Attempt:
     first_token_at: float | None = None
     settled: bool = False
     inference: InferenceRequest | None = None  # the prompt usage.prompt_tokens counts
+    counted: bool = True  # the router and the guard count it in flight (Attempts.count)
 
     def engine_first_token(self, now: float) -> None:
         """The engine's first token came (a stream's, or a prefill step's whole answer):

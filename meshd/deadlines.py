@@ -57,9 +57,11 @@ class Deadlines:
         # The timer stays: it finds nothing due when it fires, and waits for what is left.
         self._entries.discard(entry)
 
-    def timeout(self, when: float) -> Timeout:
-        """An async context manager: TimeoutError if its body is still running at `when`."""
-        return Timeout(self, when)
+    def timeout(self, when: float, *, armed: bool = True) -> Timeout:
+        """A context manager (async, or plain `with` inside a task): TimeoutError if its
+        body is still running at `when`. `armed=False`: the deadline counts only from
+        `Timeout.arm()` on (a body that arms it once its first bytes are written)."""
+        return Timeout(self, when, armed)
 
     def close(self) -> None:
         """Forget every deadline and stop the timer."""
@@ -96,24 +98,35 @@ class Timeout:
     """`asyncio.timeout(when)` on a Deadlines set: the task is cancelled at `when`, and the
     cancellation leaves the block as TimeoutError; one from elsewhere stays what it was."""
 
-    __slots__ = ("_cancelling", "_deadlines", "_entry", "_expired", "_task", "_when")
+    __slots__ = ("_armed", "_cancelling", "_deadlines", "_entry", "_expired", "_task", "_when")
 
-    def __init__(self, deadlines: Deadlines, when: float) -> None:
+    def __init__(self, deadlines: Deadlines, when: float, armed: bool = True) -> None:
         self._deadlines = deadlines
         self._when = when
+        self._armed = armed
         self._entry: Deadline | None = None
         self._task: asyncio.Task[Any] | None = None
         self._cancelling = 0
         self._expired = False
 
-    async def __aenter__(self) -> Timeout:
+    def __enter__(self) -> Timeout:
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("Timeout should be used inside a task")
         self._task = task
         self._cancelling = task.cancelling()
-        self._entry = self._deadlines.add(self._when, self._expire)
+        if self._armed:
+            self._entry = self._deadlines.add(self._when, self._expire)
         return self
+
+    def arm(self) -> None:
+        """Start counting (a timeout made with `armed=False`, inside its block); once."""
+        if not self._armed and self._task is not None:
+            self._armed = True
+            self._entry = self._deadlines.add(self._when, self._expire)
+
+    async def __aenter__(self) -> Timeout:
+        return self.__enter__()
 
     async def __aexit__(
         self,
@@ -121,6 +134,15 @@ class Timeout:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._armed = True  # a late arm() finds the block left
         if self._entry is not None:
             self._deadlines.cancel(self._entry)
             self._entry = None

@@ -21,7 +21,7 @@ import asyncio
 import collections
 import contextlib
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -121,6 +121,7 @@ class UpstreamPool:
         target: str,
         headers: Sequence[tuple[str, str]],
         body: bytes,
+        sent: Callable[[], None] | None = None,
     ) -> UpstreamResponse:
         """Send one request; resolves when the response head has arrived.
 
@@ -131,6 +132,11 @@ class UpstreamPool:
         connection the server had closed (EOF or reset before any response byte) is
         retried once on a fresh one. Raises UpstreamConnectError (nothing was sent),
         UpstreamProtocolError or UpstreamClosedError; ValueError if a header holds CR/LF.
+
+        `sent` runs once, as soon as the bytes are written or, when a connection has to be
+        waited for, before that wait: the caller's bookkeeping of the request (what other
+        requests must see before their turn) leaves the way to the engine, without any
+        other request running in between. It does not run when this raises before either.
         """
         ep = self._endpoint(base_url)
         if self._closed:
@@ -138,9 +144,16 @@ class UpstreamPool:
         data = _encode_request(ep, method, target, headers, body)
         is_head = method == "HEAD"
         # An idle connection is taken without a coroutine; _acquire waits or connects.
-        conn = self._take_idle(ep) or await self._acquire(ep)
+        conn = self._take_idle(ep)
+        if conn is None:
+            if sent is not None:
+                sent()
+                sent = None
+            conn = await self._acquire(ep)
         head = conn.send(data, is_head)
         try:
+            if sent is not None:
+                sent()
             return await head
         except StaleConnection:
             conn.abort()  # the slot stays with us, for the retry below

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,9 +191,17 @@ class FakePool:
         self.waiting = asyncio.Event()  # set once a request waits on HANG
 
     async def request(
-        self, url: str, method: str, target: str, headers: list[tuple[str, str]], body: bytes
+        self,
+        url: str,
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        sent: Callable[[], None] | None = None,
     ) -> Any:
         self.sent.append(Sent(url, method, target, list(headers), body))
+        if sent is not None:
+            sent()  # as the pool does before it waits for a connection or an answer
         assert self.answers, f"an unexpected request to {url}"
         answer = self.answers.pop(0)
         if callable(answer):

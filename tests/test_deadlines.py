@@ -89,3 +89,21 @@ async def test_an_error_in_the_block_passes_through() -> None:
         async with d.timeout(loop.time() + 10):
             raise KeyError("x")
     assert len(d) == 0
+
+
+async def test_an_unarmed_timeout_counts_from_arm() -> None:
+    """`armed=False` (an attempt's first-byte timer, armed once its bytes are written): no
+    deadline until `arm()`; then the same TimeoutError; arm() after the block does nothing."""
+    loop = asyncio.get_running_loop()
+    d = Deadlines()
+    with d.timeout(loop.time(), armed=False) as t:
+        await asyncio.sleep(0.01)  # past its time, but not armed
+        assert len(d) == 0
+    assert not t.expired
+    t.arm()
+    assert len(d) == 0
+    never = loop.create_future()
+    with pytest.raises(TimeoutError), d.timeout(loop.time() + 0.02, armed=False) as t:
+        t.arm()
+        await never
+    assert t.expired and len(d) == 0

@@ -108,6 +108,37 @@ async def test_no_connection_moves_to_the_next_endpoint(failure: Any) -> None:
     assert layers.metric("meshd_retries_total", pool=POOL, reason="connect_error") == 1
 
 
+async def test_an_attempt_is_counted_once_its_bytes_leave() -> None:
+    """The router and the guard count an attempt in flight when the pool says its bytes
+    left (UpstreamPool.request's `sent`), not before (issue #22: their bookkeeping waits
+    until after the send); one that fails before (a header with CR/LF) is still counted,
+    then settled, once."""
+    counted_at_send: list[int] = []
+
+    class Pool(FakePool):
+        async def request(self, *args: Any, **kw: Any) -> Any:
+            counted_at_send.append(len(router.starts))
+            if len(counted_at_send) == 1:  # as the pool's encoding does: before any send
+                raise ValueError("CR, LF or space in a header")
+            return await super().request(*args, **kw)
+
+    pool = Pool(FakeUpstream(200))
+    layers, router, guard, _relay = setup(pool)
+    ctx = request_context(layers, DOC)
+    with pytest.raises(ValueError):
+        await layers.attempts.run(FakeRequest(), ctx)
+    assert counted_at_send == [0]
+    assert len(router.starts) == len(guard.starts) == 1
+    assert_settled_once(router, guard)
+
+    ctx = request_context(layers, DOC)
+    reply = await layers.attempts.run(FakeRequest(), ctx)
+    assert reply is not None and reply.status == 200
+    assert counted_at_send == [0, 1]  # the second attempt: not yet counted as it was sent
+    assert len(router.starts) == len(guard.starts) == 2
+    assert_settled_once(router, guard)
+
+
 async def test_503_with_retry_after_is_retried_on_another_endpoint() -> None:
     busy = FakeUpstream(503, [b'{"error":"busy"}'], headers=[("Retry-After", "0")])
     answer = FakeUpstream(200)

@@ -293,6 +293,29 @@ async def test_keepalive_reuse(web_server: Any, pool: UpstreamPool) -> None:
     assert (stats["opened"], stats["reused"], stats["idle"], stats["in_use"]) == (1, 5, 1, 0)
 
 
+async def test_sent_runs_once_after_the_write_or_before_a_wait(
+    web_server: Any, pool: UpstreamPool
+) -> None:
+    """`sent` (the caller's bookkeeping, issue #22): on an idle connection it runs after the
+    request was written; with none idle, before the wait for a new one; never when the
+    request fails before either."""
+    url, _ = await web_server(sse_app(sse_events(1)))
+    seen: list[tuple[int, int]] = []  # (connections opened, requests written) as it ran
+
+    def sent() -> None:
+        written = sum(c.requests for ep in pool._endpoints.values() for c in ep.live)
+        seen.append((pool.stats()["opened"], written))
+
+    for _ in range(2):
+        resp = await pool.request(url, "POST", "/v1/completions", [], b"{}", sent)
+        await read_all(resp)
+        resp.release()
+    assert seen == [(0, 0), (1, 2)]  # before connecting; after the second write
+    with pytest.raises(ValueError, match="CR, LF"):
+        await pool.request(url, "GET", "/", [("X", "a\r\nEvil: 1")], b"", sent)
+    assert len(seen) == 2
+
+
 async def test_stale_keepalive_retried_once(raw_server: Any, pool: UpstreamPool) -> None:
     """The first connection answers one request, then closes on the next without a byte:
     the race with a server's idle timeout. The client retries on a fresh connection."""
