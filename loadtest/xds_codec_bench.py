@@ -358,7 +358,8 @@ def bench_apply(n: int, rounds: int) -> dict[str, float]:
         r = msg.resources.add(name=f"engine-{i:05d}", version=f"{i:016x}")
         r.resource.type_url = TYPE_URL
         r.resource.value = engine_body(i, 1, time.monotonic())
-    resp = pb.DeltaDiscoveryResponse.FromString(msg.SerializeToString())  # as received
+    raw = msg.SerializeToString()  # as gRPC hands it to Subscriber._apply
+    resp = pb.DeltaDiscoveryResponse.FromString(raw)  # as the old path received it
     bodies = [r.resource.value for r in resp.resources]
     new = Subscriber("127.0.0.1:1", {TYPE_URL: None}, on_update=lambda u: None)
     old = Subscriber(
@@ -382,7 +383,7 @@ def bench_apply(n: int, rounds: int) -> dict[str, float]:
             "decode_old": each(_decode_endpoint_state_checked),
             "decode_new": each(decode_endpoint_state),
             "apply_old": lambda: _legacy_apply(old, resp),
-            "apply_new": lambda: new._apply(resp),
+            "apply_new": lambda: new._apply(raw),
         },
         rounds,
     )
