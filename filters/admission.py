@@ -368,7 +368,8 @@ class Admission:
             now >= self._blocked_until
             and len(self._in_flight) < self._capacity
             and (policy.max_in_flight is None or in_flight_here < policy.max_in_flight)
-            and not any(b.count for b in self._bands[band:])
+            # Nothing queued at all (the bands' counts sum to len(_queued)): no band scan.
+            and (not self._queued or not any(b.count for b in self._bands[band:]))
             and not (knee := band % 2 == 0 and self.past_knee(now))
         ):
             entry = _Entry(item, tenant, band, self._next_seq(), latest, queued=False)

@@ -74,8 +74,8 @@ class Intake:
         plane, acct = self.plane, self.acct
         started = asyncio.get_running_loop().time()
         kind = PATH_KINDS[req.path]
-        rejected = self._loop_detected(req)
-        if rejected is not None:
+        intercepted = self._intercepted_pool(req)  # asked once: loop detection and pool
+        if intercepted is not None and (rejected := self._loop_detected(req)) is not None:
             return rejected
         limit = plane.config.limits.max_concurrent_streams
         if self.active >= limit:
@@ -101,7 +101,7 @@ class Intake:
                 plane.metrics.stripped_headers.inc(len(routing.stripped))
             if routing.errors:
                 return acct.reject(400, "; ".join(routing.errors), "bad_routing_header")
-            pool = self._pool_for(req, inference.model)
+            pool = intercepted if intercepted is not None else self._pool_for(inference.model)
             if pool is None:
                 return acct.reject(
                     404,
@@ -112,9 +112,10 @@ class Intake:
             ctx = RequestContext(
                 kind, pool, started, trusted, req.method, req.target, inference, routing
             )
-            bad_cap = self.fallbacks.cost_cap(ctx, headers)
-            if bad_cap is not None:
-                return acct.reject(400, bad_cap, "bad_routing_header")
+            if pool in self.fallbacks.chains:  # else a cap would change nothing
+                bad_cap = self.fallbacks.cost_cap(ctx, headers)
+                if bad_cap is not None:
+                    return acct.reject(400, bad_cap, "bad_routing_header")
             self._hash_prompt(ctx)
             return await self._forward(req, ctx, headers, body)
         finally:
@@ -122,8 +123,8 @@ class Intake:
 
     async def passthrough(self, req: HttpRequest) -> Reply | None:
         """Any other path goes to the chosen pool unchanged (e.g. /tokenize)."""
-        rejected = self._loop_detected(req)
-        if rejected is not None:
+        intercepted = self._intercepted_pool(req)
+        if intercepted is not None and (rejected := self._loop_detected(req)) is not None:
             return rejected
         try:
             body = req.ready_body() or await req.read_body()
@@ -135,7 +136,7 @@ class Intake:
             self.plane.metrics.stripped_headers.inc(len(routing.stripped))
         if routing.errors:
             return self.acct.reject(400, "; ".join(routing.errors), "bad_routing_header")
-        pool = self._pool_for(req, None)
+        pool = intercepted if intercepted is not None else self._pool_for(None)
         assert pool is not None
         started = asyncio.get_running_loop().time()
         ctx = RequestContext("other", pool, started, trusted, req.method, req.target)
@@ -324,10 +325,9 @@ class Intake:
         return trusted
 
     def _loop_detected(self, req: HttpRequest) -> Reply | None:
-        """A request meshd already relayed, intercepted again by our own rules: the
-        sidecar's UID is not excluded from the REDIRECT. Refuse instead of looping."""
-        if self._intercepted_pool(req) is None:
-            return None
+        """A request meshd already relayed (intercepted: the caller asks only for those),
+        intercepted again by our own rules: the sidecar's UID is not excluded from the
+        REDIRECT. Refuse instead of looping."""
         if not any(VIA in v for v in req.header_all("via")):
             return None
         return self.acct.reject(
@@ -337,10 +337,8 @@ class Intake:
             "loop_detected",
         )
 
-    def _pool_for(self, req: HttpRequest, model: str | None) -> str | None:
-        pool = self._intercepted_pool(req)
-        if pool is not None:
-            return pool
+    def _pool_for(self, model: str | None) -> str | None:
+        """The pool serving `model` (an intercepted connection's pool is the caller's)."""
         cache = self._pool_cache
         if model in cache:
             return cache[model]

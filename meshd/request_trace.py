@@ -105,7 +105,7 @@ class RequestTrace:
         self._context: Context | None = None
         self._attempts: list[AttemptTrace] = []
         self._ttft_attempt: AttemptTrace | None = None
-        self._predicted: dict[str, int] | None = None
+        self._predicted: Sequence[RouteLike] | None = None  # the pick's routes
         self.pick_reason: str | None = None
         self.affinity_departure: str | None = None
         self.predicted_ttft_s: float | None = None  # the pick's, for the pool's demand
@@ -192,9 +192,9 @@ class RequestTrace:
         """The picker's answer, best first: the pick span names the chosen endpoint, its
         predicted cached tokens and TTFT, and the runner-up with its reason; each route's
         predicted cached tokens go with a later `attempt` on its URL."""
-        self._predicted = {
-            r.url: int(r.cached_tokens) for r in routes if r.cached_tokens is not None
-        }
+        # Kept as given: an attempt looks its URL up there (a dict made here cost a frame
+        # and a table per request before the send, for one or two lookups).
+        self._predicted = routes
         if routes:
             self.pick_reason = routes[0].reason
             self.predicted_ttft_s = routes[0].predicted_ttft_s
@@ -242,7 +242,9 @@ class RequestTrace:
         if gpu is None:
             gpu = self.observer.gpus.get(url)
         if predicted_cached_tokens is None and self._predicted is not None:
-            predicted_cached_tokens = self._predicted.get(url)
+            for r in self._predicted:  # the last route of `url` that predicted, as a dict
+                if r.url == url and r.cached_tokens is not None:
+                    predicted_cached_tokens = int(r.cached_tokens)
         a = AttemptTrace(self, len(self._attempts), url, gpu, now, reason, predicted_cached_tokens)
         self._attempts.append(a)
         tracer = self.observer._tracer
