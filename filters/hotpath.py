@@ -13,6 +13,7 @@ import os
 from filters import blockhash as _blockhash_py
 from filters import chunked as _chunked_py
 from filters import http_fields as _http_fields_py
+from filters import request_head as _request_head_py
 from filters import response_head as _response_head_py
 from filters import routing_headers as _routing_headers_py
 from filters import sse as _sse_py
@@ -26,6 +27,7 @@ ChunkedDecoder: type[_chunked_py.ChunkedDecoder] = _chunked_py.ChunkedDecoder
 parse_response_head = _response_head_py.parse_response_head
 read_request_fields = _http_fields_py.read_request_fields
 split_fields = _http_fields_py.split_fields
+read_simple_request = _request_head_py.read_simple_request
 IMPLEMENTATION = "python (forced by MESHD_PURE_PYTHON)"
 
 if not os.environ.get("MESHD_PURE_PYTHON"):
@@ -39,6 +41,7 @@ if not os.environ.get("MESHD_PURE_PYTHON"):
                 "_chunked_c",
                 "_response_head_c",
                 "_http_fields_c",
+                "_request_head_c",
             )
         ]
     except ImportError:
@@ -51,6 +54,7 @@ if not os.environ.get("MESHD_PURE_PYTHON"):
         parse_response_head = _compiled[4].parse_response_head
         read_request_fields = _compiled[5].read_request_fields
         split_fields = _compiled[5].split_fields
+        read_simple_request = _compiled[6].read_simple_request
         IMPLEMENTATION = "cython"
 
 __all__ = [
@@ -63,5 +67,6 @@ __all__ = [
     "parse_response_head",
     "parse_routing_headers",
     "read_request_fields",
+    "read_simple_request",
     "split_fields",
 ]

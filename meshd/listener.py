@@ -3,6 +3,11 @@ compatible), parsed by httptools (llhttp, the parser of Node.js). It frames requ
 responses and enforces the limits of the connection; what a request means is the
 handler's business (meshd/sidecar.py and the layers behind it).
 
+A read that holds exactly one request of the plainest shape (a known method, an ASCII
+head, a Content-Length body or none; what inference clients send) is read by one compiled
+call (filters/request_head.py) instead of llhttp's callbacks; it reads only what llhttp
+would read the same way, and leaves everything else, errors and limits included, to llhttp.
+
 Why not aiohttp's server: per request it builds a Request, a CIMultiDict of headers, a
 StreamReader for the body and a StreamResponse that runs three coroutine layers per write;
 `python -m loadtest.listener_bench` times both on the same requests. The client side is
@@ -40,7 +45,7 @@ from collections.abc import Callable
 
 import httptools
 
-from filters.hotpath import read_request_fields
+from filters.hotpath import read_request_fields, read_simple_request
 from meshd.http_message import (
     BodyError,
     Handler,
@@ -191,8 +196,22 @@ class _Connection(asyncio.Protocol):
         self._arm(self.limits.client_header_timeout_s, self._head_timeout)
 
     def data_received(self, data: bytes) -> None:
-        if self.closed or (self._close_when_idle and self._current is None and not self._queue):
-            return
+        if self.closed or self._close_when_idle:
+            if self.closed or (self._current is None and not self._queue):
+                return
+        elif self._parsing is None and not self._in_head:
+            # Between messages: a read that is exactly one plain request is read in one
+            # compiled call (filters/request_head.py), without llhttp's callbacks; any
+            # other bytes go to llhttp, which reads the same request where this does.
+            limits = self.limits
+            simple = read_simple_request(
+                data, limits.max_header_count, limits.max_header_bytes, limits.max_body_bytes
+            )
+            if simple is not None:
+                self._read_whole(*simple)
+                if len(self._queue) >= _MAX_QUEUED:
+                    self.pause_reading()
+                return
         if self._raw_body:
             data = self._take_raw_body(data)
             if not data:
@@ -285,6 +304,28 @@ class _Connection(asyncio.Protocol):
             self._queue.append(self._head_reply(self._head_error, len(self._headers)))
         else:
             self._queue_request(req, method)
+        if self._current is None:
+            self._disarm()
+            self._next()
+
+    def _read_whole(
+        self,
+        method: str,
+        target: str,
+        version: str,
+        headers: list[tuple[str, str]],
+        keep_alive: bool,
+        content_length: int | None,
+        body: bytes,
+    ) -> None:
+        """A whole plain request (the fast path of data_received): what llhttp's callbacks
+        would have done with it, from on_message_begin to on_message_complete."""
+        req = HttpRequest(self, method, target, version, headers, keep_alive)
+        req.content_length = content_length
+        if body:
+            req._feed(body)
+        req.complete = True
+        self._queue.append(req)
         if self._current is None:
             self._disarm()
             self._next()
