@@ -43,12 +43,39 @@ computed locally), a request is split when
    (else `transfer-slower`: shipping the prompt's KV would keep the decode engine waiting
    longer than computing the uncached part itself; a prompt mostly cached, or a slow link).
 At 50 GB/s and 128 KiB a token (2.6 us) against an H100's 36 us a token, rule 3 serves
-whole a prompt more than 93% cached; at 5 GB/s, more than 27%. Under SGLang's protocol
-every request that a prefill engine can take is split (its decode engines serve nothing
-whole). The transfer is also part of a split request's predicted TTFT: the prefill
-engine's predicted TTFT, then T, then the decode engine's wait (Picker.order_decode); in
-the decode leg's order each engine's own (P - C_e) is priced (`price_decode_routes`), so
-an engine that holds an earlier turn gets the KV sooner.
+whole a prompt more than 93% cached; at 5 GB/s, more than 27%. Then, where the decode
+pool's router predicts (meshd's picker; `prefer_whole`):
+4. the request goes whole (`faster-whole`) when the decode engine it would take whole is
+   predicted to give its first token sooner than the split (the best prefill engine's
+   predicted TTFT, its queue included, plus the decode leg's: the transfer and the wait
+   on the decode engine it would take) by more than
+       `faster_whole_margin_s` + `faster_whole_stall_weight` x r x W,
+   r the streams decoding on that engine and W the request's predicted TTFT there: its
+   prefill chunks stall each of those streams for about that long (a step of up to
+   max_num_batched_tokens of prefill between two of their tokens). A prefill pool that
+   queues so lends its overflow to the decode engines' compute, which decode leaves
+   idle, where the first token gained is worth the stall; a short prompt, or an engine
+   with few streams, needs less. Why (loadtest/pd_bench, 5 prefill + 3 decode H100s,
+   Mooncake's long prompts at 5/s, 2026-12-07): the prefill leg is ~95% of a split
+   request's TTFT at p90 (the decode leg, transfer and wait, 60-90 ms), and the prefill
+   pool runs at ~75% of its compute, so its queue makes the tail; meshd's prefill choice
+   already matched least-work-left routing (an FCFS model of the same arrivals on 5
+   engines: TTFT p90 1.53 s, round robin 2.02 s, 0.76x; measured 0.74-0.76x), so the
+   prefill choice alone could not reach 0.7x. Measured, TTFT p90 meshd / round robin,
+   ITL p99, requests whole: the rule off 0.74-0.76x, 21-22 ms, 0; margin 0.1 s and
+   stall weight 0.2 (the defaults) 0.56-0.63x, 27-44 ms, 12-14% (gaps over 200 ms 0.4%
+   of all); weight 0.1, 0.63x, 61 ms, 16% (0.8%); no stall term, margin 0.6 s, 0.62-0.64x,
+   48-90 ms, 14% (0.95%: at the ITL p99's cliff, where the stalled gaps pass 1%), margin
+   0.3 s, 325 ms (the aggregated fleet's ITL). The ledger's $ per successful task went
+   1.003x -> 1.004-1.006x aggregated meshd's (a few more shared prefixes missed: one
+   prefilled whole is cached on a decode engine, not in the prefill pool, for the next
+   request that shares it); the engines' busy GPU-seconds per task 0.85x -> 0.80-0.82x.
+
+Under SGLang's protocol every request that a prefill engine can take is split (its
+decode engines serve nothing whole). The transfer is also part of a split request's
+predicted TTFT: the prefill engine's predicted TTFT, then T, then the decode engine's wait
+(Picker.order_decode); in the decode leg's order each engine's own (P - C_e) is priced
+(`price_decode_routes`), so an engine that holds an earlier turn gets the KV sooner.
 """
 
 from __future__ import annotations
@@ -67,6 +94,8 @@ if TYPE_CHECKING:
 __all__ = [
     "BOOTSTRAP_FIELDS",
     "BOOTSTRAP_RETRY_S",
+    "FASTER_WHOLE_MARGIN_S",
+    "FASTER_WHOLE_STALL_WEIGHT",
     "KV_PARAMS",
     "MAX_NAMED_PREFILL",
     "MAX_ROOM",
@@ -84,6 +113,7 @@ __all__ = [
     "missing_tokens",
     "named_prefill_endpoints",
     "new_room",
+    "prefer_whole",
     "prefill_body",
     "price_decode_routes",
     "transfer_params",
@@ -100,6 +130,13 @@ KV_PARAMS = "kv_transfer_params"
 PREFILL_HEADERS = ("x-gateway-prefill-endpoints", "x-prefiller-host-port")
 # At most this many endpoints are read from one header (the rest are ignored).
 MAX_NAMED_PREFILL = 8
+# Rule 4's defaults (disaggregation.faster_whole_margin_s and faster_whole_stall_weight):
+# the least TTFT a request must gain whole on a decode engine (seconds: the predictions'
+# noise, and more than the transfer a split of an idle fleet pays), and what a second of
+# stall in each stream decoding there costs, in seconds of this request's TTFT (the
+# module's docstring has the measurements).
+FASTER_WHOLE_MARGIN_S = 0.1
+FASTER_WHOLE_STALL_WEIGHT = 0.2
 # SGLang: the fields its router adds, its default --disaggregation-bootstrap-port
 # (server_args.py), and the largest room (random.randint(0, 2**63 - 1) in mini_lb.py).
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
@@ -121,7 +158,7 @@ class Split:
     prefill engine's predicted TTFT (None: its router predicts none, or no engine)."""
 
     split: bool
-    reason: str  # split | short-prefill | transfer-slower | no-prefill-engine
+    reason: str  # split | short-prefill | transfer-slower | faster-whole | no-prefill-engine
     uncached_tokens: int
     transfer_s: float
     prefill_ttft_s: float | None = None
@@ -175,6 +212,35 @@ def decide_split(
     ):
         return Split(False, "transfer-slower", uncached, transfer_s, prefill_ttft_s, b)
     return Split(True, "split", uncached, transfer_s, prefill_ttft_s, b)
+
+
+def prefer_whole(
+    split: Split,
+    whole_ttft_s: float | None,
+    margin_s: float | None,
+    *,
+    streams: float = 0.0,
+    stall_weight: float = 0.0,
+) -> Split:
+    """Rule 4 (the module's docstring): `split`, or, when the request served whole on the
+    decode pool (its predicted TTFT `whole_ttft_s` on the engine it would take, where
+    `streams` are decoding) would have its first token sooner than split (the prefill's
+    predicted TTFT plus the decode leg's, split.prefill_ttft_s + split.decode_ttft_s) by
+    more than `margin_s` + `stall_weight` x streams x whole_ttft_s, the same answer
+    served whole with reason `faster-whole`. Unchanged when it is not a split, when any
+    of the three predictions is missing, or when `margin_s` is None (the rule is off)."""
+    if (
+        not split.split
+        or margin_s is None
+        or whole_ttft_s is None
+        or split.prefill_ttft_s is None
+        or split.decode_ttft_s is None
+    ):
+        return split
+    gain = split.prefill_ttft_s + split.decode_ttft_s - whole_ttft_s
+    if gain > margin_s + stall_weight * streams * whole_ttft_s:
+        return replace(split, split=False, reason="faster-whole")
+    return split
 
 
 def named_prefill_endpoints(headers: Iterable[tuple[str, str]]) -> tuple[str, ...]:

@@ -24,7 +24,10 @@ Routers: `routing.policy: meshd` and `round-robin` (which then also picks both l
 prefill step, then the decode step with its kv_transfer_params; the default) or `sglang`
 (SGLang's: the request with bootstrap_host/port/room to a prefill and a decode engine at
 once; every request is split, so `--min-prefill-tokens` does not apply); the engines speak
-the same one (EngineSpec.pd_protocol).
+the same one (EngineSpec.pd_protocol). `--faster-whole-margin` (simulated seconds, scaled
+to the sidecar's wall clock as below; `off`) and `--faster-whole-stall-weight` set the
+decider's rule 4 (filters/disagg.py: a request the prefill pool would keep waiting goes
+whole to a decode engine), meshd's defaults unless given.
 
 The engines run at `--engine-time-scale` simulated seconds per wall second (0.5: half
 as fast as a real GPU), so that the two shared cores that run the engines, the
@@ -41,7 +44,9 @@ benchmark does), success rate (HTTP 200 and a stream ending in [DONE]), $ per su
 task from the sidecar's access log through the cost ledger (filters/cost_ledger.py,
 elastic view; both legs of a split request are attempts there; a request is a task), the
 engines' own busy GPU-seconds (/admin/state busy_time) priced alike as a cross-check, the
-share of requests split (access log `pd`, and meshd_pd_requests_total), KV transfer refusals
+share of requests split (access log `pd`, and meshd_pd_requests_total), a split request's
+TTFT by leg (p50/p90 of the prefill leg, arrival to the prefill step's answer, and of the
+decode leg, that to the first token: the access log's attempts[].ttft_s), KV transfer refusals
 (the engines' meshd_sim:kv_fetch_refused_total), the prefix hit rate (the prefill step's
 cached tokens for a split request). Beside them the TTFT floor (loadtest/bench/floor.py:
 each request alone on an idle engine that holds every earlier prompt; on the split fleet
@@ -115,6 +120,9 @@ class PDBenchSettings:
     gpu: str = "H100"
     engine_time_scale: float = 0.5
     min_prefill_tokens: int | None = None  # None: the config's default
+    # The decider's rule 4 margin, simulated seconds: "default" meshd's, None off.
+    faster_whole_margin_s: float | str | None = "default"
+    faster_whole_stall_weight: float | None = None  # None: meshd's default
     kv_link_gb_per_s: float = 50.0
     protocol: str = "vllm-nixl"  # the split fleet's: vllm-nixl | sglang
     concurrency: int = 1024
@@ -134,6 +142,14 @@ class PDBenchSettings:
             raise ValueError(f"protocol: one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
         if self.protocol == "sglang" and self.min_prefill_tokens is not None:
             raise ValueError("min_prefill_tokens: not with protocol sglang (every request splits)")
+        margin = self.faster_whole_margin_s
+        if isinstance(margin, str) and margin != "default":
+            raise ValueError(f"faster_whole_margin_s: seconds, 'default' or None, got {margin!r}")
+        if isinstance(margin, float | int) and margin < 0:
+            raise ValueError("faster_whole_margin_s: must be >= 0")
+        weight = self.faster_whole_stall_weight
+        if weight is not None and weight < 0:
+            raise ValueError("faster_whole_stall_weight: must be >= 0")
 
 
 # ---- the workload ----------------------------------------------------------------------
@@ -409,6 +425,10 @@ def pools_config(
     dis: dict[str, object] = {"prefill_pool": "prefill", "kv_link_gb_per_s": s.kv_link_gb_per_s}
     if s.min_prefill_tokens is not None:
         dis["min_prefill_tokens"] = s.min_prefill_tokens
+    if s.protocol != "sglang":
+        dis["faster_whole_margin_s"] = faster_whole_margin(s)
+        if s.faster_whole_stall_weight is not None:  # a ratio of seconds: not scaled
+            dis["faster_whole_stall_weight"] = s.faster_whole_stall_weight
     prefill = [endpoint_entry(e) for e in engines[: run.prefill]]
     if s.protocol == "sglang":
         dis["protocol"] = "sglang"
@@ -461,6 +481,22 @@ def pd_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def faster_whole_margin(s: PDBenchSettings) -> float | None:
+    """The decode pool's disaggregation.faster_whole_margin_s on the sidecar's wall clock
+    (its predicted TTFTs are learnt there, where the engines run 1 / time_scale times
+    slower): the setting's simulated seconds (meshd's default when "default") / the time
+    scale; None: the rule off."""
+    from meshd.config_schema import Disaggregation
+
+    margin = s.faster_whole_margin_s
+    if margin == "default":
+        margin = Disaggregation.model_fields["faster_whole_margin_s"].default
+    if margin is None:
+        return None
+    assert not isinstance(margin, str)
+    return float(margin) / s.engine_time_scale
+
+
 def admission_times(time_scale: float) -> dict[str, float]:
     """meshd's admission time constants (its defaults) in the engines' simulated time: the
     picker's predicted waits are calibrated on the wall clock, where the engines run
@@ -487,6 +523,26 @@ class RunResult:
     wall_s: float
     engines: list[dict[str, Any]]
     pd_metric: dict[str, float]
+
+    def legs(self, scale: float) -> dict[str, float | None]:
+        """A split request's TTFT by leg, in simulated seconds, from the access log: the
+        prefill leg (arrival to the prefill step's answer, its attempt's ttft_s) and the
+        decode leg (that to the first token: the transfer and the decode engine's wait);
+        p50 and p90 over the split requests that streamed a token."""
+        pre: list[float] = []
+        dec: list[float] = []
+        for r in self.records:
+            if r.pd != "split" or r.ttft_s is None:
+                continue
+            steps = [a.ttft_s for a in r.attempts if a.reason == "prefill" and a.ttft_s]
+            if steps:
+                pre.append(steps[-1] * scale)
+                dec.append((r.ttft_s - steps[-1]) * scale)
+        return {
+            f"{leg}_leg_p{q}_s": percentile(xs, q / 100)
+            for leg, xs in (("prefill", pre), ("decode", dec))
+            for q in (50, 90)
+        }
 
     def figures(self, s: PDBenchSettings) -> dict[str, Any]:
         n = len(self.outcomes)
@@ -546,6 +602,7 @@ class RunResult:
             "logged": len(self.records),
             "pd": dict(pd),
             "split_share": split / len(self.records) if self.records else 0.0,
+            **self.legs(s.engine_time_scale),
             "pd_metric": self.pd_metric,
             "attempts": dict(sorted(attempts.items())),
             "kv_fetch_refused": dict(refused),
@@ -738,6 +795,7 @@ def header_lines(s: PDBenchSettings, w: Workload) -> list[str]:
         f"{splits}; KV link {s.kv_link_gb_per_s:g} GB/s; protocol {s.protocol}; "
         f"min_prefill_tokens "
         f"{'default' if s.min_prefill_tokens is None else s.min_prefill_tokens}; "
+        f"faster_whole_margin_s {_margin_text(s)}; "
         "a fresh fleet and sidecar per run",
     ]
 
@@ -756,8 +814,14 @@ async def run_bench(s: PDBenchSettings, out: Path) -> dict[str, Any]:
         f = res.figures(s)
         print(
             f"  {spec.name}: {f['ok']}/{f['requests']} ok, TTFT p90 {sms(f['ttft_p90_s'])} ms, "
-            f"ITL p99 {sms(f['itl_p99_s'])} ms, split {f['split_share']:.0%}, "
-            f"{res.wall_s:.0f} s wall",
+            f"ITL p99 {sms(f['itl_p99_s'])} ms, split {f['split_share']:.0%}"
+            + (
+                f" (legs p90: prefill {sms(f['prefill_leg_p90_s'])}, decode "
+                f"{sms(f['decode_leg_p90_s'])} ms)"
+                if f["prefill_leg_p90_s"] is not None
+                else ""
+            )
+            + f", {res.wall_s:.0f} s wall",
             file=sys.stderr,
             flush=True,
         )
@@ -862,6 +926,18 @@ def parse_args(argv: Sequence[str] | None) -> tuple[PDBenchSettings, argparse.Na
         default=None,
         help="the decode pool's disaggregation.min_prefill_tokens (default: meshd's)",
     )
+    p.add_argument(
+        "--faster-whole-margin",
+        default="default",
+        help="the decode pool's disaggregation.faster_whole_margin_s in simulated seconds "
+        "(scaled to the sidecar's wall clock), 'off', or 'default' (meshd's)",
+    )
+    p.add_argument(
+        "--faster-whole-stall-weight",
+        type=float,
+        default=None,
+        help="the decode pool's disaggregation.faster_whole_stall_weight (default: meshd's)",
+    )
     p.add_argument("--kv-link", type=float, default=d.kv_link_gb_per_s, help="GB/s (50)")
     p.add_argument(
         "--protocol",
@@ -889,6 +965,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[PDBenchSettings, argparse.Na
             gpu=args.gpu.upper(),
             engine_time_scale=args.engine_time_scale,
             min_prefill_tokens=args.min_prefill_tokens,
+            faster_whole_margin_s=_margin_arg(args.faster_whole_margin),
+            faster_whole_stall_weight=args.faster_whole_stall_weight,
             kv_link_gb_per_s=args.kv_link,
             protocol=args.protocol,
             concurrency=args.concurrency,
@@ -900,6 +978,28 @@ def parse_args(argv: Sequence[str] | None) -> tuple[PDBenchSettings, argparse.Na
     except ValueError as exc:
         p.error(str(exc))
     return s, args
+
+
+def _margin_text(s: PDBenchSettings) -> str:
+    if s.protocol == "sglang":
+        return "n/a"
+    m = faster_whole_margin(s)
+    if m is None:
+        return "off"
+    w = s.faster_whole_stall_weight
+    return f"{m * s.engine_time_scale:g} s (simulated), stall weight " + (
+        "default" if w is None else f"{w:g}"
+    )
+
+
+def _margin_arg(text: str) -> float | str | None:
+    if text in ("default", "off"):
+        return None if text == "off" else text
+    try:
+        return float(text)
+    except ValueError:
+        what = f"--faster-whole-margin: seconds, 'off' or 'default', got {text!r}"
+        raise ValueError(what) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

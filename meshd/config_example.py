@@ -27,7 +27,9 @@ pools:
     max_cost_usd: null         # predicted $ over which a request goes to the first fallback
     role: both                 # or prefill (runs decode pools' prefill steps), or decode:
     disaggregation: null       # {prefill_pool: p, min_prefill_tokens: 256, kv_link_gb_per_s: 50,
-                               #  kv_bytes_per_token: null (the GPU profile's, 131072)} for a
+                               #  kv_bytes_per_token: null (the GPU profile's, 131072),
+                               #  faster_whole_margin_s: 0.1, faster_whole_stall_weight: 0.2
+                               #  (whole when that is sooner: filters/disagg.py rule 4)} for a
                                #  decode pool; protocol: vllm-nixl (default) or sglang
                                #  (SGLang's bootstrap rooms, every request split; the port a
                                #  prefill engine's /server_info says, else bootstrap_port:

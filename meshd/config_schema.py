@@ -18,6 +18,8 @@ from pydantic import (
     model_validator,
 )
 
+from filters.disagg import FASTER_WHOLE_MARGIN_S, FASTER_WHOLE_STALL_WEIGHT
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -151,6 +153,14 @@ class Disaggregation(_Strict):
     # Uncached prompt tokens (the prefill pool's predicted prefix hit taken off) under which
     # a request is served whole on the decode pool: a short prefill is not worth a transfer.
     min_prefill_tokens: int = Field(default=256, ge=0)
+    # A request the decider would split is served whole on this pool instead when the
+    # decode engine it would take is predicted to give its first token sooner than the
+    # split (the prefill pool's queue and prefill, the transfer and the decode leg's wait)
+    # by more than margin_s + stall_weight x the streams decoding there x its predicted
+    # TTFT there (the stall its prefill puts into each); filters/disagg.py rule 4. A null
+    # margin: never for that reason.
+    faster_whole_margin_s: float | None = Field(default=FASTER_WHOLE_MARGIN_S, ge=0)
+    faster_whole_stall_weight: float = Field(default=FASTER_WHOLE_STALL_WEIGHT, ge=0)
     # The KV link between this pool's engines and its prefill pool's (the pair of pools), in
     # gigaBYTES per second (one 400 Gb/s RDMA NIC per GPU, as on a DGX H100, moves 50 GB/s):
     # a transfer takes prompt tokens x kv_bytes_per_token / this, counted in the decider
@@ -163,12 +173,13 @@ class Disaggregation(_Strict):
 
     @model_validator(mode="after")
     def _protocol(self) -> Disaggregation:
-        default = type(self).model_fields["min_prefill_tokens"].default
-        if self.protocol == "sglang" and self.min_prefill_tokens != default:
-            raise ValueError(
-                "min_prefill_tokens: not with protocol sglang (SGLang's decode engines refuse "
-                "a request without a bootstrap room, so every request is split)"
-            )
+        fields = type(self).model_fields
+        for name in ("min_prefill_tokens", "faster_whole_margin_s", "faster_whole_stall_weight"):
+            if self.protocol == "sglang" and getattr(self, name) != fields[name].default:
+                raise ValueError(
+                    f"{name}: not with protocol sglang (SGLang's decode engines refuse a "
+                    "request without a bootstrap room, so every request is split)"
+                )
         if self.protocol != "sglang" and self.bootstrap_port is not None:
             raise ValueError("bootstrap_port: only with protocol sglang")
         return self

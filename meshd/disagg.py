@@ -77,6 +77,7 @@ from filters.disagg import (
     leg_answer,
     missing_tokens,
     named_prefill_endpoints,
+    prefer_whole,
     prefill_body,
     price_decode_routes,
     transfer_params,
@@ -255,7 +256,9 @@ class Disaggregator:
         )
         if named and best is not None:
             split = dataclasses.replace(split, split=True, reason="picker")
-        if split.split and ctx.hold_refusal:
+        elif split.split and not sglang and cfg.faster_whole_margin_s is not None:
+            split = self._faster_whole(ctx, split, now)
+        if split.split and ctx.hold_refusal and split.decode_ttft_s is None:
             split = self._with_decode_leg(ctx, split, now)
         ctx.pd = split
         if sglang:
@@ -280,6 +283,33 @@ class Disaggregator:
             split,
             decode_ttft_s=best.predicted_ttft_s,
             decode_cost_usd=best.choice.predicted_cost_usd,
+        )
+
+    def _faster_whole(self, ctx: RequestContext, split: Split, now: float) -> Split:
+        """The decider's rule 4 (filters/disagg.py prefer_whole): the split's predicted TTFT,
+        both legs (`_with_decode_leg`), against the request's on the engine of this pool it
+        would take whole (its order, recording nothing, screened by the pool's guard as
+        the attempts will screen it; skips are counted by the attempts, not here), and the
+        streams decoding there."""
+        cfg = self.pools[ctx.pool]
+        router = self.plane.routers[ctx.pool]
+        if cfg is None or split.prefill_ttft_s is None or not isinstance(router, PickerRouter):
+            return split
+        pick = ctx.pick
+        assert pick is not None
+        split = self._with_decode_leg(ctx, split, now)
+        routes = router.order(pick, now, record=False)
+        guard = self.plane.guards[ctx.pool]
+        whole = guard.screen(routes, ctx.tokens, pick.priority, time.monotonic()).routes
+        best = whole[0] if whole else None
+        if best is None or best.choice is None:
+            return split
+        return prefer_whole(
+            split,
+            best.predicted_ttft_s,
+            cfg.faster_whole_margin_s,
+            streams=best.choice.state.running(now),
+            stall_weight=cfg.faster_whole_stall_weight,
         )
 
     def _whole(self, ctx: RequestContext, split: Split) -> None:
@@ -663,8 +693,12 @@ def _prefilled(attempt: Attempt) -> None:
     queue taken to drain by the clock) and its TTFT is a calibration sample and the token
     breaker's outlier test. Not the request's TTFT: its trace is not told (the client's
     first token comes from the decode leg). A leg of SGLang's answers once its KV was
-    fetched: its sample holds the transfer too."""
+    fetched: its sample holds the transfer too. The attempt's own record notes it (the
+    access log's attempts[].ttft_s: when the prefill leg's one token came, from the
+    request's arrival), so each leg's share of the request's TTFT can be read there."""
     attempt.engine_first_token(time.monotonic())
+    if attempt.trace.first_token_at is None:  # the trace's clock is the loop's
+        attempt.trace.first_token_at = asyncio.get_running_loop().time()
 
 
 def kv_fetch_failed(status: int, body: bytes) -> bool:

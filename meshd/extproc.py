@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from filters.disagg import PREFILL_HEADERS
+from filters.disagg import FASTER_WHOLE_MARGIN_S, FASTER_WHOLE_STALL_WEIGHT, PREFILL_HEADERS
 from filters.pool_router import POLICIES, EndpointSpec, PoolRouter
 from meshd.extproc_messages import (
     DESTINATION_HEADER,
@@ -152,6 +152,19 @@ def endpoint_spec(text: str) -> EndpointSpec:
     return EndpointSpec(f"http://{addr}", gpu=gpu or None)
 
 
+def _margin(text: str) -> float | None:
+    """--faster-whole-margin-s: seconds >= 0, or 'off'."""
+    if text == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seconds or 'off', got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "picker",
@@ -190,6 +203,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=int,
         default=256,
         help="uncached prompt tokens under which a request is served whole (default %(default)s)",
+    )
+    pd.add_argument(
+        "--faster-whole-margin-s",
+        type=_margin,
+        default=FASTER_WHOLE_MARGIN_S,
+        help="serve a request whole when a decode endpoint is predicted to give its first "
+        "token sooner than the split by more than this many seconds...; 'off': never "
+        "(default %(default)s)",
+    )
+    pd.add_argument(
+        "--faster-whole-stall-weight",
+        type=float,
+        default=FASTER_WHOLE_STALL_WEIGHT,
+        help="...plus this x the streams decoding on that endpoint x its predicted TTFT "
+        "there (the stall its prefill puts into them) (default %(default)s)",
     )
     pd.add_argument(
         "--kv-link-gb-per-s",
@@ -255,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
             min_prefill_tokens=args.min_prefill_tokens,
             kv_link_gb_per_s=args.kv_link_gb_per_s,
             kv_bytes_per_token=args.kv_bytes_per_token,
+            faster_whole_margin_s=args.faster_whole_margin_s,
+            faster_whole_stall_weight=args.faster_whole_stall_weight,
         )
         if args.prefill_endpoint
         else None,

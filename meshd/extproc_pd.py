@@ -4,7 +4,9 @@ request the picker decides as the sidecar does (filters/disagg.py `decide_split`
 prefill pool ordered for the prefill leg alone, one output token, recording nothing), then
 orders the decode endpoints: for the decode leg (Picker.order_decode: KV headroom, decode
 load and ITL, the transfer in each predicted TTFT) when it splits, as any request when it
-does not.
+does not (rule 4, `faster-whole`, included: a split predicted to give its first token later
+than the request whole on a decode endpoint, by more than the margin and the stall its
+prefill would put into the streams decoding there, is served whole).
 
 The answer is the Gateway API Inference Extension's P/D protocol, as llm-d's endpoint
 picker speaks it (its disagg profile handler and prefill header handler): the destination
@@ -30,7 +32,14 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from filters.disagg import Split, decide_split, price_decode_routes
+from filters.disagg import (
+    FASTER_WHOLE_MARGIN_S,
+    FASTER_WHOLE_STALL_WEIGHT,
+    Split,
+    decide_split,
+    prefer_whole,
+    price_decode_routes,
+)
 from filters.gpu import GpuTable
 from filters.picker import PickRequest
 from filters.pool_router import (
@@ -54,12 +63,19 @@ class PdSettings:
     min_prefill_tokens: int = 256
     kv_link_gb_per_s: float = 50.0
     kv_bytes_per_token: int | None = None  # None: the prefill engine's GPU profile's
+    # The decider's rule 4 (filters/disagg.py prefer_whole; the sidecar's
+    # disaggregation.faster_whole_*, their defaults); a None margin: off.
+    faster_whole_margin_s: float | None = FASTER_WHOLE_MARGIN_S
+    faster_whole_stall_weight: float = FASTER_WHOLE_STALL_WEIGHT
 
     def __post_init__(self) -> None:
         if not self.prefill_endpoints:
             raise ValueError("at least one prefill endpoint")
         if self.min_prefill_tokens < 0 or not self.kv_link_gb_per_s > 0:
             raise ValueError("min_prefill_tokens must be >= 0 and kv_link_gb_per_s > 0")
+        margin = self.faster_whole_margin_s
+        if (margin is not None and margin < 0) or self.faster_whole_stall_weight < 0:
+            raise ValueError("faster_whole_margin_s and faster_whole_stall_weight must be >= 0")
         if self.kv_bytes_per_token is not None and self.kv_bytes_per_token < 1:
             raise ValueError("kv_bytes_per_token must be >= 1")
 
@@ -114,8 +130,38 @@ class PrefillPlanner:
             prefill_ttft_s=best.predicted_ttft_s if best is not None else None,
             decode_cached_tokens=max(cached_tokens(decode, pick, now).values(), default=None),
         )
+        if split.split and cfg.faster_whole_margin_s is not None and best is not None:
+            split = self._faster_whole(decode, pick, split, now)
         chosen = tuple(routes[: max(1, names)]) if split.split else ()
         return PdPlan(split, chosen, leg)
+
+    def _faster_whole(
+        self, decode: PoolRouter, pick: PickRequest, split: Split, now: float
+    ) -> Split:
+        """Rule 4, as the sidecar's decider applies it: the split's predicted TTFT (the
+        prefill's, then the decode leg's on the decode endpoint it would take) against the
+        request's on the endpoint it would take whole (both orders recording nothing)."""
+        legs = self.order_decode(decode, pick, split, now)
+        if not legs or legs[0].choice is None:
+            return split  # a balancer predicts nothing
+        split = dataclasses.replace(
+            split,
+            decode_ttft_s=legs[0].predicted_ttft_s,
+            decode_cost_usd=legs[0].choice.predicted_cost_usd,
+        )
+        whole = [r for r in decode.order(pick, now, record=False) if r.choice is not None]
+        if not whole:
+            return split
+        best = whole[0]
+        assert best.choice is not None
+        cfg = self.settings
+        return prefer_whole(
+            split,
+            best.predicted_ttft_s,
+            cfg.faster_whole_margin_s,
+            streams=best.choice.state.running(now),
+            stall_weight=cfg.faster_whole_stall_weight,
+        )
 
     def order_decode(
         self, decode: PoolRouter, pick: PickRequest, split: Split, now: float

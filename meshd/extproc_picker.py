@@ -40,7 +40,7 @@ from meshd.extproc_messages import (
 )
 from meshd.extproc_pd import PdSettings, PrefillPlanner
 from meshd.extproc_spans import continue_trace, end_span, reject_span, start_span
-from meshd.telemetry import EVENT_FIRST_TOKEN
+from meshd.telemetry import ATTR_KV_TRANSFER_S, EVENT_FIRST_TOKEN
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
@@ -98,6 +98,29 @@ class Decision:
     # Prefill/decode: the decider's answer and the prefill endpoints named (() when whole).
     pd: Split | None = None
     prefill: tuple[Route, ...] = ()
+
+
+# The decision span's P/D attributes (only for a disaggregated pool): split, or
+# whole:<the decider's reason> (the access log's `pd`); the prefill endpoints named, first
+# to try first; the prefill engine's predicted TTFT; and the predicted KV transfer.
+ATTR_PD = "meshd.pd"
+ATTR_PD_PREFILL_ENDPOINTS = "meshd.pd.prefill_endpoints"
+ATTR_PD_PREFILL_TTFT_S = "meshd.pd.prefill_predicted_ttft_s"
+
+
+def pd_attributes(split: Split, prefill: tuple[Route, ...]) -> dict[str, Any]:
+    """The span attributes of a P/D decision: what was decided and, split, where the
+    prefill goes and what it is predicted to take."""
+    if not prefill:
+        return {ATTR_PD: f"whole:{split.reason}"}
+    attrs: dict[str, Any] = {
+        ATTR_PD: "split",
+        ATTR_PD_PREFILL_ENDPOINTS: [host_port(r.url) for r in prefill],
+        ATTR_KV_TRANSFER_S: split.transfer_s,
+    }
+    if split.prefill_ttft_s is not None:
+        attrs[ATTR_PD_PREFILL_TTFT_S] = split.prefill_ttft_s
+    return attrs
 
 
 @dataclass
@@ -347,6 +370,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             self.decision_s.append(decided)
         if self.tracer is not None:
             s.span = start_span(self.tracer, kind, inference, routing, s.decision)
+            if plan is not None:
+                s.span.set_attributes(pd_attributes(plan.split, prefill))
         if self.on_decision is not None:
             self.on_decision(s.decision)
         mutation = pb.HeaderMutation(set_headers=[set_header(DESTINATION_HEADER, value)])

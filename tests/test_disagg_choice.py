@@ -7,13 +7,17 @@ server info."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from filters.blockhash import block_hashes
 from filters.disagg import (
     BootstrapPorts,
+    Split,
     bootstrap_port_of,
     decide_split,
+    prefer_whole,
     transfer_seconds,
 )
 from filters.gpu import GPUS, GpuTable
@@ -199,6 +203,38 @@ def test_a_prompt_the_decode_engine_holds_is_finished_there(
     )
     assert (got.split, got.reason) == (split, reason)
     assert got.uncached_tokens == 16_000
+
+
+@pytest.mark.parametrize(
+    ("whole_ttft", "margin", "split", "reason"),
+    [
+        (0.5, 0.5, False, "faster-whole"),  # 0.75 s sooner whole: more than the margin
+        (0.75, 0.5, True, "split"),  # the edge: 0.5 s sooner is not more than 0.5
+        (0.875, 0.5, True, "split"),  # 0.375 s sooner: not worth the decode engine's stall
+        (0.0, None, True, "split"),  # the rule is off
+        (None, 0.5, True, "split"),  # nothing predicted whole (no engine, or a balancer)
+    ],
+)
+def test_a_queued_prefill_pool_lends_its_overflow_to_the_decode_engines(
+    whole_ttft: float | None, margin: float | None, split: bool, reason: str
+) -> None:
+    # Rule 4: the split's TTFT is both legs' (the prefill's 1 s, its queue included, and
+    # the decode leg's 0.25 s: the transfer and the wait there); the request goes whole
+    # when its first token on the decode engine it would take whole comes more than the
+    # margin sooner.
+    planned = Split(True, "split", 16_000, 0.042, 1.0, 131_072, decode_ttft_s=0.25)
+    got = prefer_whole(planned, whole_ttft, margin)
+    assert (got.split, got.reason) == (split, reason)
+    assert got.transfer_s == planned.transfer_s and got.decode_ttft_s == 0.25
+
+
+def test_rule_4_needs_both_legs_predicted_and_leaves_a_whole_answer_alone() -> None:
+    short = Split(False, "short-prefill", 100, 0.001, 0.2, 131_072, decode_ttft_s=0.1)
+    assert prefer_whole(short, 0.0, 0.0) is short
+    for missing in ({"prefill_ttft_s": None}, {"decode_ttft_s": None}):
+        planned = Split(True, "split", 16_000, 0.042, 1.1, 131_072, decode_ttft_s=0.1)
+        planned = dataclasses.replace(planned, **missing)  # type: ignore[arg-type]
+        assert prefer_whole(planned, 0.0, 0.0) is planned
 
 
 def test_sglang_splits_whatever_the_transfer_costs() -> None:

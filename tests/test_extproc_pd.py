@@ -260,3 +260,65 @@ def test_the_prefill_header_is_read_in_order_with_limits() -> None:
     assert named_prefill_endpoints(headers) == ("10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80")
     many = ",".join(f"10.0.0.{i}:80" for i in range(20))
     assert len(named_prefill_endpoints([("x-prefiller-host-port", many)])) == MAX_NAMED_PREFILL
+
+
+def _pd_picker(tracer: Any = None, **pd: Any) -> Any:
+    from meshd.extproc_picker import EndpointPicker
+
+    settings = PickerSettings(
+        endpoints=(endpoint_spec("10.0.1.1:8000=H100"),),
+        pd=PdSettings((endpoint_spec("10.0.0.1:8000=H100"), endpoint_spec("10.0.0.2:8000=H100")),
+                      min_prefill_tokens=64, **pd),
+    )  # fmt: skip
+    return EndpointPicker(settings, tracer=tracer)
+
+
+def _decide_pd(p: Any, content: str) -> Any:
+    import json as _json
+
+    from meshd.extproc_picker import _Stream
+
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 64}
+    s = _Stream(rid=next(p._rids), path="/v1/chat/completions",
+                headers=[("content-type", "application/json")])  # fmt: skip
+    p._decide(s, _json.dumps(body).encode(), "request_body")
+    return s
+
+
+def test_the_decision_span_names_the_prefill_endpoint_and_the_transfer() -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from meshd.telemetry import setup_tracing
+
+    exporter = InMemorySpanExporter()
+    provider = setup_tracing("meshd-picker", None, exporter=exporter)
+    p = _pd_picker(provider.get_tracer("test"))
+    for s in (_decide_pd(p, "tell me " * 400), _decide_pd(p, "hi")):
+        p._close(s)
+    provider.force_flush()
+    split, whole = (dict(x.attributes or {}) for x in exporter.get_finished_spans())
+    named = split["meshd.pd.prefill_endpoints"]
+    assert split["meshd.pd"] == "split" and named[0] in ("10.0.0.1:8000", "10.0.0.2:8000")
+    assert split["meshd.pd.kv_transfer_s"] > 0 and split["meshd.pd.prefill_predicted_ttft_s"] > 0
+    assert whole["meshd.pd"] == "whole:short-prefill"
+    assert "meshd.pd.prefill_endpoints" not in whole
+
+
+@pytest.mark.parametrize(("margin", "prefill_named"), [(0.3, False), (None, True)])
+def test_a_queued_prefill_pool_sends_the_request_whole_behind_envoy_too(
+    margin: float | None, prefill_named: bool
+) -> None:
+    # The decider's rule 4 on the picker's path: both prefill endpoints have ~3 s of
+    # prompts queued (as the picker sees them), the decode endpoint is idle.
+    from filters.picker import PickRequest
+
+    p = _pd_picker(faster_whole_margin_s=margin)
+    assert p.pd is not None
+    router = p.pd.router
+    for i in range(12):
+        queued = PickRequest(model="m", prompt_tokens=16_000, max_tokens=1)
+        (route, *_) = router.order(queued, 0.0)
+        router.started(route, f"queued-{i}", queued, 0.0)
+    s = _decide_pd(p, "tell me " * 400)
+    assert s.decision is not None and bool(s.decision.prefill) == prefill_named
+    assert s.decision.pd.reason == ("split" if prefill_named else "faster-whole")

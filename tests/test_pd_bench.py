@@ -25,6 +25,7 @@ async def test_a_tiny_run_splits_on_the_pd_fleet_and_writes_its_figures(
         engines=3,
         splits=(1,),
         engine_time_scale=4.0,
+        faster_whole_margin_s=None,  # one prefill engine queues: every request split here
         progress=False,
     )
     w = build_workload(s)
@@ -45,6 +46,8 @@ async def test_a_tiny_run_splits_on_the_pd_fleet_and_writes_its_figures(
         assert f["pd_metric"] == {"split:split": 6.0}
         assert f["attempts"] == {"main:ok": 6, "prefill:ok": 6}  # both legs, each ok
         assert f["kv_transfer_s"] > 0 and not f["kv_fetch_refused"]
+        for leg in ("prefill_leg_p90_s", "decode_leg_p90_s"):
+            assert f[leg] is not None and 0 < f[leg] <= f["ttft_p99_s"], (name, leg)
     for name in ("agg-meshd", "agg-rr"):
         assert runs[name]["split_share"] == 0.0 and runs[name]["pd_metric"] == {}
     t = doc["targets"]["splits"]["pd1"]
@@ -75,3 +78,27 @@ def test_the_help_says_how_the_workload_is_made(capsys: pytest.CaptureFixture[st
 def test_a_split_must_leave_both_pools_engines() -> None:
     with pytest.raises(ValueError, match="both pools"):
         PDBenchSettings(engines=4, splits=(4,))
+
+
+def test_rule_4_reaches_the_sidecar_on_its_wall_clock() -> None:
+    from loadtest.bench.fleet import EngineInfo
+    from loadtest.pd_bench import RunSpec, pools_config
+
+    engines = [EngineInfo(f"e{i}", f"http://127.0.0.1:{9000 + i}", "H100", 3.0) for i in range(3)]
+    run = RunSpec("pd1-meshd", "meshd", 1)
+
+    def dis(**kw: object) -> dict[str, object]:
+        s = PDBenchSettings(engines=3, splits=(1,), engine_time_scale=0.5, **kw)  # type: ignore[arg-type]
+        pool = pools_config(s, run, engines)[1]
+        return pool["disaggregation"]  # type: ignore[return-value]
+
+    from filters.disagg import FASTER_WHOLE_MARGIN_S
+
+    # The margin is simulated seconds: on the sidecar's clock, where the engines run at
+    # half speed, twice as long; the stall weight is a ratio of seconds, as given.
+    assert dis()["faster_whole_margin_s"] == FASTER_WHOLE_MARGIN_S / 0.5
+    got = dis(faster_whole_margin_s=0.3, faster_whole_stall_weight=0.2)
+    assert got["faster_whole_margin_s"] == 0.6 and got["faster_whole_stall_weight"] == 0.2
+    assert dis(faster_whole_margin_s=None)["faster_whole_margin_s"] is None
+    with pytest.raises(ValueError, match="faster_whole_margin_s"):
+        PDBenchSettings(faster_whole_margin_s=-1.0)

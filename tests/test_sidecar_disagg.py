@@ -363,3 +363,47 @@ async def test_a_prefill_answer_is_its_engines_first_token(
     status, _ = await post(s, ask())
     assert status == 200 and state.outstanding == 0
     assert state.ttft_sampled is not None  # a sample: the step's TTFT against its prediction
+
+
+@pytest.mark.parametrize(("margin", "path", "reason"), [(0.3, "whole", "faster-whole"),
+                                                       (None, "split", "split")])  # fmt: skip
+async def test_a_queued_prefill_pool_sends_the_request_whole_to_an_idle_decode_engine(
+    engines: Callable[[str], Awaitable[PDEngine]],
+    sidecar: Callable[..., Awaitable[Sidecar]],
+    tmp_path: Path,
+    margin: float | None,
+    path: str,
+    reason: str,
+) -> None:
+    # The decider's rule 4: the prefill engine has ~3 s of prompts queued (as the picker
+    # sees it), the decode engine is idle: whole there, the first token seconds sooner.
+    import time
+
+    from filters.picker import PickRequest
+
+    p, d = await engines("p0"), await engines("d0")
+    cfg = pd_config([p.url], [d.url], tmp_path, faster_whole_margin_s=margin)
+    s = await sidecar(cfg)
+    prefill = s.plane.routers["prefill"]
+    assert isinstance(prefill, PickerRouter)
+    now = time.monotonic()
+    for i in range(6):
+        queued = PickRequest(model="tiny", prompt_tokens=16_000, max_tokens=1)
+        (route, *_) = prefill.order(queued, now)
+        prefill.started(route, f"queued-{i}", queued, now)
+    status, _ = await post(s, ask(stream=True))
+    assert status == 200
+    assert len(p.requests) == (path == "split")
+    (dec,) = d.requests
+    assert dec.body is not None and ("kv_transfer_params" in dec.body) == (path == "split")
+    assert count(s, "meshd_pd_requests_total", pool="decode", path=path, reason=reason) == 1
+    s.accounting.flush()
+    await s.observer.aclose()
+    (record,) = read_access_log(tmp_path / "access.jsonl")
+    assert record.pd == ("split" if path == "split" else f"whole:{reason}")
+    if path == "split":
+        # Each leg's time is in the log: the prefill step's answer, then the first token.
+        prefill_step, decode_step = record.attempts
+        assert prefill_step.ttft_s is not None and decode_step.ttft_s is not None
+        assert 0 < prefill_step.ttft_s <= decode_step.ttft_s
+        assert decode_step.ttft_s == pytest.approx(record.ttft_s, abs=1e-6)
