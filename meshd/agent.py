@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -47,7 +48,7 @@ from meshd.agent_link import ControlPlaneLink
 from meshd.kv_events import KVEventSubscriber, SubscriberStats
 from meshd.nvml import read_nvml
 from meshd.tasks import cancel_and_wait
-from xds.client import Backoff, tls_channel_credentials
+from xds.client import Backoff, tls_channel_credentials, tls_client_context
 from xds.resources import ENDPOINT_STATE_TYPE, PREFIX_DIGEST_TYPE, EndpointState, PrefixDigest
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "AgentStats",
     "EngineAgent",
     "channel_credentials",
+    "client_ssl_context",
 ]
 
 log = logging.getLogger("meshd.agent")
@@ -95,6 +97,9 @@ class AgentConfig:
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    # Publish over the control plane's frames port once it advertises one (a fifth of the
+    # control plane's CPU a message: xds/publish_frames.py); off: gRPC only.
+    publish_frames: bool = True
 
 
 def channel_credentials(config: AgentConfig) -> grpc.ChannelCredentials | None:
@@ -105,6 +110,15 @@ def channel_credentials(config: AgentConfig) -> grpc.ChannelCredentials | None:
     if (config.tls_cert_file is None) != (config.tls_key_file is None):
         raise ValueError("tls_cert_file and tls_key_file (--tls-cert, --tls-key) go together")
     return tls_channel_credentials(
+        config.tls_ca_file, config.tls_cert_file, config.tls_key_file, prefix="tls_"
+    )
+
+
+def client_ssl_context(config: AgentConfig) -> ssl.SSLContext | None:
+    """The same TLS for the frames publish port (None: plaintext, as the channels)."""
+    if config.tls_ca_file is None and config.tls_cert_file is None and config.tls_key_file is None:
+        return None
+    return tls_client_context(
         config.tls_ca_file, config.tls_cert_file, config.tls_key_file, prefix="tls_"
     )
 
@@ -149,6 +163,7 @@ class EngineAgent:
         agent's own, one per config.control_planes."""
         self.config = config
         self.credentials = channel_credentials(config)  # ValueError names a bad TLS file
+        self.ssl_context = client_ssl_context(config)
         self._own_provider = tracer_provider is None and config.otlp_endpoint is not None
         if self._own_provider:
             tracer_provider = telemetry.setup_tracing(

@@ -9,16 +9,22 @@ import asyncio
 import contextlib
 import logging
 import random
+import ssl
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
 from xds.client import Publisher
+from xds.publish_frames import FramePublisher, frames_target
 
 if TYPE_CHECKING:
     from meshd.agent import AgentStats
 
 log = logging.getLogger("meshd.agent")
+
+# After the frames port failed before it answered once (blocked, refused our certificate,
+# not routed by the Service), the link stays on gRPC this long before it tries it again.
+FRAMES_RETRY_S = 300.0
 
 
 class LinkOwner(Protocol):
@@ -27,7 +33,8 @@ class LinkOwner(Protocol):
 
     stats: AgentStats
     credentials: grpc.ChannelCredentials | None
-    config: Any  # .backoff: xds.client.Backoff
+    ssl_context: ssl.SSLContext | None  # the same TLS for the frames port
+    config: Any  # .backoff: xds.client.Backoff; .publish_frames: bool
 
     def on_link_lost(self) -> None: ...
 
@@ -39,7 +46,12 @@ class ControlPlaneLink:
     Bodies offered while a send is in flight or the control plane is away coalesce to the
     latest, except that a body later ones build on (a full PrefixDigest: the deltas after
     it are relative to it) is never displaced by them unsent: it goes first, then the
-    newest delta, so the control plane never holds a delta whose base it was not given."""
+    newest delta, so the control plane never holds a delta whose base it was not given.
+
+    A link starts on gRPC; once the control plane advertises its frames publish port
+    (xds/publish_frames.py: a publish there costs it a fifth as much) and the owner's
+    config.publish_frames allows, the link moves there between two sends, and back to gRPC
+    when that port fails before it answered once (for FRAMES_RETRY_S)."""
 
     def __init__(self, agent: LinkOwner, target: str, *, window_s: float = 0.0) -> None:
         """`window_s`: how long a send waits after the first body is offered, so the
@@ -57,6 +69,8 @@ class ControlPlaneLink:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._rng = random.Random()
+        self.transport = "grpc"  # what the last send went over: "grpc" or "frames"
+        self._frames_retry_at = float("-inf")
 
     def offer(self, type_url: str, name: str, body: bytes, *, base: bool = False) -> None:
         """`base`: bodies offered later for this resource build on this one."""
@@ -101,7 +115,35 @@ class ControlPlaneLink:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def _publish(self, publisher: Publisher, batch: dict[tuple[str, str], bytes]) -> None:
+    async def _to_frames(self, publisher: Publisher) -> Publisher | FramePublisher:
+        """The frames publisher that replaces `publisher`, or `publisher` where there is
+        none to use (not advertised, not allowed, failed lately, not reachable)."""
+        port = publisher.frames_port
+        if port is None or not getattr(self.agent.config, "publish_frames", True):
+            return publisher
+        where = frames_target(self.target, port)
+        loop = asyncio.get_running_loop()
+        if where is None or loop.time() < self._frames_retry_at:
+            return publisher
+        frames = FramePublisher(*where, ssl_context=self.agent.ssl_context)
+        try:
+            async with asyncio.timeout(5.0):
+                await frames.connect()
+        except (OSError, TimeoutError) as exc:
+            log.info(
+                "control plane %s: frames port %d: %s; staying on gRPC", self.target, port, exc
+            )
+            self._frames_retry_at = loop.time() + FRAMES_RETRY_S
+            await frames.close()
+            return publisher
+        with contextlib.suppress(Exception):
+            await publisher.close()
+        log.info("control plane %s: publishing over frames on port %d", self.target, port)
+        return frames
+
+    async def _publish(
+        self, publisher: Publisher | FramePublisher, batch: dict[tuple[str, str], bytes]
+    ) -> None:
         by_type: dict[str, dict[str, bytes]] = {}
         for (type_url, name), body in batch.items():
             by_type.setdefault(type_url, {})[name] = body
@@ -114,7 +156,7 @@ class ControlPlaneLink:
 
     async def _run(self) -> None:
         attempt = 0
-        publisher: Publisher | None = None
+        publisher: Publisher | FramePublisher | None = None
         try:
             while True:
                 await self._wake.wait()
@@ -133,12 +175,17 @@ class ControlPlaneLink:
                         await self._publish(publisher, first)
                         first = {}
                     await self._publish(publisher, batch)
+                    self.transport = "grpc" if isinstance(publisher, Publisher) else "frames"
                     if not self.connected:
                         self.connected = True
                         log.info("publishing to the control plane %s", self.target)
                     attempt = 0
+                    if isinstance(publisher, Publisher) and publisher.frames_port is not None:
+                        publisher = await self._to_frames(publisher)
                 except Exception as exc:
                     self.agent.stats.publish_failures += 1
+                    if isinstance(publisher, FramePublisher) and not publisher.answers:
+                        self._frames_retry_at = asyncio.get_running_loop().time() + FRAMES_RETRY_S
                     if self.connected:
                         log.warning("control plane %s: %s; retrying", self.target, exc)
                     self.connected = False

@@ -19,7 +19,13 @@ from typing import Any
 
 import grpc
 
-from meshd.agent import AgentConfig, AgentStats, EngineAgent, channel_credentials
+from meshd.agent import (
+    AgentConfig,
+    AgentStats,
+    EngineAgent,
+    channel_credentials,
+    client_ssl_context,
+)
 from meshd.agent_link import ControlPlaneLink
 
 __all__ = ["ENGINE_KEYS", "NodeAgent", "engine_configs"]
@@ -92,6 +98,7 @@ class NodeAgent:
         first = configs[0]
         self.config = first  # the node's settings: backoff, TLS
         self.credentials: grpc.ChannelCredentials | None = channel_credentials(first)
+        self.ssl_context = client_ssl_context(first)
         self.stats = AgentStats()
         if window_s is None:
             window_s = min(0.02, first.interval_s / 5)

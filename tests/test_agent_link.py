@@ -28,6 +28,7 @@ class FakeAgent:
     stats: AgentStats = field(default_factory=AgentStats)
     lost: int = 0
     credentials: None = None
+    ssl_context: None = None
 
     @dataclass
     class _Config:
@@ -43,6 +44,7 @@ class FakePublisher:
     sent: list[tuple[str, dict[str, bytes]]] = []
     fail_next = 0
     gate: asyncio.Event | None = None  # when set: publish waits for it (a slow send)
+    frames_port: int | None = None  # no frames port advertised: the link stays on it
 
     def __init__(self, target: str, *, credentials: object = None) -> None:
         self.target = target

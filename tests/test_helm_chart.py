@@ -308,6 +308,23 @@ def test_control_plane_flags_follow_the_values(rendered: dict[str, list[dict[str
     assert (changed.resource_ttl_s, changed.no_eds) == (0.0, True)
 
 
+def test_the_frames_publish_port_is_served_and_exposed_or_off(
+    rendered: dict[str, list[dict[str, Any]]], chart: Any
+) -> None:
+    def ports(docs: list[dict[str, Any]]) -> tuple[int, list[int], list[int]]:
+        (deploy,) = find(docs, "Deployment", "meshd-control-plane")
+        (c,) = deploy["spec"]["template"]["spec"]["containers"]
+        (svc,) = find(docs, "Service", "meshd-control-plane")
+        return (
+            _args(docs, "meshd-control-plane").publish_port,
+            [p["containerPort"] for p in c["ports"] if p["name"] == "tcp-publish"],
+            [p["port"] for p in svc["spec"]["ports"] if p["name"] == "tcp-publish"],
+        )
+
+    assert ports(rendered["defaults"]) == (15011, [15011], [15011])
+    assert ports(render(chart, {"controlPlane": {"publishPort": 0}})) == (-1, [], [])
+
+
 def test_picker_flags_follow_the_values(rendered: dict[str, list[dict[str, Any]]]) -> None:
     plain = _args(rendered["picker"], "meshd-picker")
     assert (plain.fallbacks, plain.trust_routing_headers, plain.max_in_flight) == (0, False, None)

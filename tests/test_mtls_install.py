@@ -317,7 +317,7 @@ async def _run(tmp: Path, engine_port: int) -> None:
     (cp_container,) = cp["containers"]
 
     cp_port = free_port()
-    ports = {p: free_port() for p in (15000, 15001, 15006, 15014, 15021)}
+    ports = {p: free_port() for p in (15000, 15001, 15006, 15011, 15014, 15021)}
     ports[15010] = cp_port
     ports[8000] = engine_port
     mapped = Mapper(
@@ -368,6 +368,13 @@ async def _run(tmp: Path, engine_port: int) -> None:
         reported = ep["reported"]
         assert (reported["requests_running"], reported["requests_waiting"]) == (2, 5)
         assert reported["kv_usage"] == 0.25 and reported["healthy"] and reported["fresh"]
+        # The agent moved to the advertised frames port, over the same mTLS (its next
+        # publish: a heartbeat, 2 s at most).
+        agent_log = next(p for p in procs if p.name == "agent")
+        deadline = time.monotonic() + WAIT_S
+        while "publishing over frames" not in agent_log.output():
+            assert time.monotonic() < deadline, agent_log.output()
+            await asyncio.sleep(0.1)
 
         target = f"127.0.0.1:{cp_port}"
         files = tmp / "client-tls"

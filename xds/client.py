@@ -17,6 +17,7 @@ import contextlib
 import logging
 import math
 import random
+import ssl
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from envoy.service.discovery.v3 import discovery_pb2 as pb
 from grpc import aio
 
 from xds.delta_response import Entry, Interest, read_response
+from xds.publish_frames import ADVERTISE_KEY, publish_message
 from xds.resources import DECODERS, ResourceError
 from xds.server import PUBLISH_METHOD, ServerLimits
 from xds.wire import len_field
@@ -64,6 +66,25 @@ def tls_channel_credentials(
         private_key=read("key_file", key_file),
         certificate_chain=read("cert_file", cert_file),
     )
+
+
+def tls_client_context(
+    ca_file: str | None, cert_file: str | None, key_file: str | None, *, prefix: str = ""
+) -> ssl.SSLContext:
+    """The same TLS as tls_channel_credentials for a plain socket (the frames publish
+    port): the server's certificate checked against `ca_file` (None: the system's roots)
+    and its name, this client's certificate presented (mTLS). ValueError as there."""
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
+    except OSError as exc:
+        raise ValueError(f"{prefix}ca_file: cannot read {ca_file}: {exc}") from None
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cert_file is not None:
+        try:
+            ctx.load_cert_chain(cert_file, key_file)
+        except OSError as exc:
+            raise ValueError(f"{prefix}cert_file: cannot read {cert_file}: {exc}") from None
+    return ctx
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,6 +465,14 @@ def _ack(type_url: str, nonce: str) -> bytes:
     return head + len_field(6, nonce.encode())
 
 
+def _advertised_port(metadata: Any) -> int | None:
+    for key, value in metadata or ():
+        if key == ADVERTISE_KEY:
+            port = int(value) if str(value).isdigit() else 0
+            return port if 0 < port < 65536 else None
+    return None
+
+
 class Publisher:
     """Writes resources into a control plane over its publish stream (one batch at a time;
     each is ACKed, or refused with ResourceError)."""
@@ -464,6 +493,10 @@ class Publisher:
         self._call: aio.StreamStreamCall | None = None
         self._lock = asyncio.Lock()
         self._nonce = 0
+        # The control plane's frames publish port, as its stream advertised it (None: it
+        # did not, or nothing was published yet): xds/publish_frames.py.
+        self.frames_port: int | None = None
+        self._read_metadata = False
 
     async def publish(
         self, type_url: str, resources: Mapping[str, bytes], removed: Iterable[str] = ()
@@ -475,18 +508,16 @@ class Publisher:
                     request_serializer=pb.DeltaDiscoveryResponse.SerializeToString,
                     response_deserializer=pb.DeltaDiscoveryRequest.FromString,
                 )()
+                self._read_metadata = False
             self._nonce += 1
-            msg = pb.DeltaDiscoveryResponse(type_url=type_url, nonce=str(self._nonce))
-            msg.removed_resources.extend(removed)
-            for name, body in resources.items():
-                r = msg.resources.add(name=name)
-                r.resource.type_url = type_url
-                r.resource.value = body
-            await self._call.write(msg)
+            await self._call.write(publish_message(type_url, resources, removed, self._nonce))
             reply = await self._call.read()
             if reply is aio.EOF:
                 self._call = None
                 raise ConnectionError("control plane closed the publish stream")
+            if not self._read_metadata:
+                self._read_metadata = True
+                self.frames_port = _advertised_port(await self._call.initial_metadata())
             if reply.HasField("error_detail"):
                 raise ResourceError(reply.error_detail.message)
 

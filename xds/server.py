@@ -1,6 +1,7 @@
 """The control plane's transport: Envoy's Aggregated Discovery Service (state-of-the-world
 and delta) on grpcio asyncio, serving the SnapshotCache, plus the publish stream that
-engine agents write their resources into.
+engine agents write their resources into (over gRPC, or the same messages over the frames
+port, xds/publish_frames.py, a fifth of the CPU a message, which the gRPC stream advertises).
 
 Semantics follow envoy/service/discovery/v3/discovery.proto and the xDS protocol doc
 (envoyproxy/envoy, api/xds_protocol.rst); structure follows go-control-plane: the cache
@@ -60,6 +61,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import ssl
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -68,10 +70,12 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.service.discovery.v3 import discovery_pb2 as pb
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from xds.cache import Resource, SnapshotCache
 from xds.eds import CLA_TYPE, SHARD_CLA_TYPE, EdsView
+from xds.publish_frames import ADVERTISE_KEY, FramePublishServer, server_ssl_context
 from xds.resources import (
     DECODERS,
     ENDPOINT_STATE_TYPE,
@@ -136,6 +140,8 @@ class ServerLimits:
     max_response_bytes: int = 2 * 2**20
     keepalive_time_s: float = 30.0  # server pings an idle connection this often
     keepalive_timeout_s: float = 10.0  # and drops it when a ping goes unanswered this long
+    # A frames publish connection (xds/publish_frames.py) must finish TLS within this.
+    handshake_timeout_s: float = 10.0
     min_client_ping_interval_s: float = 10.0  # clients pinging more often are refused
     # Reject publishes of types the control plane cannot validate.
     accepted_types: frozenset[str] = frozenset(DECODERS)
@@ -162,6 +168,10 @@ class TlsConfig:
             root_certificates=self.client_ca,
             require_client_auth=self.client_ca is not None,
         )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same for the frames publish port (xds/publish_frames.py)."""
+        return server_ssl_context(self.cert_chain, self.private_key, self.client_ca)
 
 
 @dataclass(slots=True)
@@ -1014,7 +1024,10 @@ class ControlPlane:
         self._unwatch = self.cache.watch(self._on_change)
         self._published_at: dict[str, float] = {}  # resource name -> last publish
         self._sweeper: asyncio.Task[None] | None = None
+        self._frame_server: FramePublishServer | None = None
+        self._advertised: tuple[tuple[str, str], ...] = ()
         self.port = 0
+        self.publish_port = 0  # the frames publish port, once started with one
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -1034,9 +1047,16 @@ class ControlPlane:
         ]
 
     async def start(
-        self, host: str = "127.0.0.1", port: int = 0, tls: TlsConfig | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tls: TlsConfig | None = None,
+        *,
+        publish_port: int | None = None,
     ) -> int:
-        """Bind and serve; returns the port (useful with port 0)."""
+        """Bind and serve; returns the port (useful with port 0). `publish_port`: also
+        take agents' publishes as frames on this port (0: any free one; the same host
+        and TLS), advertised on the gRPC publish stream (xds/publish_frames.py)."""
         server = aio.server(options=self.grpc_options())
         ads = _AdsServicer(self)
         server.add_generic_rpc_handlers(
@@ -1074,6 +1094,19 @@ class ControlPlane:
         )
         if bound == 0:
             raise OSError(f"control plane cannot bind {address}")
+        if publish_port is not None:
+            lim = self.limits
+            frames = FramePublishServer(
+                self._ingest_frame,
+                max_frame_bytes=lim.max_message_bytes,
+                ssl_context=tls.ssl_context() if tls is not None else None,
+                handshake_timeout_s=lim.handshake_timeout_s,
+                keepalive_time_s=lim.keepalive_time_s,
+                keepalive_timeout_s=lim.keepalive_timeout_s,
+            )
+            self.publish_port = frames.start(host, publish_port)
+            self._frame_server = frames
+            self._advertised = ((ADVERTISE_KEY, str(self.publish_port)),)
         await server.start()
         self._server, self.port = server, bound
         if self.limits.resource_ttl_s is not None and self._sweeper is None:
@@ -1081,6 +1114,8 @@ class ControlPlane:
         log.info(
             "control plane listening on %s:%d (%s)", host, bound, "mTLS" if tls else "plaintext"
         )
+        if self._frame_server is not None:
+            log.info("publish frames on %s:%d", host, self.publish_port)
         return bound
 
     async def stop(self, grace: float | None = None) -> None:
@@ -1091,6 +1126,9 @@ class ControlPlane:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
             self._sweeper = None
+        if self._frame_server is not None:
+            self._frame_server.close()
+            self._frame_server = None
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
@@ -1375,13 +1413,26 @@ class ControlPlane:
         # doubled the RSS after a restart (loadtest/xds_memory_bench.py, 1,000 engines of
         # 40,000 blocks over 125 links: 678-686 MiB settled, the hashes being 305).
         del request_iterator
+        if self._advertised:
+            await context.send_initial_metadata(self._advertised)
         while (msg := await context.read()) is not aio.EOF:
-            reply = self._ingest(msg, context)
+            reply = self._ingest(msg, context.peer)
             del msg
             yield reply
 
+    def _ingest_frame(self, payload: bytes, peer: Callable[[], str]) -> bytes | None:
+        """A publish message from the frames port: its ACK or NACK, serialized; None for
+        bytes that are no DeltaDiscoveryResponse (the connection ends, as gRPC's stream
+        does for a message it cannot deserialize)."""
+        try:
+            msg = pb.DeltaDiscoveryResponse.FromString(payload)
+        except DecodeError as exc:
+            log.warning("unreadable publish message from %s: %s", peer(), exc)
+            return None
+        return self._ingest(msg, peer).SerializeToString()
+
     def _ingest(
-        self, msg: pb.DeltaDiscoveryResponse, context: aio.ServicerContext
+        self, msg: pb.DeltaDiscoveryResponse, peer: Callable[[], str]
     ) -> pb.DeltaDiscoveryRequest:
         """Apply one publish message; its ACK, or its NACK saying why it was refused."""
         tracer = self._tracer
@@ -1404,11 +1455,11 @@ class ControlPlane:
             error = str(exc)
             self.stats.publishes_rejected += 1
             self.stats.last_publish_error = error
-            log.warning("refused publish from %s: %s", context.peer(), exc)
+            log.warning("refused publish from %s: %s", peer(), exc)
             reply.error_detail.code = _INVALID_ARGUMENT
             reply.error_detail.message = error
         if tracer is not None and (sampled or error is not None):
-            self._trace_publish(tracer, started_ns, msg, changed, error, context.peer())
+            self._trace_publish(tracer, started_ns, msg, changed, error, peer())
         return reply
 
     def _trace_publish(
