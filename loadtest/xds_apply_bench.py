@@ -31,7 +31,7 @@ sidecar's caches are when a push comes; thread CPU of the applies alone); `proce
 "sidecar_share_at_10hz" (the share the measured us/update gives 1,000 engines at 10 Hz),
 "control_plane_cpu_share", "publishers_cpu_share", "engines_followed",
 "updates_per_response" (what the control plane's pushes to the sidecar carried),
-"ack_pace_ms" (the sidecar's ACK pace: control_feed.ACK_PACE_S, or --ack-pace-ms)}.
+"ack_pace_ms" (the sidecar's ACK pace: control_plane.ack_pace_s, or --ack-pace-ms)}.
 """
 
 from __future__ import annotations
@@ -89,11 +89,15 @@ def engine_body(i: int, seq: int) -> bytes:
 
 
 def sidecar_config(
-    engines: int, control_plane: str = "127.0.0.1:1", *, named: bool = True
+    engines: int,
+    control_plane: str = "127.0.0.1:1",
+    *,
+    named: bool = True,
+    ack_pace_s: float | None = None,
 ) -> dict[str, Any]:
     """A sidecar routing to every engine, in POOLS pools (the `meshd` policy); `named`:
     each endpoint names its engine, so the sidecar subscribes by name (pool-scoped), else
-    it takes the wildcard."""
+    it takes the wildcard. `ack_pace_s`: control_plane.ack_pace_s (None: the default)."""
 
     def endpoint(i: int) -> dict[str, str]:
         url = f"http://{engine_address(i)}"
@@ -112,7 +116,10 @@ def sidecar_config(
             for p in range(min(POOLS, engines))
         ],
         "routing": {"policy": "meshd"},
-        "control_plane": {"addresses": [control_plane]},
+        "control_plane": {
+            "addresses": [control_plane],
+            **({} if ack_pace_s is None else {"ack_pace_s": ack_pace_s}),
+        },
         "drain": {"grace_period_s": 0},
     }
 
@@ -444,13 +451,11 @@ def bench_process(
                 if p.recv() != "published":
                     raise RuntimeError("a publisher did not start")
             path = Path(tmp) / "sidecar.yaml"
-            path.write_text(
-                yaml.safe_dump(sidecar_config(engines, f"127.0.0.1:{port}", named=named))
+            config = sidecar_config(
+                engines, f"127.0.0.1:{port}", named=named, ack_pace_s=ack_pace_s
             )
+            path.write_text(yaml.safe_dump(config))
             cmd = [sys.executable, "-m", "meshd.cli", "sidecar", "--config", str(path)]
-            if ack_pace_s is not None:  # the sidecar with another ACK pace (_sidecar_main)
-                cmd = [sys.executable, "-m", "loadtest.xds_apply_bench", "--sidecar", str(path)]
-                cmd += ["--ack-pace-ms", str(ack_pace_s * 1e3)]
             sidecar = start_child("sidecar", cmd, Path(tmp), 60.0)
             admin = str(sidecar.ready["admin"])
             deadline = time.monotonic() + 60
@@ -514,15 +519,6 @@ def bench_process(
     }
 
 
-def _sidecar_main(config: str, ack_pace_ms: float) -> int:
-    """`meshd sidecar --config CONFIG` with meshd.control_feed.ACK_PACE_S set."""
-    import meshd.control_feed
-    from meshd.cli import main as meshd_main
-
-    meshd.control_feed.ACK_PACE_S = ack_pace_ms / 1e3
-    return meshd_main(["sidecar", "--config", config])
-
-
 # -- report -------------------------------------------------------------------------------------
 
 
@@ -546,13 +542,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--ack-pace-ms",
         type=float,
         help="(b)'s sidecar ACKs EndpointState responses at most this often (default: "
-        "meshd.control_feed.ACK_PACE_S)",
+        "control_plane.ack_pace_s's)",
     )
-    ap.add_argument("--sidecar", metavar="CONFIG", help=argparse.SUPPRESS)  # _sidecar_main
     ap.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     args = ap.parse_args(argv)
-    if args.sidecar:
-        return _sidecar_main(args.sidecar, args.ack_pace_ms)
     sizes = [int(k) for k in args.per_response.split(",")]
 
     out: dict[str, Any] = {"engines": args.engines, "apply": {}}
@@ -587,9 +580,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ack_pace_s=None if args.ack_pace_ms is None else args.ack_pace_ms / 1e3,
         )
         out["process"] = r
-        from meshd.control_feed import ACK_PACE_S
+        from meshd.config_schema import ControlPlane
 
-        pace_ms = ACK_PACE_S * 1e3 if args.ack_pace_ms is None else args.ack_pace_ms
+        default_ms = ControlPlane().ack_pace_s * 1e3
+        pace_ms = default_ms if args.ack_pace_ms is None else args.ack_pace_ms
         r["ack_pace_ms"] = pace_ms
         print(
             f"\n(b) one sidecar process following {r['engines_followed']:.0f} engines, "

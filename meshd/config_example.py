@@ -170,6 +170,7 @@ control_plane:
   node_id: ""                  # default: the host name
   tls: null                    # {ca_file, cert_file, key_file} for mTLS
   stale_after_s: 10
+  ack_pace_s: 0.02             # engine state ACKed at most this often (0: each at once)
 drain:
   grace_period_s: 30           # SIGTERM: streams get this long to finish
 response_cache:               # exact-match answers (README: Response cache)

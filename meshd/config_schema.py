@@ -613,6 +613,9 @@ class ControlPlane(_Strict):
     node_id: str = ""  # default: the host name
     tls: ControlPlaneTLS | None = None  # None: plaintext (loopback or a trusted network)
     stale_after_s: float = Field(default=10.0, gt=0)
+    # EndpointState responses ACKed at most this often (meshd/control_feed.py): the control
+    # plane sends one with every engine changed meanwhile. 0: each ACKed at once.
+    ack_pace_s: float = Field(default=0.02, ge=0, le=1.0)
 
     @model_validator(mode="after")
     def _one_way(self) -> ControlPlane:

@@ -63,13 +63,6 @@ log = logging.getLogger("meshd.control_feed")
 
 # Renew reports this often (at most) while connected: well inside stale_after_s.
 MAX_REFRESH_S = 1.0
-# EndpointState responses are ACKed at most this often, so the control plane sends one at
-# most this often, carrying every engine that changed meanwhile: a response's fixed cost
-# (gRPC's read and write, ~170 us on the project's VM) is shared by that many updates
-# instead of the few of one event-loop turn. What it costs: an engine's state reaches the
-# routers up to this much later (engines report every 100 ms at most; the picker routes
-# on its own observations in between). loadtest/xds_apply_bench.py (b) measures it.
-ACK_PACE_S = 0.02
 # Published addresses remembered with the endpoints they name (one per engine followed);
 # past this many the memo starts over, so addresses that keep changing cannot grow it.
 MAX_ADDRESSES = 65_536
@@ -204,7 +197,15 @@ class ControlFeed:
                 backoff=backoff or Backoff(base_s=0.25, max_s=10.0),
                 on_update=self._on_update if len(shards) == 1 else self._shard_handler(k),
                 clock=clock,
-                ack_pace_s={ENDPOINT_STATE_TYPE: ACK_PACE_S},
+                # EndpointState responses ACKed at most every control_plane.ack_pace_s
+                # (20 ms), so the control plane sends one at most that often, carrying every
+                # engine changed meanwhile: a response's fixed cost (gRPC's read and write,
+                # ~170 us on the project's VM) is shared by that many updates instead of the
+                # few of one event-loop turn. What it costs: an engine's state reaches the
+                # routers up to that much later (engines report every 100 ms at most; the
+                # picker routes on its own observations in between).
+                # loadtest/xds_apply_bench.py (b) measures it.
+                ack_pace_s={ENDPOINT_STATE_TYPE: cp.ack_pace_s},
             )
             for k, replicas in enumerate(shards)
         ]

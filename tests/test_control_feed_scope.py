@@ -124,3 +124,22 @@ def test_the_address_memo_starts_over_at_its_bound(monkeypatch: pytest.MonkeyPat
         assert len(feed._by_address) <= 8
     assert feed._targets_at(ADDRESSES[0]) is mine
     assert feed._targets_at("HTTP://127.0.0.1:18001/") == feed._targets_at(ADDRESSES[1])
+
+
+def test_the_ack_pace_is_a_setting_with_edges() -> None:
+    def pace(**cp: Any) -> dict[str, float]:
+        cfg = sidecar_config(
+            [],
+            pools=[{"name": "mine", "endpoints": [{"url": f"http://{ADDRESSES[0]}"}]}],
+            control_plane={"addresses": ["127.0.0.1:1"], **cp},
+        )
+        feed = ControlFeed(cfg, build_routers(cfg), DataPlaneMetrics())
+        return dict(feed.subscribers[0]._ack_pace)
+
+    assert pace() == {ENDPOINT_STATE_TYPE: 0.02}
+    assert pace(ack_pace_s=0.05) == {ENDPOINT_STATE_TYPE: 0.05}
+    assert pace(ack_pace_s=1.0) == {ENDPOINT_STATE_TYPE: 1.0}
+    assert pace(ack_pace_s=0) == {}  # each response ACKed at once
+    for bad in (-0.01, 1.01):
+        with pytest.raises(ConfigError, match="ack_pace_s"):
+            pace(ack_pace_s=bad)
