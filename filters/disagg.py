@@ -66,10 +66,15 @@ pool's router predicts (meshd's picker; `prefer_whole`):
    stall weight 0.2 (the defaults) 0.56-0.63x, 27-44 ms, 12-14% (gaps over 200 ms 0.4%
    of all); weight 0.1, 0.63x, 61 ms, 16% (0.8%); no stall term, margin 0.6 s, 0.62-0.64x,
    48-90 ms, 14% (0.95%: at the ITL p99's cliff, where the stalled gaps pass 1%), margin
-   0.3 s, 325 ms (the aggregated fleet's ITL). The ledger's $ per successful task went
-   1.003x -> 1.004-1.006x aggregated meshd's (a few more shared prefixes missed: one
-   prefilled whole is cached on a decode engine, not in the prefill pool, for the next
-   request that shares it); the engines' busy GPU-seconds per task 0.85x -> 0.80-0.82x.
+   0.3 s, 325 ms (the aggregated fleet's ITL). The ledger's $ per successful task stayed
+   within its run-to-run spread, 1.004-1.005x aggregated meshd's (rule off, same tree:
+   1.003-1.006x: a few shared prefixes the 5 prefill engines' caches had evicted where
+   the 8 aggregated engines' had not); the engines' busy GPU-seconds per task 0.85x ->
+   0.82-0.83x. Known gap: a decode engine's TTFT calibration learns only from requests
+   served whole there (a decode leg's first token times the transfer, not the engine),
+   so W starts at the datasheet's speed (the bench's engines, at half a GPU's speed,
+   took 1.9x the W predicted at first, 1.25x by the end), and a decode leg may be sent
+   to an engine still prefilling a whole request (31 of the 35 decode legs over 150 ms).
 
 Under SGLang's protocol every request that a prefill engine can take is split (its
 decode engines serve nothing whole). The transfer is also part of a split request's
