@@ -182,6 +182,37 @@ def _resources() -> dict[str, dict[str, bytes]]:
     }
 
 
+def _delta_response() -> dict[str, bytes]:
+    """Responses as the control plane sends a sidecar, each after the byte that says what
+    the subscriber wants (fuzz/targets/delta_response.py: two bits a type)."""
+    from envoy.service.discovery.v3 import discovery_pb2 as pb
+
+    from xds.resources import ENDPOINT_STATE_TYPE, EndpointState
+
+    def response(resources: list[tuple[str, str, bytes]], removed: tuple[str, ...] = ()) -> bytes:
+        m = pb.DeltaDiscoveryResponse(type_url=ENDPOINT_STATE_TYPE, nonce="b17")
+        for name, type_url, body in resources:
+            r = m.resources.add(name=name, version=f"{len(body):x}-{name}")
+            r.resource.type_url = type_url
+            r.resource.value = body
+        m.removed_resources.extend(removed)
+        return m.SerializeToString()
+
+    state = EndpointState(address="10.0.0.9:8000", pool="p", kv_usage=0.5, epoch="a1")
+    two = [
+        ("e0", ENDPOINT_STATE_TYPE, state.encode()),
+        ("engine-0", ENDPOINT_STATE_TYPE, EndpointState(address="e:1").encode()),
+    ]
+    wildcard, named = b"\x01", b"\x02"
+    return {
+        "wildcard_two_states_removed": wildcard + response(two, ("e2",)),
+        "named_one_of_two": named + response(two),
+        "refused_body": wildcard + response([("e1", ENDPOINT_STATE_TYPE, b"\x80")]),
+        "other_any_type": wildcard + response([("e1", "type.googleapis.com/x", b"")]),
+        "not_subscribed": b"\x00" + response(two),
+    }
+
+
 def _webhook() -> dict[str, bytes]:
     out = {p.stem: p.read_bytes() for p in sorted(TESTS_K8S.glob("admission_review_*.json"))}
     base = json.loads(out["admission_review_pod"])
@@ -261,6 +292,7 @@ def corpora() -> dict[str, dict[str, bytes]]:
             "nan_bom": b'\xef\xbb\xbf{"model":"m","prompt":"x","temperature":NaN}',
         },
         **_resources(),
+        "delta_response": _delta_response(),
         "webhook": _webhook(),
         "config": _config(),
     }

@@ -201,3 +201,25 @@ def test_a_refused_resource_refuses_the_response_with_its_message(read: Any) -> 
     assert (r.changed, r.error) == ({}, f"e1: {exc.value}")
     r = read(_message(("e0", OTHER, BODIES[0])), wildcard, DECODERS, 5.0)
     assert r.error == f"Any type {OTHER!r} in a {T} response"
+
+
+@compiled
+@pytest.mark.parametrize(
+    "tag",
+    [
+        bytes([0x99, 0x06]),  # field 99, 64-bit: skipped
+        bytes([0x99, 0x86, 0x80, 0x80, 0x00]),  # the same padded to 5 bytes: protobuf takes it
+        bytes([0x99, 0x8F, 0x8F, 0x8F, 0x0F]),  # 5 bytes, under 2^32
+        bytes([0x99, 0x8F, 0x8F, 0x8F, 0x1F]),  # 5 bytes, over 2^32: refused
+        bytes([0x99, 0x86, 0x80, 0x80, 0x80, 0x00]),  # 6 bytes: refused (fuzz's finding)
+        bytes([0x99, 0x8F, 0x8F, 0x8F, 0x8F, 0x00]),
+        bytes([0x01]),  # field 0: refused
+    ],
+)
+def test_tags_read_as_protobuf_reads_them(tag: bytes) -> None:
+    for wanted in ({}, {T: Interest(True)}):
+        same(tag + b"\0" * 8, wanted)
+        same(_message(("e0", T, BODIES[0])) + tag + b"\0" * 8, wanted)
+        # Inside a resource, and inside its Any.
+        inner = pb.Resource(name="e0").SerializeToString() + tag + b"\0" * 8
+        same(len_field(2, inner), wanted)

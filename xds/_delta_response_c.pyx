@@ -91,8 +91,12 @@ cdef inline bint _varint(Reader *r, uint64_t *out) noexcept:
 
 
 cdef inline bint _tag(Reader *r, uint64_t *number, int *wire) noexcept:
+    """A field's tag as protobuf (upb) reads one: at most 5 bytes and 32 bits, so a tag
+    padded with 0x80 bytes past the fifth is refused there, and goes to the reference here
+    (found by fuzz/targets/delta_response.py)."""
+    cdef const unsigned char *start = r.p
     cdef uint64_t t
-    if not _varint(r, &t):
+    if not _varint(r, &t) or r.p - start > 5 or t > 0xFFFFFFFF:
         return False
     number[0] = t >> 3
     wire[0] = <int>(t & 7)

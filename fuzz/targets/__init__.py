@@ -19,6 +19,7 @@ TARGETS = (
     "request_json",
     "endpoint_state",
     "xds_resources",
+    "delta_response",
     "webhook",
     "config",
 )
