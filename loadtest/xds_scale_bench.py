@@ -9,12 +9,14 @@ Processes, so that each figure is one process's:
   CPU from /proc over the window, per update ingested, and RSS (with the engines' states
   only, with their digests too, and at the end of the window, current and peak; the peak
   is the digests' arrival, all at once as after a restart);
-- publishers (xds.client.Publisher), `--publishers` processes (auto: enough that none is
-  the bottleneck). An engine's shard is `meshd.shards.shard_for(name, shards)`; a shard's
-  engines are grouped into nodes of `--per-message` engines (default 8: a node of 8 GPUs
-  whose agent, `meshd agent --engines`, sends their updates in one publish message; with
-  its engines over 2 shards such a node sends ~4 to each, which is `--per-message 4`),
-  each node publishing every 1/rate s on a stream of its own (`--streams` caps them).
+- publishers (xds.client.Publisher, or with `--transport frames` xds.publish_frames's
+  FramePublisher on the control plane's frames port, as agents publish by default),
+  `--publishers` processes (auto: enough that none is the bottleneck). An engine's
+  shard is `meshd.shards.shard_for(name, shards)`; a shard's engines are grouped into
+  nodes of `--per-message` engines (default 8: a node of 8 GPUs whose agent, `meshd
+  agent --engines`, sends their updates in one publish message; with its engines over 2
+  shards such a node sends ~4 to each, which is `--per-message 4`), each node publishing
+  every 1/rate s on a stream of its own (`--streams` caps them).
   Bodies are encoded before the window and only their
   timestamp is spliced in, so what an agent spends encoding is not asked of the bench's
   CPU. The achieved rate is measured against the asked one: a scenario whose publishers
@@ -51,7 +53,7 @@ window; the peak is printed beside it); two shards ingest twice the updates at t
 per-update cost of one (within 20%).
 
 --json PATH writes every figure: {"settings": {engines (per shard), rate, duration_s,
-per_message, publishers, streams, per_process, latency_share, push_interval_s,
+per_message, transport, publishers, streams, per_process, latency_share, push_interval_s,
 digest_blocks, subscribers, shards, cpus}, "scenarios": [{name, mode, subscribers, shards,
 engines, valid, asked_per_s, published_per_s, publish_share, window_s, p50_ms, p99_ms,
 max_ms, seen_share, bytes_per_s, responses_per_s, updates_per_response, cp_cpu_share,
@@ -66,7 +68,8 @@ bytes_per_s_per_subscriber, sotw_over_delta_bytes, digest_rss_bytes_per_block},
 "checks": [{name, verdict (PASS, FAIL or INVALID), detail}]}.
 
 Run: .venv/bin/python -m loadtest.xds_scale_bench [--quick] [--engines 1000] [--rate 10]
-     [--subscribers 100] [--shards 1,2] [--per-message 8] [--push-interval 0.05]
+     [--subscribers 100] [--shards 1,2] [--per-message 8] [--transport grpc|frames]
+     [--push-interval 0.05]
      [--duration 15] [--digest-blocks 40000] [--json PATH]
 """
 
@@ -230,7 +233,7 @@ def plan_nodes(
 # -- processes ----------------------------------------------------------------------------
 
 
-def _control_plane(conn: Connection, push_interval_s: float) -> None:
+def _control_plane(conn: Connection, push_interval_s: float, frames: bool = False) -> None:
     import xds  # noqa: F401
     from xds.server import ControlPlane, ServerLimits
 
@@ -245,8 +248,11 @@ def _control_plane(conn: Connection, push_interval_s: float) -> None:
         # (ServerLimits() alone when 0, so the bench also runs against an older server.)
         limits = ServerLimits(push_interval_s=push_interval_s) if push_interval_s else None
         cp = ControlPlane(limits=limits)
-        port = await cp.start("127.0.0.1", 0)
-        conn.send(port)
+        if frames:
+            port = await cp.start("127.0.0.1", 0, publish_port=0)
+            conn.send((port, cp.publish_port))
+        else:  # (no publish_port: the bench also runs against an older server)
+            conn.send((await cp.start("127.0.0.1", 0), 0))
         await asyncio.get_running_loop().run_in_executor(None, conn.recv)
         conn.send(
             {
@@ -274,8 +280,16 @@ def _publisher(
     rate: float,
     streams: int,
     digest_blocks: int,
+    frames_ports: Sequence[int] = (),
 ) -> None:
+    """`frames_ports`: publish over each target's frames port (FramePublisher) instead."""
     from xds.client import Publisher
+    from xds.publish_frames import FramePublisher
+
+    def publisher(k: int) -> Publisher | FramePublisher:
+        if frames_ports:
+            return FramePublisher(targets[k].rpartition(":")[0], frames_ports[k])
+        return Publisher(targets[k])
 
     names = {i: engine_name(i) for _, node in nodes for i in node}
     bodies = {i: StampedBodies(i) for i in names}
@@ -283,11 +297,11 @@ def _publisher(
     async def main() -> None:
         # Per shard, a publish stream per node (each node's agent has its own link), or
         # up to `streams` of them with its nodes dealt over them.
-        lanes: list[tuple[Publisher, int, list[tuple[int, ...]]]] = []
-        for k, target in enumerate(targets):
+        lanes: list[tuple[Publisher | FramePublisher, int, list[tuple[int, ...]]]] = []
+        for k in range(len(targets)):
             mine = [node for shard, node in nodes if shard == k]
             n = min(streams or len(mine), len(mine))
-            lanes.extend((Publisher(target), k, mine[j::n]) for j in range(n))
+            lanes.extend((publisher(k), k, mine[j::n]) for j in range(n))
 
         def message(node: tuple[int, ...], n: int, us: int) -> dict[str, bytes]:
             return {names[i]: bodies[i].body(n, us) for i in node}
@@ -308,7 +322,9 @@ def _publisher(
         updates = [0] * len(targets)
         messages = [0] * len(targets)
 
-        async def lane(pub: Publisher, k: int, mine: list[tuple[int, ...]]) -> None:
+        async def lane(
+            pub: Publisher | FramePublisher, k: int, mine: list[tuple[int, ...]]
+        ) -> None:
             period = 1.0 / (rate * len(mine))  # the lane's nodes, spread evenly
             t0 = time.monotonic() + random.random() * period
             n = 0
@@ -615,9 +631,11 @@ def run_scenario(
     latency_share: float = 0.2,
     push_interval_s: float = 0.0,
     digest_blocks: int = 0,
+    transport: str = "grpc",
     tick: Callable[[float], None] = lambda s: None,
 ) -> Result:
-    """One scenario: `engines` per shard (sc.shards of them), `rate` updates/s each."""
+    """One scenario: `engines` per shard (sc.shards of them), `rate` updates/s each;
+    `transport`: what the publishers use, "grpc" or "frames"."""
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
 
@@ -632,14 +650,17 @@ def run_scenario(
     asked = total * rate
     n_pub = publishers or auto_publishers(asked, per_message)
     try:
-        cps = [spawn(_control_plane, push_interval_s) for _ in range(sc.shards)]
-        targets = [f"127.0.0.1:{c.recv()}" for c in cps]
+        frames = transport == "frames"
+        cps = [spawn(_control_plane, push_interval_s, frames) for _ in range(sc.shards)]
+        ports = [c.recv() for c in cps]
+        targets = [f"127.0.0.1:{port}" for port, _ in ports]
+        frames_ports = [p for _, p in ports] if frames else []
         cp_pids = [p.pid for p in procs]
         nodes = plan_nodes(total, [(t,) for t in targets], per_message)
         random.Random(0).shuffle(nodes)
         n_pub = min(n_pub, len(nodes))
         pubs = [
-            spawn(_publisher, targets, nodes[j::n_pub], rate, streams, digest_blocks)
+            spawn(_publisher, targets, nodes[j::n_pub], rate, streams, digest_blocks, frames_ports)
             for j in range(n_pub)
         ]
         pub_pids = [p.pid for p in procs[len(cps) :]]
@@ -1048,6 +1069,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", default="1,2", help="control-plane shards of delta xN")
     ap.add_argument("--duration", type=float, default=15.0, help="seconds per scenario window")
     ap.add_argument("--per-message", type=int, default=8, help="engines a publish message")
+    ap.add_argument(
+        "--transport",
+        choices=("grpc", "frames"),
+        default="grpc",
+        help="what the publishers use: the gRPC publish stream, or the frames port",
+    )
     ap.add_argument("--publishers", type=int, default=0, help="publisher processes (0: auto)")
     ap.add_argument(
         "--streams",
@@ -1108,6 +1135,7 @@ def main(argv: list[str] | None = None) -> int:
                     latency_share=args.latency_share,
                     push_interval_s=args.push_interval,
                     digest_blocks=args.digest_blocks,
+                    transport=args.transport,
                     tick=lambda s: bar.update(round(s)),
                 )
             )
@@ -1128,6 +1156,7 @@ def main(argv: list[str] | None = None) -> int:
             "rate": args.rate,
             "duration_s": args.duration,
             "per_message": args.per_message,
+            "transport": args.transport,
             "publishers": args.publishers,
             "streams": args.streams,
             "per_process": args.per_process,

@@ -82,6 +82,16 @@ def test_framing_errors() -> None:
     assert FrameReader(100).feed(frame(b"x" * 100)) == [b"x" * 100]
 
 
+def test_a_reader_says_when_part_of_a_frame_is_in() -> None:
+    reader = FrameReader(100, PREAMBLE)
+    assert not reader.partial
+    reader.feed(PREAMBLE[:4])
+    assert reader.partial
+    reader.feed(PREAMBLE[4:] + frame(b"abc")[:5])
+    assert reader.partial
+    assert reader.feed(frame(b"abc")[5:]) == [b"abc"] and not reader.partial
+
+
 def test_frames_target() -> None:
     assert frames_target("cp.ns.svc:15010", 15012) == ("cp.ns.svc", 15012)
     assert frames_target("127.0.0.1:1", 2) == ("127.0.0.1", 2)
@@ -265,8 +275,13 @@ async def test_mtls_refuses_what_the_grpc_port_refuses(tmp_path: Path) -> None:
             ssl_context=_client_files(d, _pem(ca[1]), _leaf(ca, "agent")),
         )
         await good.publish(T, {"x": state("x")})
+        # ~170 KB: many TLS records, read on in one go rather than one record a poll.
+        many = {f"e{i}": state(f"e{i}") for i in range(600)}
+        async with asyncio.timeout(2.0):
+            await good.publish(T, many)
         await good.close()
-        assert plane.stats.publishes == 1 and plane.cache.get(T, "x") is not None
+        assert plane.stats.publishes == 2 and plane.cache.get(T, "x") is not None
+        assert len(plane.cache.resources(T)) == 601
     finally:
         await plane.stop(0)
 
@@ -308,11 +323,16 @@ class Owner:
 
 
 async def settle(link: ControlPlaneLink, plane: ControlPlane, name: str, running: int) -> None:
-    """Offer engine `name`'s state until the control plane holds this version of it."""
+    """Offer engine `name`'s state; return once the control plane holds this version of
+    it and the link has its ACK."""
     want = state(name, running)
+    stats = link.agent.stats
+    acked = stats.publishes
     link.offer(T, name, want)
     async with asyncio.timeout(5.0):
         while (r := plane.cache.get(T, name)) is None or r.body != want:
+            await asyncio.sleep(0.005)
+        while stats.publishes == acked:
             await asyncio.sleep(0.005)
 
 

@@ -92,3 +92,11 @@ def test_a_tiny_run_measures_every_update() -> None:
     text = bench.report([short, sotw], engines=24, rate=5.0)
     assert "INVALID (publishers short)" in text
     assert re.search(r"^INVALID .*p99 update-to-subscriber.*publishers reached", text, re.M)
+
+
+def test_publishers_can_take_the_frames_port() -> None:
+    r = run_scenario(
+        Scenario("delta x1 2sh", "delta", 1, 2), digest_blocks=64, transport="frames", **TINY
+    )
+    assert 0.8 <= r.publish_share <= 1.2 and r.seen_share > 0.9
+    assert all(s.updates_per_message <= 4 and s.us_per_update > 0 for s in r.per_shard)

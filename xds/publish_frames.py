@@ -54,6 +54,7 @@ log = logging.getLogger("meshd.xds.publish_frames")
 PREAMBLE = b"MESHD-PUBLISH/1\n"
 ADVERTISE_KEY = "meshd-publish-frames-port"  # gRPC initial metadata: the frames port
 _RECV_BYTES = 256 * 1024
+_READ_A_TURN = 4 * 2**20  # bytes of one connection read in one go, at most
 
 
 class FrameError(Exception):
@@ -69,13 +70,19 @@ class FrameReader:
     as soon as its header is in; one that is partly in waits in a bytearray (appends,
     not a copy of everything so far per read: a full PrefixDigest is hundreds of KB)."""
 
-    __slots__ = ("_buf", "_max", "_need", "_preamble")
+    __slots__ = ("_buf", "_fed", "_max", "_need", "_preamble")
 
     def __init__(self, max_frame_bytes: int, preamble: bytes = b"") -> None:
         self._max = max_frame_bytes
         self._preamble = preamble  # still expected
+        self._fed = False
         self._buf = bytearray()
         self._need = 0  # bytes _buf must hold before anything can come out of it
+
+    @property
+    def partial(self) -> bool:
+        """Whether part of a frame (or of the preamble) is in, waiting for the rest."""
+        return bool(self._buf) or (self._fed and bool(self._preamble))
 
     def feed(self, data: bytes) -> list[bytes]:
         if self._buf:
@@ -84,6 +91,7 @@ class FrameReader:
                 return []
             data, self._buf = bytes(self._buf), bytearray()
         if self._preamble:
+            self._fed = True
             want = self._preamble
             n = min(len(data), len(want))
             if data[:n] != want[:n]:
@@ -194,41 +202,49 @@ class _Connection:
         self.loop.add_reader(self.fd, self._readable)
 
     def _readable(self) -> None:
+        """What the socket holds: each whole message ingested and answered. While a
+        message is partly in, reading goes on (up to _READ_A_TURN), so a large one takes
+        one turn of the loop rather than one a TLS record; a small one costs one read."""
         sock = self.sock
-        try:
-            data = sock.recv(_RECV_BYTES)
-            if data and isinstance(sock, ssl.SSLSocket):
-                # TLS gives one record a read; what it decrypted but did not return
-                # makes the socket no longer readable, so take it now.
-                while sock.pending():
-                    data += sock.recv(_RECV_BYTES)
-        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
-            return
-        except ssl.SSLWantWriteError:
-            self.close("TLS wants to write while reading (renegotiation is off)")
-            return
-        except (OSError, ssl.SSLError) as exc:
-            self.close(str(exc))
-            return
-        if not data:
-            self.close()
-            return
-        try:
-            frames = self._reader.feed(data)
-        except FrameError as exc:
-            self.close(str(exc))
-            return
-        if not frames:
-            return
-        ingest, peer = self.server.ingest, self.peer
-        out = []
-        for payload in frames:
-            reply = ingest(payload, peer)
-            if reply is None:
-                self.close("malformed publish message")
+        tls = sock if isinstance(sock, ssl.SSLSocket) else None
+        reader, ingest, peer = self._reader, self.server.ingest, self.peer
+        out: list[bytes] = []
+        budget = _READ_A_TURN
+        while True:
+            try:
+                data = sock.recv(_RECV_BYTES)
+                if tls is not None and data:
+                    # TLS gives one record a read; what it decrypted but did not return
+                    # makes the socket no longer readable, so take it now.
+                    while tls.pending():
+                        data += tls.recv(_RECV_BYTES)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+                break
+            except ssl.SSLWantWriteError:
+                self.close("TLS wants to write while reading (renegotiation is off)")
                 return
-            out.append(len(reply).to_bytes(4, "big") + reply)
-        self._send(out[0] if len(out) == 1 else b"".join(out))
+            except (OSError, ssl.SSLError) as exc:
+                self.close(str(exc))
+                return
+            if not data:
+                self.close()
+                return
+            try:
+                frames = reader.feed(data)
+            except FrameError as exc:
+                self.close(str(exc))
+                return
+            for payload in frames:
+                reply = ingest(payload, peer)
+                if reply is None:
+                    self.close("malformed publish message")
+                    return
+                out.append(len(reply).to_bytes(4, "big") + reply)
+            budget -= len(data)
+            if not reader.partial or budget <= 0:
+                break
+        if out:
+            self._send(out[0] if len(out) == 1 else b"".join(out))
 
     def _send(self, data: bytes) -> None:
         try:
