@@ -25,6 +25,7 @@ log = logging.getLogger("meshd.agent")
 # After the frames port failed before it answered once (blocked, refused our certificate,
 # not routed by the Service), the link stays on gRPC this long before it tries it again.
 FRAMES_RETRY_S = 300.0
+FRAMES_CONNECT_TIMEOUT_S = 5.0
 
 
 class LinkOwner(Protocol):
@@ -50,8 +51,9 @@ class ControlPlaneLink:
 
     A link starts on gRPC; once the control plane advertises its frames publish port
     (xds/publish_frames.py: a publish there costs it a fifth as much) and the owner's
-    config.publish_frames allows, the link moves there between two sends, and back to gRPC
-    when that port fails before it answered once (for FRAMES_RETRY_S)."""
+    config.publish_frames allows, the link connects there in the background (its sends go
+    on over gRPC meanwhile) and moves there between two sends; back to gRPC when that port
+    fails before it answered once, for FRAMES_RETRY_S."""
 
     def __init__(self, agent: LinkOwner, target: str, *, window_s: float = 0.0) -> None:
         """`window_s`: how long a send waits after the first body is offered, so the
@@ -71,6 +73,7 @@ class ControlPlaneLink:
         self._rng = random.Random()
         self.transport = "grpc"  # what the last send went over: "grpc" or "frames"
         self._frames_retry_at = float("-inf")
+        self._dialing: asyncio.Task[FramePublisher] | None = None
 
     def offer(self, type_url: str, name: str, body: bytes, *, base: bool = False) -> None:
         """`base`: bodies offered later for this resource build on this one."""
@@ -115,31 +118,55 @@ class ControlPlaneLink:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def _to_frames(self, publisher: Publisher) -> Publisher | FramePublisher:
-        """The frames publisher that replaces `publisher`, or `publisher` where there is
-        none to use (not advertised, not allowed, failed lately, not reachable)."""
+    def _dial(self, publisher: Publisher) -> None:
+        """Connect to the frames port `publisher`'s stream advertised, in the background,
+        where allowed and not failed lately."""
         port = publisher.frames_port
-        if port is None or not getattr(self.agent.config, "publish_frames", True):
-            return publisher
+        if port is None or self._dialing is not None:
+            return
+        if not getattr(self.agent.config, "publish_frames", True):
+            return
         where = frames_target(self.target, port)
-        loop = asyncio.get_running_loop()
-        if where is None or loop.time() < self._frames_retry_at:
-            return publisher
+        if where is None or asyncio.get_running_loop().time() < self._frames_retry_at:
+            return
         frames = FramePublisher(*where, ssl_context=self.agent.ssl_context)
+
+        async def connect() -> FramePublisher:
+            try:
+                async with asyncio.timeout(FRAMES_CONNECT_TIMEOUT_S):
+                    await frames.connect()
+            except BaseException:
+                await frames.close()
+                raise
+            return frames
+
+        self._dialing = asyncio.ensure_future(connect())
+
+    async def _take_frames(self, publisher: Publisher) -> Publisher | FramePublisher:
+        """The frames publisher once connected (the gRPC one closed), else `publisher`."""
+        task = self._dialing
+        if task is None or not task.done():
+            return publisher
+        self._dialing = None
         try:
-            async with asyncio.timeout(5.0):
-                await frames.connect()
-        except (OSError, TimeoutError) as exc:
-            log.info(
-                "control plane %s: frames port %d: %s; staying on gRPC", self.target, port, exc
-            )
-            self._frames_retry_at = loop.time() + FRAMES_RETRY_S
-            await frames.close()
+            frames = task.result()
+        except Exception as exc:
+            log.info("control plane %s: frames port: %s; staying on gRPC", self.target, exc)
+            self._frames_retry_at = asyncio.get_running_loop().time() + FRAMES_RETRY_S
             return publisher
         with contextlib.suppress(Exception):
             await publisher.close()
-        log.info("control plane %s: publishing over frames on port %d", self.target, port)
+        log.info("control plane %s: publishing over frames on port %d", self.target, frames.port)
         return frames
+
+    async def _stop_dialing(self) -> None:
+        task, self._dialing = self._dialing, None
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            frames = await task
+            await frames.close()
 
     async def _publish(
         self, publisher: Publisher | FramePublisher, batch: dict[tuple[str, str], bytes]
@@ -170,6 +197,8 @@ class ControlPlaneLink:
                 bases, self._bases = self._bases, set()
                 if publisher is None:
                     publisher = Publisher(self.target, credentials=self.agent.credentials)
+                elif isinstance(publisher, Publisher):
+                    publisher = await self._take_frames(publisher)
                 try:
                     if first:
                         await self._publish(publisher, first)
@@ -180,8 +209,8 @@ class ControlPlaneLink:
                         self.connected = True
                         log.info("publishing to the control plane %s", self.target)
                     attempt = 0
-                    if isinstance(publisher, Publisher) and publisher.frames_port is not None:
-                        publisher = await self._to_frames(publisher)
+                    if isinstance(publisher, Publisher):
+                        self._dial(publisher)
                 except Exception as exc:
                     self.agent.stats.publish_failures += 1
                     if isinstance(publisher, FramePublisher) and not publisher.answers:
@@ -192,6 +221,7 @@ class ControlPlaneLink:
                     with contextlib.suppress(Exception):
                         await publisher.close()
                     publisher = None
+                    await self._stop_dialing()
                     # Keep what did not go, and make the next digest full: this control
                     # plane may have lost the base.
                     self._requeue(first, batch, bases)
@@ -200,6 +230,7 @@ class ControlPlaneLink:
                     attempt += 1
                     self._wake.set()
         finally:  # closed, or cancelled: either way the channel goes
+            await self._stop_dialing()
             if publisher is not None:
                 with contextlib.suppress(Exception):
                     await publisher.close()

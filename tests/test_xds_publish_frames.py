@@ -23,6 +23,7 @@ from cryptography.x509.oid import NameOID
 from hypothesis import given
 from hypothesis import strategies as st
 
+from meshd import agent_link
 from meshd.agent import AgentStats
 from meshd.agent_link import ControlPlaneLink
 from xds.client import Backoff, Publisher, tls_client_context
@@ -336,6 +337,17 @@ async def settle(link: ControlPlaneLink, plane: ControlPlane, name: str, running
             await asyncio.sleep(0.005)
 
 
+async def until_frames(link: ControlPlaneLink, plane: ControlPlane, name: str) -> int:
+    """Publish new states of `name` until one goes over the frames port (the link
+    connects there in the background); how many went over gRPC before."""
+    for n in range(1, 200):
+        await settle(link, plane, name, 100 + n)
+        if link.transport == "frames":
+            return n - 1
+        await asyncio.sleep(0.005)
+    raise AssertionError("the link never moved to the frames port")
+
+
 @pytest.fixture
 def free_port() -> Iterator[int]:
     with socket.socket() as s:
@@ -352,8 +364,13 @@ async def test_the_link_moves_to_the_advertised_port(cp: ControlPlane, allowed: 
     try:
         await settle(link, cp, "e1", 1)  # the first send: over gRPC, which advertises
         assert link.transport == "grpc"
-        await settle(link, cp, "e1", 2)
-        assert link.transport == ("frames" if allowed else "grpc")
+        if allowed:
+            await until_frames(link, cp, "e1")
+        else:
+            for running in range(2, 6):
+                await settle(link, cp, "e1", running)
+                await asyncio.sleep(0.01)
+            assert link.transport == "grpc"
         assert owner.stats.publish_failures == 0 and owner.lost == 0
     finally:
         await link.close()
@@ -373,6 +390,31 @@ async def test_a_frames_port_out_of_reach_leaves_the_link_on_grpc(
         assert owner.stats.publish_failures == 0 and owner.lost == 0  # nothing lost on the way
     finally:
         await link.close()
+
+
+async def test_a_frames_port_that_never_answers_holds_no_send_up(
+    cp: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    never = asyncio.Event()
+
+    async def hangs(self: FramePublisher) -> None:  # a port whose packets are dropped
+        await never.wait()
+
+    monkeypatch.setattr(FramePublisher, "connect", hangs)
+    monkeypatch.setattr(agent_link, "FRAMES_CONNECT_TIMEOUT_S", 60.0)
+    owner = Owner()
+    link = ControlPlaneLink(owner, f"127.0.0.1:{cp.port}")
+    link.start()
+    try:
+        async with asyncio.timeout(5.0):  # far inside the connect timeout: nothing waits on it
+            for running in range(1, 6):
+                await settle(link, cp, "e1", running)
+        assert link.transport == "grpc"
+        assert link._dialing is not None and not link._dialing.done()  # still connecting
+        assert owner.stats.publish_failures == 0
+    finally:
+        await link.close()
+    assert link._dialing is None  # the attempt went with the link
 
 
 async def test_a_control_plane_without_the_port_is_published_to_over_grpc() -> None:
@@ -396,16 +438,15 @@ async def test_the_link_survives_a_control_plane_restart_on_frames(cp: ControlPl
     link.start()
     port, publish_port = cp.port, cp.publish_port
     try:
-        await settle(link, cp, "e1", 1)
-        await settle(link, cp, "e1", 2)
-        assert link.transport == "frames"
+        await until_frames(link, cp, "e1")
         await cp.stop(0)
         again = ControlPlane()
         await again.start("127.0.0.1", port, publish_port=publish_port)
         try:
             await settle(link, again, "e1", 3)  # over gRPC first, after the failure
-            await settle(link, again, "e1", 4)
-            assert link.transport == "frames" and owner.lost >= 1
+            assert link.transport == "grpc"
+            await until_frames(link, again, "e1")
+            assert owner.lost >= 1
         finally:
             await again.stop(0)
     finally:
