@@ -5,17 +5,12 @@ subscriber that never reads, and mTLS refusing a wrong client certificate."""
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import random
 from collections.abc import AsyncIterator
 
+import certs
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from envoy.service.discovery.v3 import discovery_pb2 as pb
 from grpc import aio
 from test_xds_protocol import RawStream, T, state
@@ -180,71 +175,21 @@ async def test_wait_until_wakes_on_a_push_to_a_client_that_never_answers(
 # -- mTLS -------------------------------------------------------------------------------
 
 
-def _ca(name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    return key, cert
-
-
-def _leaf(
-    ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], name: str
-) -> tuple[bytes, bytes]:
-    ca_key, ca_cert = ca
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-    return cert.public_bytes(serialization.Encoding.PEM), key_pem
-
-
-def _pem(cert: x509.Certificate) -> bytes:
-    return cert.public_bytes(serialization.Encoding.PEM)
-
-
 async def test_mtls_refuses_wrong_client_certificate() -> None:
-    ca, rogue_ca = _ca("meshd-ca"), _ca("rogue-ca")
-    server_cert, server_key = _leaf(ca, "control-plane")
+    ca, rogue_ca = certs.ca("meshd-ca"), certs.ca("rogue-ca")
+    server_cert, server_key = certs.leaf(ca, "control-plane")
     plane = ControlPlane()
     plane.cache.set(T, "e1", state("e1"))
     port = await plane.start(
-        "127.0.0.1", 0, TlsConfig(server_cert, server_key, client_ca=_pem(ca[1]))
+        "127.0.0.1", 0, TlsConfig(server_cert, server_key, client_ca=certs.pem(ca[1]))
     )
     target = f"127.0.0.1:{port}"
     try:
-        good_cert, good_key = _leaf(ca, "sidecar")
+        good_cert, good_key = certs.leaf(ca, "sidecar")
         good = Subscriber(
             target,
             {T: None},
-            credentials=grpc.ssl_channel_credentials(_pem(ca[1]), good_key, good_cert),
+            credentials=grpc.ssl_channel_credentials(certs.pem(ca[1]), good_key, good_cert),
             backoff=FAST,
         )
         good.start()
@@ -253,8 +198,8 @@ async def test_mtls_refuses_wrong_client_certificate() -> None:
         finally:
             await good.close()
 
-        for key, cert in (_leaf(rogue_ca, "sidecar")[::-1], (None, None)):
-            creds = grpc.ssl_channel_credentials(_pem(ca[1]), key, cert)
+        for key, cert in (certs.leaf(rogue_ca, "sidecar")[::-1], (None, None)):
+            creds = grpc.ssl_channel_credentials(certs.pem(ca[1]), key, cert)
             async with aio.secure_channel(target, creds) as ch:
                 s = RawStream(ch)
                 with pytest.raises(aio.AioRpcError) as info:

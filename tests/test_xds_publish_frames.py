@@ -6,20 +6,15 @@ on gRPC when it cannot."""
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import socket
 import ssl
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import certs
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -180,54 +175,6 @@ async def test_a_large_message_in_many_reads(cp: ControlPlane) -> None:
 # -- mTLS ------------------------------------------------------------------------------------
 
 
-def _ca(name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    return key, cert
-
-
-def _leaf(
-    ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], name: str
-) -> tuple[bytes, bytes]:
-    ca_key, ca_cert = ca
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    return cert.public_bytes(serialization.Encoding.PEM), key_pem
-
-
-def _pem(cert: x509.Certificate) -> bytes:
-    return cert.public_bytes(serialization.Encoding.PEM)
-
-
 def _client_files(tmp: Path, ca_pem: bytes, leaf: tuple[bytes, bytes] | None) -> ssl.SSLContext:
     (tmp / "ca.pem").write_bytes(ca_pem)
     if leaf is None:
@@ -238,17 +185,19 @@ def _client_files(tmp: Path, ca_pem: bytes, leaf: tuple[bytes, bytes] | None) ->
 
 
 async def test_mtls_refuses_what_the_grpc_port_refuses(tmp_path: Path) -> None:
-    ca, rogue = _ca("meshd-ca"), _ca("rogue-ca")
-    server_cert, server_key = _leaf(ca, "control-plane")
+    ca, rogue = certs.ca("meshd-ca"), certs.ca("rogue-ca")
+    server_cert, server_key = certs.leaf(ca, "control-plane")
     plane = ControlPlane()
-    tls = TlsConfig(server_cert, server_key, client_ca=_pem(ca[1]))
+    tls = TlsConfig(server_cert, server_key, client_ca=certs.pem(ca[1]))
     await plane.start("127.0.0.1", 0, tls, publish_port=0)
     try:
-        for i, leaf in enumerate((_leaf(rogue, "agent"), None)):
+        for i, leaf in enumerate((certs.leaf(rogue, "agent"), None)):
             d = tmp_path / f"bad{i}"
             d.mkdir()
             pub = FramePublisher(
-                "127.0.0.1", plane.publish_port, ssl_context=_client_files(d, _pem(ca[1]), leaf)
+                "127.0.0.1",
+                plane.publish_port,
+                ssl_context=_client_files(d, certs.pem(ca[1]), leaf),
             )
             with pytest.raises((ConnectionError, ssl.SSLError, OSError)):
                 async with asyncio.timeout(5.0):
@@ -261,7 +210,7 @@ async def test_mtls_refuses_what_the_grpc_port_refuses(tmp_path: Path) -> None:
         pub = FramePublisher(
             "127.0.0.1",
             plane.publish_port,
-            ssl_context=_client_files(d, _pem(rogue[1]), _leaf(ca, "agent")),
+            ssl_context=_client_files(d, certs.pem(rogue[1]), certs.leaf(ca, "agent")),
         )
         with pytest.raises(ssl.SSLCertVerificationError):
             await pub.publish(T, {"x": state("x")})
@@ -273,7 +222,7 @@ async def test_mtls_refuses_what_the_grpc_port_refuses(tmp_path: Path) -> None:
         good = FramePublisher(
             "127.0.0.1",
             plane.publish_port,
-            ssl_context=_client_files(d, _pem(ca[1]), _leaf(ca, "agent")),
+            ssl_context=_client_files(d, certs.pem(ca[1]), certs.leaf(ca, "agent")),
         )
         await good.publish(T, {"x": state("x")})
         # ~170 KB: many TLS records, read on in one go rather than one record a poll.
@@ -288,10 +237,10 @@ async def test_mtls_refuses_what_the_grpc_port_refuses(tmp_path: Path) -> None:
 
 
 async def test_a_handshake_never_finished_is_dropped(tmp_path: Path) -> None:
-    ca = _ca("meshd-ca")
-    server_cert, server_key = _leaf(ca, "control-plane")
+    ca = certs.ca("meshd-ca")
+    server_cert, server_key = certs.leaf(ca, "control-plane")
     plane = ControlPlane(limits=ServerLimits(handshake_timeout_s=0.05))
-    tls = TlsConfig(server_cert, server_key, client_ca=_pem(ca[1]))
+    tls = TlsConfig(server_cert, server_key, client_ca=certs.pem(ca[1]))
     await plane.start("127.0.0.1", 0, tls, publish_port=0)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", plane.publish_port)
