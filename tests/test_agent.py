@@ -300,15 +300,15 @@ async def test_publishing_ticks_are_traced() -> None:
 async def test_agent_publishes_over_mtls_and_a_rogue_certificate_is_refused(
     tmp_path: Path,
 ) -> None:
-    from test_xds_client import _ca, _leaf, _pem
+    import certs
 
-    ca, rogue = _ca("meshd-ca"), _ca("rogue-ca")
-    server_cert, server_key = _leaf(ca, "control-plane")
+    ca, rogue = certs.ca("meshd-ca"), certs.ca("rogue-ca")
+    server_cert, server_key = certs.leaf(ca, "control-plane")
     files: dict[str, str] = {}
     for name, data in (
-        ("ca.pem", _pem(ca[1])),
-        *zip(("cert.pem", "key.pem"), _leaf(ca, "agent"), strict=True),
-        *zip(("rogue-cert.pem", "rogue-key.pem"), _leaf(rogue, "agent"), strict=True),
+        ("ca.pem", certs.pem(ca[1])),
+        *zip(("cert.pem", "key.pem"), certs.leaf(ca, "agent"), strict=True),
+        *zip(("rogue-cert.pem", "rogue-key.pem"), certs.leaf(rogue, "agent"), strict=True),
     ):
         (tmp_path / name).write_bytes(data)
         files[name] = str(tmp_path / name)
@@ -317,7 +317,7 @@ async def test_agent_publishes_over_mtls_and_a_rogue_certificate_is_refused(
     )
     await engine.start()
     plane = ControlPlane()
-    port = await plane.start("127.0.0.1", 0, TlsConfig(server_cert, server_key, _pem(ca[1])))
+    port = await plane.start("127.0.0.1", 0, TlsConfig(server_cert, server_key, certs.pem(ca[1])))
     base = agent_config(engine, port)
     good = EngineAgent(
         replace(

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import certs
 import pytest
 from backends import TestBackend as Backend
 from harness import sidecar_config, url
-from test_xds_client import _ca, _leaf, _pem
 
 from filters.hotpath import block_hashes
 from filters.picker import PickRequest
@@ -329,14 +329,14 @@ async def test_mtls_feed(
     backends: Callable[..., Awaitable[Backend]],
     sidecar: Callable[..., Awaitable[Sidecar]],
 ) -> None:
-    ca = _ca("meshd-ca")
-    server_cert, server_key = _leaf(ca, "control-plane")
-    client_cert, client_key = _leaf(ca, "sidecar")
-    (tmp_path / "ca.pem").write_bytes(_pem(ca[1]))
+    ca = certs.ca("meshd-ca")
+    server_cert, server_key = certs.leaf(ca, "control-plane")
+    client_cert, client_key = certs.leaf(ca, "sidecar")
+    (tmp_path / "ca.pem").write_bytes(certs.pem(ca[1]))
     (tmp_path / "cert.pem").write_bytes(client_cert)
     (tmp_path / "key.pem").write_bytes(client_key)
     cp = ControlPlane()
-    port = await cp.start("127.0.0.1", 0, TlsConfig(server_cert, server_key, _pem(ca[1])))
+    port = await cp.start("127.0.0.1", 0, TlsConfig(server_cert, server_key, certs.pem(ca[1])))
     try:
         b = await backends("b0")
         cp.publish(ENDPOINT_STATE_TYPE, {"e0": engine_state(b, draining=True).encode()})
