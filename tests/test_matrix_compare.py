@@ -74,6 +74,87 @@ def test_both_cost_views_against_round_robin():
     )
 
 
+def test_the_elastic_view_judges_meshd_told_its_pool_is_elastic():
+    from loadtest.bench.matrix import MESHD_ELASTIC
+
+    c = cell({"cost_per_ok_task": 0.95, "fixed_cost_per_ok_task": 0.97})
+    c["figures"].append(figs(MESHD_ELASTIC, cost_per_ok_task=0.85, fixed_cost_per_ok_task=2.0))
+    got = compare(c)
+    assert got["cost_vs_rr"]["ratio"] == 0.85 and got["cost_vs_rr"]["pass"]
+    assert got["fixed_vs_rr"]["ratio"] == 0.97  # the fixed view stays meshd's defaults'
+    # Latency figures are meshd's defaults', never the elastic row's.
+    c["figures"][-1]["ttft_p90"] = 0.1
+    assert compare(c)["ttft_p90"]["ratio"] == 1.0
+
+
+def test_a_candidate_runs_only_the_meshd_rows_with_its_overrides_and_reuses_the_peers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import json
+    from types import SimpleNamespace
+
+    from loadtest.bench import matrix, virtual
+    from loadtest.bench.matrix import MESHD_ELASTIC
+
+    seen: list[tuple[str, Any]] = []
+
+    def fake_policy(policy: str, fleet: Any, requests: Any, settings: Any, **kw: Any) -> Any:
+        seen.append((policy, kw.get("overrides")))
+        return SimpleNamespace(), SimpleNamespace(outcomes=[])
+
+    def fake_figures(policy: str, requests: Any, outcomes: Any, result: Any, fleet: Any) -> Any:
+        return matrix.Figures(
+            **{**figs(policy, ttft_p90=0.5), "engine_hit_rate": 0.5, "cost_usd": 1.0}
+        )
+
+    monkeypatch.setattr(virtual, "run_virtual_policy", fake_policy)
+    monkeypatch.setattr(matrix, "figures", fake_figures)
+    monkeypatch.setattr(matrix, "floor_p90", lambda requests, fleet: None)
+    c = Cell("agentic", engines=4)
+    cand = {"picker_config": {"sticky_tolerance": 0.1}}
+    out = matrix.run_cell(c, quick=True, policies=[MESHD, MESHD_ELASTIC], overrides=cand)
+    assert seen == [
+        (MESHD, cand),
+        (MESHD, {"picker_config": {"elastic": True, "sticky_tolerance": 0.1}}),
+    ]
+    assert [r["policy"] for r in out["figures"]] == [MESHD, MESHD_ELASTIC]
+    prior = [{"label": c.label, "quick": True, "figures": [figs(p) for p in PEERS]}]
+    merged = matrix.reuse(out, prior)
+    assert {r["policy"] for r in merged["figures"]} == {*PEERS, MESHD, MESHD_ELASTIC}
+    assert compare(merged)["ttft_p90"]["ratio"] == 0.5
+    with pytest.raises(SystemExit, match="no cell"):
+        matrix.reuse({**out, "label": "other"}, prior)
+    # From the command line: peers measured once, a candidate against them.
+    path = tmp_path / "prior.json"
+    path.write_text(json.dumps(prior))
+    monkeypatch.setattr(matrix, "write", lambda cells, out_dir, plots: written.extend(cells))
+    written: list[dict[str, Any]] = []
+    seen.clear()
+    args = ["--quick", "--jobs", "1", "--cells", c.label, "--out", str(tmp_path)]
+    monkeypatch.setattr(matrix, "default_cells", lambda quick, full: [c])
+    rc = matrix.main(
+        [*args, "--policies", MESHD, "--reuse", str(path), "--override", json.dumps(cand)]
+    )
+    assert rc == 0 and seen == [(MESHD, cand)]
+    assert {r["policy"] for r in written[0]["figures"]} == {*PEERS, MESHD}
+
+
+def test_candidate_options_say_what_is_wrong(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from loadtest.bench import matrix
+
+    for bad, why in (
+        (["--policies", "meshd-no-gpu"], "--policies needs --reuse"),
+        (["--policies", "fastest"], "--policies: unknown ['fastest']"),
+        (["--override", "{nope"], "--override: not JSON"),
+        (["--override", "[1]"], "--override: must be a JSON object"),
+    ):
+        with pytest.raises(SystemExit):
+            matrix.main([*bad, "--out", str(tmp_path)])
+        assert why in capsys.readouterr().err
+
+
 def test_the_bound_is_known_for_open_loop_cells_only():
     c = Cell("shared-prefix", engines=4)
     b = hit_bound(c, setup(c, quick=True)[0])
@@ -150,7 +231,7 @@ def test_mixed_cells_run_both_listings_and_report_their_mean(
     monkeypatch.setattr(matrix, "figures", fake_figures)
     monkeypatch.setattr(matrix, "floor_p90", lambda requests, fleet: None)
     out = matrix.run_cell(Cell("agentic", engines=4, gpus="mixed"), quick=True)
-    policies = len(PEERS) + 2  # meshd, and meshd told the GPUs
+    policies = len(PEERS) + 3  # meshd, meshd told it is elastic, meshd told the GPUs
     assert listings.count(("H100", "A100", "H100", "A100")) == policies
     assert listings.count(("A100", "H100", "A100", "H100")) == policies
     assert out["orders"] == 2
@@ -159,5 +240,5 @@ def test_mixed_cells_run_both_listings_and_report_their_mean(
     assert row["ok"] == 12 and row["keep"] == 0.8 and row["makespan_p50"] is None
     listings.clear()
     same = matrix.run_cell(Cell("agentic", engines=4), quick=True)
-    assert same["orders"] == 1 and len(listings) == len(PEERS) + 1
+    assert same["orders"] == 1 and len(listings) == len(PEERS) + 2
     assert same["figures"][0]["ttft_p90"] == pytest.approx(0.03)
