@@ -103,10 +103,13 @@ __all__ = [
     "FASTER_WHOLE_STALL_WEIGHT",
     "KV_PARAMS",
     "MAX_NAMED_PREFILL",
+    "MAX_PD_HEADER_CHARS",
     "MAX_ROOM",
+    "PD_HEADER",
     "PREFILL_HEADERS",
     "SGLANG_BOOTSTRAP_PORT",
     "BootstrapPorts",
+    "PdServed",
     "Split",
     "aggregated_body",
     "bootstrap_batch",
@@ -118,6 +121,7 @@ __all__ = [
     "missing_tokens",
     "named_prefill_endpoints",
     "new_room",
+    "parse_pd_header",
     "prefer_whole",
     "prefill_body",
     "price_decode_routes",
@@ -348,6 +352,59 @@ def aggregated_body(doc: Mapping[str, Any]) -> dict[str, Any]:
     """The request served whole (a decode step that lost its KV, a continuation after a
     mid-stream failover): without any transfer params or bootstrap fields."""
     return {k: v for k, v in doc.items() if k != KV_PARAMS and k not in BOOTSTRAP_FIELDS}
+
+
+# ---- what a decode endpoint's proxy did ---------------------------------------------------
+
+# The answer's P/D outcome, which only the proxy in front of the decode engine knows (the
+# request was split, or it served it whole, e.g. after a failed prefill step): set by a
+# meshd data path for a trusted peer (meshd/relay.py), read by `meshd picker` in its
+# response-headers phase (meshd/extproc_picker.py). `split; prefill=<host:port>` (the
+# prefill engine whose step or leg answered) or `whole; reason=<why>` (the decider's
+# reason, `prefill-failed`, `kv-fetch-failed`, `picker`, ...); its `record` is the access
+# log's `pd` (split, whole:<why>).
+PD_HEADER = "x-meshd-pd"
+# A longer value is not read (a trusted peer's, but bounded all the same).
+MAX_PD_HEADER_CHARS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class PdServed:
+    """How the decode endpoint's proxy served a request: split (and on which prefill
+    engine, `host:port`, when it said), or whole and why."""
+
+    split: bool
+    reason: str = ""
+    prefill: str | None = None
+
+    @property
+    def record(self) -> str:
+        """As the access log's `pd` names it: `split` or `whole:<reason>`."""
+        return "split" if self.split else f"whole:{self.reason or 'unknown'}"
+
+    def header(self) -> str:
+        if self.split:
+            return f"split; prefill={self.prefill}" if self.prefill else "split"
+        return f"whole; reason={self.reason or 'unknown'}"
+
+
+def parse_pd_header(value: str) -> PdServed | None:
+    """An `x-meshd-pd` value, or None when it is not one (too long, neither split nor
+    whole). Parameters it does not know are ignored."""
+    if len(value) > MAX_PD_HEADER_CHARS:
+        return None
+    head, *params = value.split(";")
+    kind = head.strip().lower()
+    if kind not in ("split", "whole"):
+        return None
+    found: dict[str, str] = {}
+    for param in params:
+        key, sep, val = param.partition("=")
+        if sep and (key := key.strip().lower()) and key not in found:
+            found[key] = val.strip()
+    if kind == "split":
+        return PdServed(True, "split", found.get("prefill") or None)
+    return PdServed(False, found.get("reason") or "unknown")
 
 
 # ---- SGLang's protocol ---------------------------------------------------------------------

@@ -47,6 +47,8 @@ Envoy passes on) is split on the prefill engine(s) its prefill header names
 (filters/disagg.py PREFILL_HEADERS; only endpoints of the prefill pool, in the order
 named), or served whole when it names none (`_picker_named`); the decider is not asked.
 The KV transfer is priced on what the decode engine lacks (its pool's prefix index).
+Its answer tells a trusted peer what it did (`x-meshd-pd`, `served`: split on which
+prefill engine, or whole and why), so the picker learns when it served whole.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from filters.disagg import (
     PREFILL_HEADERS,
     SGLANG_BOOTSTRAP_PORT,
     BootstrapPorts,
+    PdServed,
     Split,
     aggregated_body,
     bootstrap_body,
@@ -714,6 +717,30 @@ def kv_fetch_failed(status: int, body: bytes) -> bool:
     if status == 410 or status >= 500:
         return True
     return status >= 400 and b'"kvtransfererror"' in body[:4096].lower()
+
+
+def served(ctx: RequestContext) -> PdServed | None:
+    """How this sidecar is serving a request of a decode pool, as its answer's head goes
+    out (filters/disagg.py PD_HEADER): split, on the prefill engine whose step (or the
+    pair's leg) answered last; or whole and why: the decider's reason, `prefill-failed`,
+    or `kv-fetch-failed` (its decode step lost the KV and was retried whole). None: not a
+    request of a decode pool."""
+    split = ctx.pd
+    if split is None:
+        return None
+    if ctx.pd_params is not None or ctx.pd_pair is not None:
+        prefill = None
+        for a in reversed(ctx.trace.attempts):
+            if a.reason == "prefill" and a.outcome == "ok":
+                prefill = host_port(a.endpoint)
+                break
+        return PdServed(True, "split", prefill)
+    said = ctx.trace.pd or ""
+    if said.startswith("whole:"):
+        return PdServed(False, said[len("whole:") :])
+    if not split.split:
+        return PdServed(False, split.reason)
+    return PdServed(False, "kv-fetch-failed")
 
 
 def whole_body(ctx: RequestContext) -> bytes:

@@ -23,7 +23,11 @@ chooses it after).
 The picker sees only the decode leg's answer; the prefill engine is charged from the
 decision (in flight, its prefix noted) to the decode answer's head, which comes once the
 prefill step is over: its end, not a first token (the time holds the decode engine's
-wait, no TTFT sample for the prefill engine).
+wait, no TTFT sample for the prefill engine). A meshd at the decode endpoint says in that
+head what it did (`x-meshd-pd`: split, on which prefill engine, or whole and why, e.g. a
+failed prefill step); the picker counts it (`EndpointPicker.pd_served`), puts it on the
+decision's span (`meshd.pd.served`), ends the prefill engine's charge as not served when
+its step did not run there, and removes the header from the client's answer.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
 from filters.deadline import late_refusal
-from filters.disagg import PREFILL_HEADERS, Split
+from filters.disagg import PD_HEADER, PREFILL_HEADERS, PdServed, Split, parse_pd_header
 from filters.guard import OVERLOAD_STATUSES
 from filters.hotpath import block_hashes, parse_routing_headers
 from filters.picker import PickRequest
@@ -106,6 +106,13 @@ class Decision:
 ATTR_PD = "meshd.pd"
 ATTR_PD_PREFILL_ENDPOINTS = "meshd.pd.prefill_endpoints"
 ATTR_PD_PREFILL_TTFT_S = "meshd.pd.prefill_predicted_ttft_s"
+# What the decode endpoint's proxy did (its x-meshd-pd, when it is a meshd that trusts
+# Envoy): split or whole:<why>, and the prefill engine that served the prefill step.
+ATTR_PD_SERVED = "meshd.pd.served"
+ATTR_PD_SERVED_PREFILL = "meshd.pd.served_prefill_endpoint"
+# At most this many distinct outcomes are counted apart (EndpointPicker.pd_served); later
+# ones count as `whole:other`.
+MAX_PD_OUTCOMES = 32
 
 
 def pd_attributes(split: Split, prefill: tuple[Route, ...]) -> dict[str, Any]:
@@ -149,6 +156,8 @@ class _Stream:
     # Prefill/decode: the prefill route charged with this request until the answer's head.
     prefill: Route | None = None
     prefill_pick: PickRequest | None = None
+    # What the decode endpoint's proxy said it did (x-meshd-pd); None: it said nothing.
+    pd_served: PdServed | None = None
 
 
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):
@@ -179,6 +188,9 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.decisions = 0
         self.rejected: dict[int, int] = {}
         self.decision_s: list[float] = []  # bounded sample for benchmarks
+        # P/D: what the decode endpoints' proxies said they did (x-meshd-pd), by the access
+        # log's name (split, whole:<why>); the decisions are in `on_decision`'s Decision.
+        self.pd_served: dict[str, int] = {}
         self.on_decision: Callable[[Decision], None] | None = None
         self._rids = itertools.count(1)
         self._by_host = {host_port(e.url): e for e in settings.endpoints}
@@ -427,11 +439,19 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
 
     def _on_response_headers(self, s: _Stream, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
         hm = req.response_headers
+        said: str | None = None
         for h in hm.headers.headers:
             if h.key == ":status":
                 v = header_value(h)
                 s.status = int(v) if v.isdigit() else 0
-        self._prefill_over(s, ok=0 < s.status < 500)
+            elif h.key == PD_HEADER:
+                said = header_value(h)
+        ok = 0 < s.status < 500
+        if said is not None and self.pd is not None and s.decision is not None:
+            s.pd_served = parse_pd_header(said)
+            if s.pd_served is not None:
+                ok = self._record_pd(s, s.pd_served) and ok
+        self._prefill_over(s, ok=ok)
         if s.decision is not None and s.counted:
             served = served_endpoint(req)
             if served is not None:
@@ -444,7 +464,33 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 self._uncount(s)
             elif hm.end_of_stream:
                 self._finish(s)
+        if said is not None and not self.settings.trust_routing_headers:
+            # Where the request went inside the mesh is not the client's to see.
+            mutation = pb.HeaderMutation(remove_headers=[PD_HEADER])
+            return pb.ProcessingResponse(
+                response_headers=pb.HeadersResponse(
+                    response=pb.CommonResponse(header_mutation=mutation)
+                )
+            )
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+
+    def _record_pd(self, s: _Stream, served: PdServed) -> bool:
+        """The decode endpoint's proxy said how it served the request (x-meshd-pd): counted,
+        on the decision's span, and whether the prefill engine this picker named first did
+        the prefill step (False when the request went whole, or was prefilled elsewhere:
+        its charge there ends as not served)."""
+        key = served.record
+        if key not in self.pd_served and len(self.pd_served) >= MAX_PD_OUTCOMES:
+            key = "split" if served.split else "whole:other"
+        self.pd_served[key] = self.pd_served.get(key, 0) + 1
+        if s.span is not None:
+            s.span.set_attribute(ATTR_PD_SERVED, served.record)
+            if served.prefill:
+                s.span.set_attribute(ATTR_PD_SERVED_PREFILL, served.prefill)
+        named = s.prefill
+        if named is None:
+            return True
+        return served.split and served.prefill in (None, host_port(named.url))
 
     def _charge_served(self, s: _Stream, served: str) -> None:
         """Envoy went down the fallback list (retries): the endpoints it passed did not take

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from filters.disagg import KV_PARAMS
+from filters.disagg import KV_PARAMS, PD_HEADER
 from filters.failover import (
     FailoverUnsupported,
     StreamKind,
@@ -32,7 +32,7 @@ from meshd.accounting import Accounting
 from meshd.attempts import Attempts
 from meshd.config import Config
 from meshd.context import Attempt, Plane, RequestContext, Watch
-from meshd.disagg import PrefillLegFailed
+from meshd.disagg import PrefillLegFailed, served
 from meshd.errors import sse_error_event
 from meshd.http_message import HttpRequest, Reply, ResponseStream
 from meshd.upstream import UpstreamConnectError, UpstreamError, UpstreamResponse
@@ -54,6 +54,9 @@ HOP_BY_HOP = frozenset(
     }
 )
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
+# An upstream's x-meshd-pd (another meshd's, filters/disagg.py PD_HEADER) is dropped for an
+# untrusted client, and where this sidecar says its own.
+_RESPONSE_DROP_PD = _RESPONSE_DROP | {PD_HEADER}
 # A whole (non-streamed) response is parsed for its usage only below this size.
 _MAX_USAGE_PARSE_BYTES = 1 << 20
 # A stream longer than this is relayed without keeping a copy, so it cannot be resumed.
@@ -167,7 +170,8 @@ class Relay:
     def _response_headers(
         self, upstream: UpstreamResponse, ctx: RequestContext, url: str
     ) -> list[tuple[str, str]]:
-        out, connection, _, _ = split_fields(upstream.headers, _RESPONSE_DROP, False)
+        drop = _RESPONSE_DROP if ctx.trusted and ctx.pd is None else _RESPONSE_DROP_PD
+        out, connection, _, _ = split_fields(upstream.headers, drop, False)
         if connection and connection[0]:
             # Fields the engine's (first) Connection names are hop-by-hop too; rare, so a
             # second pass only then.
@@ -175,6 +179,9 @@ class Relay:
             out = [f for f in out if f[0].lower() not in tokens]
         if ctx.trusted:
             out.append(("x-meshd-endpoint", url))
+            # Split or whole (decode pool): an endpoint picker in front reads it.
+            if ctx.pd is not None and (pd := served(ctx)) is not None:
+                out.append((PD_HEADER, pd.header()))
         if ctx.fallback is not None:
             source, pool, why = ctx.fallback
             out.append(("x-meshd-fallback", f"{pool}; from={source}; reason={why}"))
