@@ -69,8 +69,8 @@ async def drive(chunks: list[bytes], limits: ListenerLimits = SMALL) -> tuple[by
         await asyncio.sleep(0)
     for _ in range(200):
         await asyncio.sleep(0)
-        task = conn._task
-        if (task is None or task.done()) and not conn._queue:
+        # Idle: no request handled or queued (the connection's handler task waits on).
+        if conn._current is None and not conn._queue:
             break
     closed = transport.closing
     if not transport.closing:
@@ -382,3 +382,79 @@ def test_a_body_that_came_with_its_head_is_ready_without_waiting():
     head, _, body = whole.partition(b"\r\n\r\n")
     asyncio.run(run([head + b"\r\n\r\n", body]))  # the body comes after the handler began
     assert seen == [None, b"abc"]
+
+
+def test_a_connection_s_requests_run_one_after_another_on_one_handler_task():
+    """Keep-alive and pipelined requests are handled on the connection's one task (woken
+    for each, not made per request), in order, and that task ends with the connection,
+    whether it was idle or in a handler when the client left."""
+    seen: list[tuple[str, asyncio.Task[Any] | None, bool]] = []
+    gate = asyncio.Event()
+
+    async def handler(req: HttpRequest) -> Reply | None:
+        seen.append((req.target, asyncio.current_task(), gate.is_set()))
+        if req.target == "/hold":
+            await gate.wait()
+        return Reply(200, [], req.target.encode())
+
+    async def run() -> tuple[bytes, list[bool]]:
+        server = HttpServer(handler, SMALL)
+        conn = server()
+        transport = FakeTransport(conn)
+        conn.connection_made(transport)
+        ended = []
+        conn.data_received(request_bytes("GET", "/a", [], b"", None))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        task = conn._task
+        ended.append(task is not None and task.done())  # idle between requests: waiting
+        # Two pipelined, the first held: the second waits for it, on the same task.
+        conn.data_received(
+            request_bytes("GET", "/hold", [], b"", None) + request_bytes("GET", "/b", [], b"", None)
+        )
+        for _ in range(5):
+            await asyncio.sleep(0)
+        gate.set()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        conn.data_received(request_bytes("GET", "/c", [], b"", None))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        transport.close()  # the client leaves while the task waits for a next request
+        for _ in range(5):
+            await asyncio.sleep(0)
+        ended.append(task is not None and task.done())
+        return bytes(transport.out), ended
+
+    raw, ended = asyncio.run(run())
+    assert [b for _, _, b in responses(raw)] == [b"/a", b"/hold", b"/b", b"/c"]
+    assert [t for t, _, _ in seen] == ["/a", "/hold", "/b", "/c"]
+    assert [held for _, _, held in seen] == [False, False, True, True]  # /b after /hold's end
+    assert len({id(task) for _, task, _ in seen}) == 1 and seen[0][1] is not None
+    assert ended == [False, True]
+
+    async def leave_mid_handler() -> bool:
+        cancelled = asyncio.Event()
+
+        async def stuck(req: HttpRequest) -> Reply | None:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            return None
+
+        server = HttpServer(stuck, SMALL)
+        conn = server()
+        transport = FakeTransport(conn)
+        conn.connection_made(transport)
+        conn.data_received(request_bytes("GET", "/x", [], b"", None))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        transport.close()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert conn._task is not None and conn._task.done()
+        return cancelled.is_set()
+
+    assert asyncio.run(leave_mid_handler())

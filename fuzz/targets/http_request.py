@@ -83,8 +83,8 @@ def setup() -> Callable[[bytes], None]:
             await asyncio.sleep(0)
         for _ in range(200):
             await asyncio.sleep(0)
-            task = conn._task
-            if (task is None or task.done()) and not conn._queue:
+            # Idle: nothing handled or queued (the connection's handler task waits on).
+            if conn._current is None and not conn._queue:
                 break
         closed = transport.closing
         busy = conn._current is not None or conn._queue
