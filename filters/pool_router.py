@@ -44,7 +44,7 @@ hashes: meshd/kv_events.py; text-block hashes match only a digest built from the
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
@@ -106,7 +106,7 @@ class PoolRouter(Protocol):
     def connect_failed(self, route: Route, rid: Hashable, now: float, reason: str) -> None: ...
     def refused(self, route: Route, now: float, retry_after_s: float | None) -> None: ...
     def held_s(self, url: str, now: float) -> float: ...
-    def kv_capacities(self, now: float) -> dict[str, int]: ...
+    def kv_capacities(self, now: float) -> Mapping[str, int]: ...
     def pool_wait(self, now: float, stop_below: float = ...) -> float | None: ...
     def follow_up(self, req: PickRequest, now: float) -> bool: ...
     def snapshot(self, now: float) -> list[dict[str, object]]: ...
@@ -313,7 +313,7 @@ class BalancerRouter:
         self._balancer.on_finish(route.url)
         self._balancer.on_connect_failure(route.url, now, reason)
 
-    def kv_capacities(self, now: float) -> dict[str, int]:
+    def kv_capacities(self, now: float) -> Mapping[str, int]:
         """The KV capacity each endpoint reported (the balancers route without it; the
         guard's token limits follow it all the same)."""
         return {
@@ -422,6 +422,11 @@ class PickerRouter:
         self._digests: dict[str, ReportedBlocks] = {}  # endpoint name -> its blocks
         self._digest_live: set[str] = set()  # names whose blocks are in the index now
         self.ends = EndPredictor()  # the pool's output fill, for predicted_end_s
+        # kv_capacities' answer, kept while nothing it depends on changed: `kv_version`
+        # moves when a report (report()) changes what an endpoint's capacity is, and the
+        # answer holds until the first report behind it goes stale.
+        self.kv_version = 0
+        self._kv_cache: tuple[int, float, float, Mapping[str, int]] | None = None
 
     def order(self, req: PickRequest, now: float, *, record: bool = True) -> list[Route]:
         """The picker's order. `record` false: the primary is not noted in the prefix index
@@ -521,9 +526,27 @@ class PickerRouter:
         state.connect_failure(now)
         self._last_error[route.url] = reason
 
-    def kv_capacities(self, now: float) -> dict[str, int]:
-        """Each endpoint's KV capacity where known (reported, else configured)."""
-        return {s.url: cap for s in self.states if (cap := s.kv_capacity(now))}
+    def kv_capacities(self, now: float) -> Mapping[str, int]:
+        """Each endpoint's KV capacity where known (reported, else configured): the same
+        mapping until `kv_version` moves or a report behind it goes stale,
+        so the admission tick does not walk every endpoint each time (518 us a tick at
+        1,000 endpoints)."""
+        c = self._kv_cache
+        if c is not None and c[0] == self.kv_version and c[1] <= now < c[2]:
+            return c[3]
+        caps: dict[str, int] = {}
+        until = math.inf  # when the first fresh report giving a capacity goes stale
+        for s in self.states:
+            r = s.fresh_report(now)
+            cap = r.kv_capacity_tokens if r is not None else None
+            if cap is not None:
+                until = min(until, s.reported_at + s.report_ttl_s)
+            else:
+                cap = s.kv_capacity_tokens
+            if cap:
+                caps[s.url] = cap
+        self._kv_cache = (self.kv_version, now, until, caps)
+        return caps
 
     def refused(self, route: Route, now: float, retry_after_s: float | None) -> None:
         """An overload refusal (429, or 503 before any byte): the picker counts the hold
@@ -561,8 +584,22 @@ class PickerRouter:
         s = self._by_url.get(url)
         if s is None:
             return False
+        before = s.reported
+        if state is None or before is None:
+            changed = state is not before
+        else:
+            changed = (
+                now - s.reported_at >= s.report_ttl_s
+                or before.kv_block_size != state.kv_block_size
+                or before.kv_capacity_blocks != state.kv_capacity_blocks
+            )
+        if changed:
+            # Gone, fresh again after going stale, or another capacity: kv_capacities
+            # looks again (a report renewed with the same capacity keeps its answer).
+            self.kv_version += 1
         if s.report_ttl_s != ttl_s:
             s.report_ttl_s = ttl_s
+            self.kv_version += 1
         if state is None:
             s.forget_report()
         else:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 
 from filters.admission import AdmissionItem, Admit, Reject
 from filters.guard import GuardEvents, PoolGuard, Throttled
@@ -33,7 +33,7 @@ class AdmissionGate:
         self.plane = plane
         self.acct = accounting
         self._waiters: dict[Hashable, asyncio.Future[Reject | None]] = {}
-        self._kv_given: dict[str, dict[str, int]] = {}  # pool -> the capacities it was given
+        self._kv_given: dict[str, Mapping[str, int]] = {}  # pool -> the capacities it was given
         self._kv_resync_at = -math.inf
 
     async def admit(self, ctx: RequestContext, guard: PoolGuard) -> Reply | None:
@@ -215,7 +215,7 @@ class AdmissionGate:
             before = given.get(pool)
             if before is None or resync:
                 changed = caps
-            elif caps == before:
+            elif caps is before or caps == before:  # the router's same answer: no change
                 continue
             else:
                 changed = {url: cap for url, cap in caps.items() if before.get(url) != cap}
