@@ -13,6 +13,7 @@ import os
 from filters import blockhash as _blockhash_py
 from filters import chunked as _chunked_py
 from filters import http_fields as _http_fields_py
+from filters import request as _request_py
 from filters import request_head as _request_head_py
 from filters import response_head as _response_head_py
 from filters import routing_headers as _routing_headers_py
@@ -28,6 +29,7 @@ parse_response_head = _response_head_py.parse_response_head
 read_request_fields = _http_fields_py.read_request_fields
 split_fields = _http_fields_py.split_fields
 read_simple_request = _request_head_py.read_simple_request
+parse_inference_request = _request_py.parse_inference_request
 IMPLEMENTATION = "python (forced by MESHD_PURE_PYTHON)"
 
 if not os.environ.get("MESHD_PURE_PYTHON"):
@@ -42,6 +44,7 @@ if not os.environ.get("MESHD_PURE_PYTHON"):
                 "_response_head_c",
                 "_http_fields_c",
                 "_request_head_c",
+                "_request_c",
             )
         ]
     except ImportError:
@@ -55,6 +58,7 @@ if not os.environ.get("MESHD_PURE_PYTHON"):
         read_request_fields = _compiled[5].read_request_fields
         split_fields = _compiled[5].split_fields
         read_simple_request = _compiled[6].read_simple_request
+        parse_inference_request = _compiled[7].parse_inference_request
         IMPLEMENTATION = "cython"
 
 __all__ = [
@@ -64,6 +68,7 @@ __all__ = [
     "SSEScanner",
     "TraceContext",
     "block_hashes",
+    "parse_inference_request",
     "parse_response_head",
     "parse_routing_headers",
     "read_request_fields",

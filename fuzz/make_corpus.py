@@ -291,6 +291,27 @@ def corpora() -> dict[str, dict[str, bytes]]:
             "embedding_list": b'{"model":"e5","input":["a","b\\u00e9"],"encoding_format":"float"}',
             "nan_bom": b'\xef\xbb\xbf{"model":"m","prompt":"x","temperature":NaN}',
         },
+        "request_parse": {
+            "chat": chat_body,
+            "chat_parts_tools": json.dumps(
+                {
+                    "model": "m",
+                    "messages": [
+                        {"role": "system", "content": None},
+                        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]},
+                        {"role": "tool", "content": "caf\u00e9"},
+                    ],
+                    "max_completion_tokens": 9,
+                    "stream_options": {"include_usage": 1},
+                }
+            ).encode(),
+            "completion_stream": b'{"model":"m","prompt":"hi","stream":true,"max_tokens":1}',
+            "completion_token_ids": b'{"model":"m","prompt":[[1,2,3],[4,5]],"max_tokens":7,"n":2}',
+            "embedding_list": b'{"model":"e5","input":["a","b\\u00e9"],"encoding_format":"float"}',
+            "bad_role": b'{"model":"m","messages":[{"role":"user","content":"a"},{"role":7}]}',
+            "surrogate": b'{"model":"m","prompt":"\\ud800","input":"\\udfff"}',
+        },
         **_resources(),
         "delta_response": _delta_response(),
         "webhook": _webhook(),

@@ -1,7 +1,8 @@
 """Benchmark of the Cython hot path against its pure-Python twins, measured in one run:
 block hashing of a 100,000-token prompt, scanning a 1 MB vLLM-style SSE stream (in
-1,400-byte reads, and one event per read as engines write them), and routing-header
-parsing per request. `python -m loadtest.hotpath_bench [--json PATH]`.
+1,400-byte reads, and one event per read as engines write them), routing-header
+parsing per request, and the request body's parse (a small chat request, and the load
+generator's streamed completion). `python -m loadtest.hotpath_bench [--json PATH]`.
 
 The figures quoted in the docstrings of filters/_*_c.pyx come from this script.
 """
@@ -9,6 +10,7 @@ The figures quoted in the docstrings of filters/_*_c.pyx come from this script.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import platform
@@ -22,8 +24,10 @@ from types import ModuleType
 from typing import Any
 
 from filters import blockhash as blockhash_py
+from filters import request as request_py
 from filters import routing_headers as routing_headers_py
 from filters import sse as sse_py
+from filters.request import RequestKind
 
 PROMPT_TOKENS = 100_000
 BYTES_PER_TOKEN = 4  # English averages ~4 characters per BPE token
@@ -103,6 +107,30 @@ REQUEST_HEADERS: list[tuple[str, str]] = [
 ]
 
 
+# (kind, body): a small chat request, and loadtest.openloop's streamed completion.
+REQUEST_BODIES: list[tuple[RequestKind, bytes]] = [
+    (
+        "chat",
+        json.dumps(
+            {
+                "model": "meta-llama/Llama-3.1-8B-Instruct",
+                "messages": [
+                    {"role": "system", "content": "You are terse."},
+                    {"role": "user", "content": "Name three primes."},
+                ],
+                "stream": True,
+                "max_tokens": 64,
+            }
+        ).encode(),
+    ),
+    (
+        "completion",
+        b'{"model": "stub-model", "max_tokens": 1, "stream": true, '
+        b'"prompt": "Benchmark prompt: tell me about the quick brown fox."}',
+    ),
+]
+
+
 @dataclass(frozen=True, slots=True)
 class Result:
     case: str
@@ -152,7 +180,7 @@ def load_compiled() -> dict[str, ModuleType] | None:
     try:
         return {
             name: importlib.import_module(f"filters._{name}_c")
-            for name in ("blockhash", "routing_headers", "sse")
+            for name in ("blockhash", "routing_headers", "sse", "request")
         }
     except ImportError:
         return None
@@ -169,6 +197,11 @@ def check_equal(compiled: dict[str, ModuleType], prompt: str, stream: bytes) -> 
     fields = ("events", "tokens", "done", "usage", "finish_reason", "response_id", "text")
     if any(getattr(a, f) != getattr(b, f) for f in fields):
         raise SystemExit("twins disagree on SSEScanner")
+    for kind, body in REQUEST_BODIES:
+        ref = request_py.parse_inference_request(kind, body)
+        got = compiled["request"].parse_inference_request(kind, body)
+        if got != ref or got.doc != ref.doc:
+            raise SystemExit(f"twins disagree on parse_inference_request ({kind})")
     h_py = routing_headers_py.parse_routing_headers(REQUEST_HEADERS, True)
     if compiled["routing_headers"].parse_routing_headers(REQUEST_HEADERS, True) != h_py:
         raise SystemExit("twins disagree on parse_routing_headers")
@@ -211,6 +244,16 @@ def run(repeats: int, sse_chunk: int) -> tuple[list[Result], dict[str, Any]]:
             ),
         ),
     ]
+    for kind, body in REQUEST_BODIES:
+        pure_parse = functools.partial(request_py.parse_inference_request, kind, body)
+        c_parse = (
+            functools.partial(compiled["request"].parse_inference_request, kind, body)
+            if compiled
+            else None
+        )
+        cases.append(
+            (f"parse_request/{kind}", f"a {len(body)} B {kind} request body", pure_parse, c_parse)
+        )
     results = []
     for name, unit, pure_fn, c_fn in cases:
         p = time_per_call(pure_fn, repeats)
@@ -248,11 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not meta["compiled"]:
         print("compiled twins not built: run `python setup.py build_ext --inplace`")
-    print(f"{'case':<22} {'pure':>11} {'cython':>11} {'pure/cython':>12}  per call")
+    print(f"{'case':<26} {'pure':>11} {'cython':>11} {'pure/cython':>12}  per call")
     for r in results:
         ratio = f"{r.ratio:.1f}x" if r.ratio is not None else "n/a"
         print(
-            f"{r.case:<22} {fmt_time(r.pure_s):>11} {fmt_time(r.cython_s):>11} "
+            f"{r.case:<26} {fmt_time(r.pure_s):>11} {fmt_time(r.cython_s):>11} "
             f"{ratio:>12}  {r.unit}"
         )
     if args.json:

@@ -18,9 +18,14 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from filters.chars_per_token import CharsPerToken, pick_inputs
-from filters.hotpath import block_hashes, parse_routing_headers, split_fields
+from filters.hotpath import (
+    block_hashes,
+    parse_inference_request,
+    parse_routing_headers,
+    split_fields,
+)
 from filters.picker import PickRequest
-from filters.request import PATH_KINDS, RequestError, parse_inference_request
+from filters.request import PATH_KINDS, RequestError
 from meshd.accounting import CACHE_LIMIT, Accounting
 from meshd.admission_gate import AdmissionGate
 from meshd.attempts import Attempts

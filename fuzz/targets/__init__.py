@@ -17,6 +17,7 @@ TARGETS = (
     "http_request",
     "http_response",
     "request_json",
+    "request_parse",
     "endpoint_state",
     "xds_resources",
     "delta_response",
