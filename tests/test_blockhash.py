@@ -193,6 +193,36 @@ def test_bad_types(impl: types.ModuleType) -> None:
         impl.block_hashes("\ud800" * 100, "m")
 
 
+class _Bytes(bytes):
+    pass
+
+
+def _outcome(impl: types.ModuleType, *args: object) -> object:
+    try:
+        return ("ok", impl.block_hashes(*args))
+    except (TypeError, ValueError) as exc:
+        return ("raised", type(exc).__name__)
+
+
+@needs_compiled
+@pytest.mark.parametrize(
+    "args",
+    [
+        (b"", "m"),
+        (b"x" * 63, "m", "", 64),  # no whole block
+        (b"x" * 64, "m", "", 64),
+        (_Bytes(b"y" * 130), "m", "s", 64),  # a bytes subclass is read in place too
+        (b"x" * 10, "m", "", True),  # an int-like block size
+        (b"", "\ud800"),  # the seed's model is encoded even with no block to hash
+        (b"x" * 100, "m", "\udfff", 8),
+        (bytearray(b"x" * 10), "m", "", 3),
+        ("", "m", "", 1),
+    ],
+)
+def test_the_twins_agree_on_odd_arguments(args: tuple[object, ...]) -> None:
+    assert _outcome(compiled, *args) == _outcome(pure, *args)  # type: ignore[arg-type]
+
+
 def test_hotpath_picks_an_implementation() -> None:
     from filters import hotpath
 
