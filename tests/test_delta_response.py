@@ -8,6 +8,7 @@ garbage)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import Any
 
 import pytest
@@ -201,6 +202,22 @@ def test_a_refused_resource_refuses_the_response_with_its_message(read: Any) -> 
     assert (r.changed, r.error) == ({}, f"e1: {exc.value}")
     r = read(_message(("e0", OTHER, BODIES[0])), wildcard, DECODERS, 5.0)
     assert r.error == f"Any type {OTHER!r} in a {T} response"
+
+
+@compiled
+def test_entries_of_untracked_values_are_left_out_of_the_cyclic_gc() -> None:
+    """An Entry of a value the GC does not track (a compiled EngineReport, bytes) can be in
+    no cycle: untracked too. One of a value it tracks stays tracked."""
+    wanted = {t: Interest(True) for t in (T, RAW, BUGGY)}
+    listing = {BUGGY: lambda body: [body], T: decode_engine_report}  # a list: tracked
+    for t, name in ((T, "e0"), (RAW, "r0"), (BUGGY, "b0")):
+        m = pb.DeltaDiscoveryResponse(type_url=t, nonce="7")
+        res = m.resources.add(name=name, version="1")
+        res.resource.type_url = t
+        res.resource.value = BODIES[0] if t == T else b"x"
+        r = read_response(m.SerializeToString(), wanted, listing, 5.0)
+        assert r.changed is not None and r.error is None
+        assert gc.is_tracked(r.changed[name]) == (t == BUGGY), t
 
 
 @compiled

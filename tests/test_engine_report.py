@@ -7,6 +7,7 @@ misses, any msgpack, garbage, damaged bodies)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import pickle
 from typing import Any
 
@@ -157,6 +158,16 @@ def test_strings_and_maps_repeated_are_built_once() -> None:
     assert a.address is b.address and a.state.epoch is b.state.epoch
     assert a.state.models is b.state.models and a.state.adapters is b.state.adapters
     assert a.state is not b.state and b.state.requests_running == 9
+
+
+@compiled
+def test_what_it_builds_is_left_out_of_the_cyclic_gc() -> None:
+    """Frozen, holding strs, numbers and str -> bool dicts, a report can be in no cycle: the
+    GC need not walk the 1,000 a sidecar holds, replaced 10,000 times a second. The
+    reference's, built through __init__, are tracked as usual."""
+    got = decode_engine_report(STATE.encode())
+    assert not gc.is_tracked(got) and not gc.is_tracked(got.state)
+    assert gc.is_tracked(reference_decode(STATE.encode()))
 
 
 @compiled

@@ -46,6 +46,8 @@ cdef extern from "Python.h":
     ctypedef struct PyMemberDescrObject:
         PyMemberDef *d_member
     object PyType_GenericAlloc(type t, Py_ssize_t nitems)
+    void PyObject_GC_UnTrack(void *op)
+    int PyObject_GC_IsTracked(object op)
 
 cdef extern from "structmember.h":
     int T_OBJECT_EX
@@ -324,6 +326,10 @@ cdef object _new_entry(object name, object version, object value, object now):
     _store(e, _entry_off[1], version)
     _store(e, _entry_off[2], value)
     _store(e, _entry_off[3], now)
+    if not PyObject_GC_IsTracked(value):
+        # An Entry of values the GC does not track (an untracked EngineReport, bytes)
+        # cannot be part of a cycle either: untracked, the GC does not walk it.
+        PyObject_GC_UnTrack(<PyObject *>e)
     return e
 
 

@@ -46,6 +46,7 @@ cdef extern from "Python.h":
     ctypedef struct PyMemberDescrObject:
         PyMemberDef *d_member
     object PyType_GenericAlloc(type t, Py_ssize_t nitems)
+    void PyObject_GC_UnTrack(void *op)
 
 cdef extern from "structmember.h":
     int T_OBJECT_EX
@@ -610,6 +611,11 @@ cdef object _build(Value *f):
     report = PyType_GenericAlloc(_EngineReport, 0)
     _store(report, _er_off[0], address)
     _store(report, _er_off[1], state)
+    # Neither can be part of a reference cycle (frozen; strs, numbers and the shared
+    # str -> bool dicts inside): the cyclic GC need not walk them. A sidecar following
+    # 1,000 engines holds 1,000 of each, replaced 10,000 times a second.
+    PyObject_GC_UnTrack(<PyObject *>state)
+    PyObject_GC_UnTrack(<PyObject *>report)
     return report
 
 
