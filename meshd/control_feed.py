@@ -494,6 +494,8 @@ class ControlFeedCollector(Collector):
       _nacks_total (counters)
     - meshd_control_plane_updates_total (counter, label `type`: endpoint_state,
       prefix_digest): resources applied
+    - meshd_control_plane_apply_cpu_seconds_total (counter): thread CPU spent applying
+      the control plane's responses (read, decode, into the routers)
     """
 
     def __init__(self, feed: ControlFeed) -> None:
@@ -545,6 +547,12 @@ class ControlFeedCollector(Collector):
         ):
             value = sum(getattr(sub.stats, name) for sub in subs)
             yield CounterMetricFamily(f"meshd_control_plane_{name}", doc, value=value)
+        yield CounterMetricFamily(
+            "meshd_control_plane_apply_cpu_seconds",
+            "Thread CPU seconds spent applying control-plane responses (read, decode, "
+            "into the routers)",
+            value=sum(sub.stats.apply_cpu_s for sub in subs),
+        )
         yield _family(
             CounterMetricFamily,
             "meshd_control_plane_updates",

@@ -8,6 +8,7 @@ sidecar serving, its reports going stale after `stale_after_s`."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -283,6 +284,9 @@ async def test_killed_control_plane_leaves_the_sidecar_serving(
     assert "meshd_control_plane_connected 0.0" in text
     assert "meshd_control_plane_stale 1.0" in text
     assert 'meshd_control_plane_updates_total{type="endpoint_state"}' in text
+    applying = re.search(r"^meshd_control_plane_apply_cpu_seconds_total (\S+)$", text, re.M)
+    assert applying is not None
+    assert 0 < float(applying.group(1)) == feed.subscriber.stats.apply_cpu_s
     assert feed.health()["connected"] is False and feed.health()["disconnects"] == 1
 
 

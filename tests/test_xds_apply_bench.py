@@ -42,3 +42,5 @@ def test_a_tiny_run_measures_the_sidecar(tmp_path: Path) -> None:
     p = r["process"]
     assert p["engines_followed"] == 20
     assert 100 <= p["applied_per_s"] <= 300 and p["sidecar_cpu_share"] > 0
+    # The sidecar's own account of applying them: part of what its process spent.
+    assert 0 < p["sidecar_apply_us_per_update"] < p["sidecar_us_per_update"]

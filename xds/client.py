@@ -121,6 +121,10 @@ class SubscriberStats:
     disconnects: int = 0
     failovers: int = 0  # moves to another replica
     connect_failures: int = 0  # sessions that never connected
+    # Thread CPU seconds spent applying responses (read, decode, the on_update callback:
+    # the sidecar's routers), timed per response; what the process spends besides is
+    # gRPC's read and write, the event loop and whatever else the process runs.
+    apply_cpu_s: float = 0.0
 
 
 class Subscriber:
@@ -398,7 +402,9 @@ class Subscriber:
                 raw = await call.read()
                 if raw is aio.EOF:
                     return got_response
+                t0 = time.thread_time()
                 reply = self._apply(raw)
+                self.stats.apply_cpu_s += time.thread_time() - t0
                 if self._ack_pace:
                     await self._pace(self._response_type)
                 async with self._write_lock:
