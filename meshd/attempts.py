@@ -22,6 +22,7 @@ from filters.guard import OVERLOAD_STATUSES, Screened
 from filters.picker import PickRequest
 from filters.pool_router import Route
 from filters.retry_budget import parse_retry_after
+from filters.stream_start import ANSWER, StartFailure, StreamStart, Verdict
 from meshd.accounting import Accounting
 from meshd.admission_gate import AdmissionGate
 from meshd.context import Attempt, Plane, RequestContext
@@ -29,7 +30,12 @@ from meshd.deadlines import Deadlines, Timeout
 from meshd.disagg import Disaggregator, PrefillLeg, PrefillLegFailed, kv_fetch_failed, whole_body
 from meshd.fallback import move_before_trying
 from meshd.http_message import HttpRequest, Reply
-from meshd.upstream import UpstreamClosedError, UpstreamConnectError, UpstreamError
+from meshd.upstream import (
+    UpstreamClosedError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResponse,
+)
 
 if TYPE_CHECKING:
     from meshd.relay import Relay
@@ -315,12 +321,33 @@ class Attempts:
                 return self.acct.refuse(ctx, 502, f"upstream failed: {exc}", "upstream_error")
             status = attempt.status = upstream.status
             split = ctx.pd_params is not None or ctx.pd_pair is not None
-            if split and status != 200 and await self._kv_lost(ctx, upstream):
+            started: StartFailure | None = None
+            if split and status == 200 and upstream.content_type == "text/event-stream":
+                # A decode step's stream: its head waits for its first event, as real vLLM
+                # fails a KV load after the 200 (an error event): a refusal all the same.
+                started = await self._stream_start(ctx, upstream)
+                if started is not None:
+                    status = attempt.status = started.status
+            if (
+                split
+                and status != 200
+                and (
+                    kv_fetch_failed(status, started.body())
+                    if started is not None
+                    else await self._kv_lost(ctx, upstream)
+                )
+            ):
                 # The decode step could not fetch its KV: the retry is the whole request
                 # (SGLang's: a new pair, with a fresh room and a new prefill leg).
+                upstream.release()  # its connection back (or closed, if unfinished)
                 attempt.local_failure = True
-                self.settle(attempt, f"http_{status}", "the decode step could not fetch its KV")
-                tries.failures.append(f"{url}: HTTP {status} (KV not fetched)")
+                why = "the decode step could not fetch its KV"
+                if started is not None:
+                    why += f": {started.detail}"
+                self.settle(attempt, started.outcome if started else f"http_{status}", why)
+                tries.failures.append(
+                    f"{url}: {started.detail if started else f'HTTP {status}'} (KV not fetched)"
+                )
                 tries.reason = "kv_fetch_failed"
                 if ctx.pd_pair is None:
                     ctx.body, ctx.pd_params = whole_body(ctx), None
@@ -353,6 +380,8 @@ class Attempts:
                         return _STOP
                     await asyncio.sleep(delay)
                     return _NEXT
+            if started is not None:  # not retried: the stream goes out as it came
+                attempt.status, attempt.ok = upstream.status, True
             return await self.relay.relay(req, ctx, attempt, upstream)
         except asyncio.CancelledError:
             attempt.cancelled = True
@@ -368,6 +397,41 @@ class Attempts:
         now = time.monotonic()
         left = [r.url for r in tries.routes if r.url not in ctx.tried]
         return bool(left) and all(router.held_s(url, now) > 0.0 for url in left)
+
+    async def _stream_start(
+        self, ctx: RequestContext, upstream: UpstreamResponse
+    ) -> StartFailure | None:
+        """Read a stream's start until it is an answer (None) or a failure before its first
+        token (filters/stream_start.py). The bytes are put back for whoever relays it. An
+        engine silent for upstream.idle_timeout_s has failed; at the client's deadline for
+        its head (or the request's) the stream goes out as it is."""
+        loop = asyncio.get_running_loop()
+        idle_s = self.plane.config.upstream.idle_timeout_s
+        start = StreamStart()
+        data: list[bytes] = []
+        verdict: Verdict | None = None
+        idle_at = loop.time() + idle_s
+        by = min(ctx.deadline, ctx.head_by)
+        try:
+            async with asyncio.timeout_at(min(idle_at, by)) as timer:
+                while verdict is None:
+                    chunk = await upstream.read()
+                    if not chunk:
+                        verdict = start.end()
+                        break
+                    data.append(chunk)
+                    verdict = start.feed(chunk)
+                    idle_at = loop.time() + idle_s
+                    timer.reschedule(min(idle_at, by))
+        except (UpstreamError, ConnectionError):
+            verdict = start.end()
+        except TimeoutError:
+            verdict = start.end(silent_s=idle_s) if idle_at <= by else ANSWER
+        except asyncio.CancelledError:
+            upstream.close()  # the client left: the engine stops generating
+            raise
+        upstream.unread(b"".join(data))
+        return verdict if isinstance(verdict, StartFailure) else None
 
     async def _kv_lost(self, ctx: RequestContext, upstream: Any) -> bool:
         """Read a refused decode step's (small) body: does it say the KV was not fetched?

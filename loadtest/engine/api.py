@@ -40,7 +40,9 @@ ERROR_TYPES: dict[int, str] = {
 
 class ApiError(Exception):
     """A client-visible error with vLLM's ErrorResponse body (`err_type`: its `type`
-    when not the one the status implies)."""
+    when not the one the status implies). `in_stream`: a streamed request gets it as vLLM
+    gives an error its generator raises, after HTTP 200: one `data: {"error": ...}` event,
+    then `data: [DONE]`."""
 
     def __init__(
         self,
@@ -49,12 +51,14 @@ class ApiError(Exception):
         param: str | None = None,
         *,
         err_type: str | None = None,
+        in_stream: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.err_type = err_type
+        self.in_stream = in_stream
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.err_type)

@@ -13,6 +13,7 @@ from typing import Any
 
 from loadtest.engine.config import (
     DEFAULT_MODEL,
+    KV_FETCH_FAILURE_STYLES,
     KV_LOAD_FAILURE_POLICIES,
     PD_PROTOCOLS,
     ROLES,
@@ -176,6 +177,13 @@ def register(subparsers: Any) -> None:
         help="a decode step whose KV cannot be fetched: fail (410, default) or recompute",
     )
     p.add_argument(
+        "--kv-fetch-failure-style",
+        default="410",
+        choices=KV_FETCH_FAILURE_STYLES,
+        help="how such a step fails: 410 (KVTransferError before any byte, default) or vllm "
+        "(as vLLM: 500 InternalServerError; streamed, 200 then an error event)",
+    )
+    p.add_argument(
         "--pd-protocol",
         default="vllm-nixl",
         choices=PD_PROTOCOLS,
@@ -244,6 +252,7 @@ def specs_from_args(args: argparse.Namespace) -> tuple[str, tuple[EngineSpec, ..
         kv_hold_s=args.kv_hold,
         kv_link_gbps=args.kv_link_gbps,
         kv_load_failure_policy=args.kv_load_failure_policy,
+        kv_fetch_failure_style=args.kv_fetch_failure_style,
         pd_protocol=args.pd_protocol,
         bootstrap_port=args.bootstrap_port,
         bootstrap_timeout_s=args.bootstrap_timeout,

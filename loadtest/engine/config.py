@@ -37,6 +37,11 @@ DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 # Prefill/decode roles (kv_transfer.py has the protocol) and vLLM's kv_role for each.
 ROLES = {"both": "kv_both", "prefill": "kv_producer", "decode": "kv_consumer"}
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+# How a decode step whose KV cannot be fetched is refused (kv_load_failure_policy "fail"):
+# "410", the simulator's own (410 KVTransferError, before any byte), or "vllm", as real
+# vLLM answers it (500 InternalServerError; streamed, HTTP 200 then that error as an event
+# and [DONE]: notes/real-vllm-pd-on-cpu.md).
+KV_FETCH_FAILURE_STYLES = ("410", "vllm")
 # The disaggregated-serving protocols (kv_transfer.py): vLLM's NIXL kv_transfer_params, and
 # SGLang's bootstrap host/port/room.
 PD_PROTOCOLS = ("vllm-nixl", "sglang")
@@ -84,6 +89,7 @@ class EngineSpec:
     kv_hold_s: float = 480.0
     kv_link_gbps: float = 50.0
     kv_load_failure_policy: str = "fail"
+    kv_fetch_failure_style: str = "410"
     kv_engine_id: str | None = None
     # SGLang's protocol (kv_transfer.py): which protocol the engine speaks (PD_PROTOCOLS),
     # the bootstrap port its prefill role is reached at (SGLang's
@@ -122,6 +128,8 @@ class EngineSpec:
             raise ConfigError("kv_link_gbps: must be positive")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ConfigError("kv_load_failure_policy: 'fail' or 'recompute'")
+        if self.kv_fetch_failure_style not in KV_FETCH_FAILURE_STYLES:
+            raise ConfigError("kv_fetch_failure_style: '410' or 'vllm'")
         if self.kv_engine_id is not None and not self.kv_engine_id:
             raise ConfigError("kv_engine_id: must not be empty")
         if self.pd_protocol not in PD_PROTOCOLS:

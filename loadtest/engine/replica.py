@@ -182,8 +182,13 @@ class EngineReplica:
         refused[reason] = refused.get(reason, 0) + 1
 
     def fetch_refused(self, exc: FetchRefused, param: str = api.KV_PARAMS) -> api.ApiError:
-        """A decode step whose KV cannot be fetched: counted, and its 410 KVTransferError."""
+        """A decode step whose KV cannot be fetched: counted, and its 410 KVTransferError;
+        or (kv_fetch_failure_style "vllm") vLLM's bare 500, after a 200 when streamed."""
         self._count_refusal(exc.reason)
+        if self.spec.kv_fetch_failure_style == "vllm":
+            return api.ApiError(
+                500, "Internal server error", err_type="InternalServerError", in_stream=True
+            )
         return api.ApiError(FETCH_FAILED_STATUS, str(exc), param, err_type=FETCH_FAILED_TYPE)
 
     # ---- SGLang's protocol (kv_transfer.py) ------------------------------------------

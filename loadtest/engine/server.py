@@ -421,6 +421,8 @@ class SimEngine:
                 await self._await_room(parsed, *wait)
             req = self.replica.submit(parsed, rid, self.sim_now())
         except api.ApiError as exc:
+            if exc.in_stream and parsed.stream:
+                return await self._stream_error(request, exc)
             return self._error(exc.status, exc.message, exc.param, exc.err_type)
         except RequestRejected as exc:
             return self._error(400, str(exc))
@@ -617,6 +619,16 @@ class SimEngine:
             raise _Reset
         if outcome == "done":
             await resp.write_eof()
+        return resp
+
+    async def _stream_error(self, request: web.Request, exc: api.ApiError) -> web.StreamResponse:
+        """An error a streamed request meets after vLLM sent its head: HTTP 200, the
+        error as one event, then [DONE] (serving_completion's except branch)."""
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        doc = api.error_body(exc.status, exc.message, exc.param, exc.err_type)
+        await resp.write(f"data: {api.dumps(doc)}\n\ndata: [DONE]\n\n".encode())
+        await resp.write_eof()
         return resp
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
