@@ -458,3 +458,83 @@ def test_a_connection_s_requests_run_one_after_another_on_one_handler_task():
         return cancelled.is_set()
 
     assert asyncio.run(leave_mid_handler())
+
+
+def test_a_request_read_whole_while_the_task_waits_is_begun_at_once_as_that_task():
+    """The fast path's request, arriving while the connection's task waits for one, runs
+    within data_received (as that task: current_task, timeouts) up to its first wait; the
+    task drives it on from there. An answer made at once leaves the connection serving; a
+    handler that waits gets what it waits for, and a cancellation when the client leaves."""
+    events: list[tuple[str, str, bool]] = []
+    gate: asyncio.Future[str] | None = None
+    in_callback = [False]
+    conn: Any = None
+    transport: Any = None
+
+    async def handler(req: HttpRequest) -> Reply | None:
+        nonlocal gate
+        events.append(("begin", req.target, in_callback[0]))
+        assert asyncio.current_task() is conn._task
+        if req.target == "/wait":
+            gate = asyncio.get_running_loop().create_future()
+            async with asyncio.timeout(5):  # needs the task: as it would have in it
+                try:
+                    got = await gate
+                except asyncio.CancelledError:
+                    events.append(("cancelled", req.target, in_callback[0]))
+                    raise
+            events.append(("woke", got, in_callback[0]))
+        if req.target == "/timeout":
+            try:
+                async with asyncio.timeout(0.01):
+                    await asyncio.sleep(1)
+            except TimeoutError:
+                events.append(("timed out", req.target, in_callback[0]))
+        return Reply(200, [], req.target.encode())
+
+    def receive(data: bytes) -> None:  # as the loop calls a protocol: outside any task
+        in_callback[0] = True
+        try:
+            conn.data_received(data)
+        finally:
+            in_callback[0] = False
+
+    async def settle() -> None:
+        for _ in range(10):
+            await asyncio.sleep(0)
+
+    async def run() -> bytes:
+        nonlocal conn, transport
+        conn = HttpServer(handler, SMALL)()
+        transport = FakeTransport(conn)
+        conn.connection_made(transport)
+        loop = asyncio.get_running_loop()
+        loop.call_soon(receive, request_bytes("GET", "/first", [], b"", None))
+        await settle()  # the first makes the task (it is not begun in data_received)
+        for target in ("/now", "/wait", "/timeout"):
+            loop.call_soon(receive, request_bytes("GET", target, [], b"", None))
+            await settle()
+            if target == "/wait":
+                assert gate is not None
+                gate.set_result("opened")
+                await settle()
+        await asyncio.sleep(0.05)  # /timeout's timer
+        await settle()
+        loop.call_soon(receive, request_bytes("GET", "/wait", [], b"", None))
+        loop.call_soon(transport.close)  # the client leaves as it is begun
+        await settle()
+        assert conn._task is not None and conn._task.done()
+        return bytes(transport.out)
+
+    raw = asyncio.run(run())
+    assert [b for _, _, b in responses(raw)] == [b"/first", b"/now", b"/wait", b"/timeout"]
+    assert events == [
+        ("begin", "/first", False),
+        ("begin", "/now", True),
+        ("begin", "/wait", True),
+        ("woke", "opened", False),
+        ("begin", "/timeout", True),
+        ("timed out", "/timeout", False),
+        ("begin", "/wait", True),
+        ("cancelled", "/wait", False),
+    ]
