@@ -29,7 +29,9 @@ sidecar's caches are when a push comes; thread CPU of the applies alone); `proce
 --no-process): {"asked_per_s", "published_per_s", "applied_per_s", "window_s",
 "sidecar_cpu_share", "sidecar_us_per_update", "sidecar_apply_us_per_update" (of that,
 the sidecar's thread CPU applying responses: read, decode, into the routers; the rest is
-gRPC's read and ACK, the event loop and the sidecar's idle work), "sidecar_idle_share",
+gRPC's read and ACK, the event loop and the sidecar's idle work),
+"sidecar_read_us_per_update" (of the apply, reading the responses: the parse, each
+resource decoded; the rest is the routers' part), "sidecar_idle_share",
 "sidecar_share_at_10hz" (the share the measured us/update gives 1,000 engines at 10 Hz),
 "control_plane_cpu_share", "publishers_cpu_share", "engines_followed",
 "updates_per_response" (what the control plane's pushes to the sidecar carried),
@@ -402,16 +404,17 @@ def _publisher(
 _UPDATES = re.compile(r'^meshd_control_plane_updates_total\{type="endpoint_state"\} (\S+)$', re.M)
 _ENGINES = re.compile(r"^meshd_control_plane_engines (\S+)$", re.M)
 _APPLY_CPU = re.compile(r"^meshd_control_plane_apply_cpu_seconds_total (\S+)$", re.M)
+_READ_CPU = re.compile(r"^meshd_control_plane_read_cpu_seconds_total (\S+)$", re.M)
 
 
-def _scrape(admin: str) -> tuple[float, float, float]:
+def _scrape(admin: str) -> tuple[float, float, float, float]:
     """(endpoint_state updates applied, engines followed, thread CPU seconds spent applying
-    responses) from the sidecar's /metrics."""
+    responses, of which reading them) from the sidecar's /metrics."""
     with urllib.request.urlopen(f"http://{admin}/metrics", timeout=5) as r:
         text = r.read().decode()
-    found = (_UPDATES.search(text), _ENGINES.search(text), _APPLY_CPU.search(text))
-    u, e, a = (float(m.group(1)) if m else 0.0 for m in found)
-    return u, e, a
+    found = [p.search(text) for p in (_UPDATES, _ENGINES, _APPLY_CPU, _READ_CPU)]
+    u, e, a, rd = (float(m.group(1)) if m else 0.0 for m in found)
+    return u, e, a, rd
 
 
 def bench_process(
@@ -480,7 +483,7 @@ def bench_process(
                 p.send((start, end))
             while time.monotonic() < start:
                 time.sleep(0.01)
-            u0, _, a0 = _scrape(admin)
+            u0, _, a0, rd0 = _scrape(admin)
             cp.send("responses")
             r0 = cp.recv()
             s0 = procstats.sample(pid)
@@ -491,7 +494,7 @@ def bench_process(
             c1 = procstats.sample(cp_pid)
             p1 = [procstats.sample(p.pid) for p in procs[1:]]
             window = time.monotonic() - start
-            u1, followed, a1 = _scrape(admin)
+            u1, followed, a1, rd1 = _scrape(admin)
             cp.send("responses")
             r1 = cp.recv()
             published = sum(p.recv() for p in pubs)
@@ -516,6 +519,7 @@ def bench_process(
         "sidecar_cpu_share": cpu / window,
         "sidecar_us_per_update": us,
         "sidecar_apply_us_per_update": (a1 - a0) / max(1.0, applied) * 1e6,
+        "sidecar_read_us_per_update": (rd1 - rd0) / max(1.0, applied) * 1e6,
         "sidecar_idle_share": i1.cpu_since(i0) / idle_s,
         "sidecar_share_at_10hz": us * 1e-6 * 10_000,
         "control_plane_cpu_share": c1.cpu_since(c0) / window,
@@ -601,13 +605,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(
             f"{'published/s':>12}{'applied/s':>11}{'CPU share':>11}{'us/update':>11}"
-            f"{'applying':>10}{'idle share':>12}{'at 10 Hz':>10}{'CP share':>10}"
+            f"{'applying':>10}{'reading':>9}{'idle share':>12}{'at 10 Hz':>10}{'CP share':>10}"
             f"{'pub share':>11}"
         )
         print(
             f"{r['published_per_s']:>12,.0f}{r['applied_per_s']:>11,.0f}"
             f"{r['sidecar_cpu_share']:>11.1%}{r['sidecar_us_per_update']:>11.2f}"
-            f"{r['sidecar_apply_us_per_update']:>10.2f}"
+            f"{r['sidecar_apply_us_per_update']:>10.2f}{r['sidecar_read_us_per_update']:>9.2f}"
             f"{r['sidecar_idle_share']:>12.2%}{r['sidecar_share_at_10hz']:>10.1%}"
             f"{r['control_plane_cpu_share']:>10.0%}{r['publishers_cpu_share']:>11.0%}"
         )

@@ -496,6 +496,8 @@ class ControlFeedCollector(Collector):
       prefix_digest): resources applied
     - meshd_control_plane_apply_cpu_seconds_total (counter): thread CPU spent applying
       the control plane's responses (read, decode, into the routers)
+    - meshd_control_plane_read_cpu_seconds_total (counter): of which reading them (the
+      parse, each resource decoded)
     """
 
     def __init__(self, feed: ControlFeed) -> None:
@@ -552,6 +554,12 @@ class ControlFeedCollector(Collector):
             "Thread CPU seconds spent applying control-plane responses (read, decode, "
             "into the routers)",
             value=sum(sub.stats.apply_cpu_s for sub in subs),
+        )
+        yield CounterMetricFamily(
+            "meshd_control_plane_read_cpu_seconds",
+            "Of the apply's thread CPU seconds, those reading the responses (the parse, each "
+            "resource decoded)",
+            value=sum(sub.stats.read_cpu_s for sub in subs),
         )
         yield _family(
             CounterMetricFamily,

@@ -287,6 +287,11 @@ async def test_killed_control_plane_leaves_the_sidecar_serving(
     applying = re.search(r"^meshd_control_plane_apply_cpu_seconds_total (\S+)$", text, re.M)
     assert applying is not None
     assert 0 < float(applying.group(1)) == feed.subscriber.stats.apply_cpu_s
+    reading = re.search(r"^meshd_control_plane_read_cpu_seconds_total (\S+)$", text, re.M)
+    assert reading is not None
+    assert (
+        0 < float(reading.group(1)) == feed.subscriber.stats.read_cpu_s < float(applying.group(1))
+    )
     assert feed.health()["connected"] is False and feed.health()["disconnects"] == 1
 
 

@@ -44,3 +44,4 @@ def test_a_tiny_run_measures_the_sidecar(tmp_path: Path) -> None:
     assert 100 <= p["applied_per_s"] <= 300 and p["sidecar_cpu_share"] > 0
     # The sidecar's own account of applying them: part of what its process spent.
     assert 0 < p["sidecar_apply_us_per_update"] < p["sidecar_us_per_update"]
+    assert 0 < p["sidecar_read_us_per_update"] < p["sidecar_apply_us_per_update"]
