@@ -101,9 +101,9 @@ cdef inline PyObject *_slot(object o, Py_ssize_t off):
 
 def price_candidates(
     endpoints, kkey, Py_ssize_t base, big_p, big_m, double lam, double lam_d, double lam_i,
-    refresh, hook, req, now
+    refresh, hook, req, now, big_w=None
 ):
-    cdef double dp = big_p
+    cdef double dp = big_p if big_w is None else big_w
     cdef double dm = big_m
     cdef double pm = big_p + big_m
     cdef double x = big_p + 0.5 * big_m

@@ -13,6 +13,10 @@ may not import loadtest/; tests/test_picker.py checks that the two tables agree.
     B200     63,045     3.70      5.43       1,173,072    8,192      1,024    5.50    21.8
     unknown   8,742    11.6      17.4          442,704    2,048        256    3.00    85.7
 
+Prefill is compute bound and grows faster than its tokens: attention multiplies every
+new token with every token before it (GpuProfile.prefill_work; a 12k-token prompt
+prefills at 0.83 of the table's tok/s, 50k at 0.55).
+
 The step grows with the context the batch holds (a decode step streams every running
 sequence's KV): step(b, K) = base + per_seq x b + kv_read x K, K the context tokens of the
 batch (GpuProfile.decode_step_parts); the table's b=1 / b=64 points are at 1k a sequence.
@@ -55,10 +59,22 @@ class GpuProfile:
     # KV bytes one token occupies (K and V, every layer), what a prefill/decode KV transfer
     # moves: the reference model's 2 x 32 layers x 8 KV heads x 128 x 2 bytes (bf16).
     kv_bytes_per_token: int = 131_072
+    # Prefill's attention: each (query token, key token) pair a prefill multiplies costs
+    # this many tokens' worth of the linear layers' compute (4 x layers x hidden FLOPs a
+    # pair against 2 x parameters a token: the reference model's 4 x 32 x 4096 / (2 x
+    # 8.03e9)), so a prompt's prefill is prefill_work(...) / prefill_tokens_per_s: 2,048
+    # tokens at 0.97 of the table's speed, 12,672 at 0.83, 50,000 at 0.55 (the simulator's
+    # roofline, loadtest/engine/profiles.py, which tests/test_picker.py checks it against).
+    attn_pair_tokens: float = 3.27e-5
 
     @property
     def price_per_s(self) -> float:
         return self.price_per_gpu_hour / 3600.0
+
+    def prefill_work(self, uncached: float, cached: float = 0.0) -> float:
+        """Prefill of `uncached` tokens after `cached` ones, in tokens of the linear
+        layers' work: each new token attends to every token before it and itself."""
+        return uncached * (1.0 + self.attn_pair_tokens * (cached + 0.5 * (uncached + 1.0)))
 
     def decode_step_s(self, batch: int) -> float:
         """One decode iteration at `batch` sequences: linear between the b=1 and b=64 points

@@ -17,9 +17,13 @@ endpoint e (GPU profile from filters/gpu.py, `n` GPUs, the served model's `speed
                  (prompts + half the outputs in flight, or the report's KV used)
     C_e        = expected cached prompt tokens: PrefixIndex match x tokens per block
                  (PickRequest.tokens_per_block for engine token blocks, else the config's),
-                 approximate blocks x confidence, x the endpoint's trust (silence, demotion),
-                 plus for the task's previous endpoint its previous output (see below)
+                 approximate blocks x approx_confidence (1.0, below), x the endpoint's trust
+                 (silence, demotion), plus for the task's previous endpoint its previous
+                 output (see below)
     U_e        = P - C_e                                            tokens to prefill (>= 1)
+    W_e        = U_e * (1 + a * (C_e + (U_e + 1) / 2))    the prefill's work in tokens of
+                 the linear layers': each new token attends to all before it (a = 3.27e-5,
+                 the reference model's; GpuProfile.prefill_work)
     queue_e    = cal_e * Q_e / tps_e + max(1, cal_e) * step_e + slot_wait_e
                  Q_e: uncached prompt tokens already waiting there (the step's floor:
                  below); slot_wait_e when running + waiting exceeds
@@ -28,8 +32,8 @@ endpoint e (GPU profile from filters/gpu.py, `n` GPUs, the served model's `speed
                  (memory headroom: the engine admits us once that much KV has turned over)
     cold_e     = model_cold_load_s if the weights are not warm, + lora_cold_load_s if the
                  adapter is not loaded (an endpoint that cannot serve it is ineligible)
-    TTFT_e     = cold_e + queue_e + kv_wait_e + cal_e * U_e / tps_e
-    cost_e     = price_per_s(gpu) * n * (cal_e * U_e / tps_e + cold_e)
+    TTFT_e     = cold_e + queue_e + kv_wait_e + cal_e * W_e / tps_e
+    cost_e     = price_per_s(gpu) * n * (cal_e * W_e / tps_e + cold_e)
                  + price_per_s(gpu) * (min(M, S_e) * decode_step(gpu, b_e) / b_e
                                        + max(0, M - S_e) * decode_step(gpu, 1))
                  b_e = min(64, running + waiting + 1): the batch this request joins
@@ -39,15 +43,47 @@ endpoint e (GPU profile from filters/gpu.py, `n` GPUs, the served model's `speed
                  X = P + M / 2, dstep_e = dcal_e * (per_seq + kv * X) / n: the request's
                  own output at the step of the batch it joins, plus the delay it adds to
                  each of the r streams there, a slower step for as long as both decode
-    I_e        = r * U_e * inv_e: the delay its prefill adds to those streams (the engine
+    I_e        = r * W_e * inv_e: the delay its prefill adds to those streams (the engine
                  interleaves its chunks with their steps; inv_e = cal_e / tps_e)
     J_e        = kappa * cost_e + lambda_r * TTFT_e + lambda(p) * decode_weight * D_e
                  + lambda(p) * prefill_delay_weight * I_e
                  lambda(p) = lambda_usd_per_s * base**(p - 5); kappa = 1 for an elastic
                  pool, FIXED_COST_WEIGHT (0.1) for a fixed fleet (the default)
     lambda_r   = lambda(p) * 2**-k,  k = floor(log2(knee / t0)) when t0 < knee, else 0
-                 t0 = decode_step(H100, 1) + P / prefill_tps(H100): the request's best case
+                 t0 = decode_step(H100, 1) + W(P, 0) / prefill_tps(H100): the request's best case
                  (an idle reference GPU, nothing cached); knee = lambda_knee_s
+
+The prefill checked against the engine (2026-12-07, virtual clock; the engines' usage
+and first tokens against Choice's prediction, agentic tasks on 4 H100s nobody described):
+a follow-up step was predicted to prefill 2,182 tokens (p50) where the engine prefilled
+272, so its TTFT was predicted 14x too long (actual / predicted p50 0.07). Two errors did
+it. The text's ~3.2 characters a token make every prompt and every matched prefix ~1.26x
+long in our 4-characters-a-token estimate (P 9,712 against the engine's 7,680), and the
+approximate index counted a matched block at 0.8: that cancelled the length error in the
+cached part (8,000 tokens predicted, ~7,400 cached) but left P - C_e at a fifth of the
+prompt instead of a few per cent. At approx_confidence 1.0 the estimate errs by the text's
+ratio alone (432 predicted against 272), and the cached-token feedback (observe_cached)
+and LRU eviction against the learnt capacity, not a discount, answer for what the engine
+dropped. And a prompt's prefill is not linear in its tokens: attention makes the
+simulator's H100 prefill 2,048 tokens at 26.5k tok/s, 12,672 at 22.9k and 50,000 at
+15.3k (the datasheet table's 27.7k is the linear part), so the prediction now prices W_e
+(above), and the calibration learns the engine's speed, not the mix of lengths it saw.
+Together, against the previous defaults on 8 matrix cells (one run, meshd given URLs only
+/ the best peer, before -> after): Mooncake 8 H100 hit rate 0.91 -> 1.07, TTFT p90 0.91 ->
+0.96, p99 0.97 -> 0.92; sessions 8 H100 TTFT p90 0.89 -> 0.79, E2E p50 0.83 -> 0.71, hit
+rate 1.01 -> 1.06, next turns kept 0.95 -> 1.00, makespan p50 0.92 -> 0.84, wasted share
+0.56 -> 0.30; sessions without headers at 1.5x load task success 17.3 -> 22.3x, wasted
+0.50 -> 0.40; agentic 8 H100 TTFT p99 0.94 -> 0.78, E2E p50 0.95 -> 0.98; agentic on 4 H100
++ 4 A100 nobody described p99 1.03 -> 0.93, E2E p50 0.92 -> 0.99; shared-prefix p99 1.10
+-> 1.06; Azure 8 H100 TTFT p90 1.01 -> 0.96, p99 1.04 -> 0.90; Azure mixed p90 1.15 ->
+0.99, p99 0.88 -> 0.94, E2E p50 1.01 -> 1.02. The attention term alone: Azure 8 H100 p90
+0.96, p99 0.90, E2E 1.00; mixed 0.99 / 0.94 / 1.02. Tried with them and dropped: counting
+a calibration's evidence by the samples taken instead of the requests finished (follow-ups
+give no sample, so an engine serving sessions keeps its class's prior): agentic 8 H100
+TTFT p99 3.63 (13 "overloaded" departures instead of 2, each recomputing ~9k tokens,
+once the learnt speed made the recompute look short), 0.84 with affinity_imbalance 5,
+but Azure mixed E2E 1.09 and Mooncake hit rate 0.94; and, on top, no sample from a
+prefill that fits inside the batch's memory-bound step (Mooncake hit 0.89).
 
 The whole request (issue #27: "predict the whole request, not only its first token"):
 D_e is what the request's output costs in seconds, its own and the streams' it joins,
@@ -332,6 +368,16 @@ _REF_DECODE_TOKEN_S = _REF.decode_step_s(DECODE_REF_BATCH) / DECODE_REF_BATCH
 # A request's best case first token: one step of an idle reference GPU, plus its prompt
 # at the reference prefill speed (lambda_knee_s).
 _REF_STEP_S = _REF.decode_step_s(1)
+_ATTN = _REF.attn_pair_tokens
+
+
+def _work(uncached: float, cached: float) -> float:
+    """Prefill of `uncached` tokens after `cached` ones in tokens of linear work, attention
+    included (GpuProfile.prefill_work, the reference model's: a model property, not the
+    GPU's)."""
+    return uncached * (1.0 + _ATTN * (cached + 0.5 * (uncached + 1.0)))
+
+
 # Bound on remembered (model, adapter) classes: model names come from clients.
 MAX_REQUEST_CLASSES = 1024
 # Bound on remembered rendezvous draws (one float per group key x endpoint name).
@@ -449,6 +495,9 @@ class PickerConfig:
     # Age limit of the approximate prefix entries (PrefixIndex ttl_s; None: none, the
     # engine's KV capacity LRU and the cached-token feedback evict them).
     prefix_ttl_s: float | None = None
+    # What an approximate prefix entry (what we routed where, not the engine's KV events)
+    # counts of a matched block (PrefixIndex approx_confidence).
+    approx_confidence: float = 1.0
 
     def __post_init__(self) -> None:
         if self.epsilon < 0 or self.lambda_usd_per_s < 0 or self.tokens_per_block <= 0:
@@ -469,13 +518,17 @@ class PickerConfig:
             raise ValueError("home_weight must be >= 0 and home_window_s > 0")
         if self.decode_weight < 0 or self.prefill_delay_weight < 0:
             raise ValueError("decode_weight and prefill_delay_weight must be >= 0")
+        if not 0.0 < self.approx_confidence <= 1.0:
+            raise ValueError(f"approx_confidence must be in (0, 1], got {self.approx_confidence}")
         if not self.cached_headroom >= 0:
             raise ValueError(f"cached_headroom must be >= 0, got {self.cached_headroom}")
 
     def new_index(self, *, track_blocks: bool = False) -> PrefixIndex:
         """A prefix index with this config's age limit."""
         ttl = _INF if self.prefix_ttl_s is None else self.prefix_ttl_s
-        return PrefixIndex(ttl_s=ttl, track_blocks=track_blocks)
+        return PrefixIndex(
+            ttl_s=ttl, track_blocks=track_blocks, approx_confidence=self.approx_confidence
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -759,6 +812,7 @@ def price_candidates(
     hook: Callable[[EndpointState, PickRequest, float], bool] | None,
     req: PickRequest,
     now: float,
+    big_w: float | None = None,
 ) -> tuple[list[_Cand], float, float]:
     """The hot loop of Picker.pick: every eligible endpoint priced as if nothing were
     cached (U = P), at this request's lambda (lam_d for its decode seconds, _decode_s;
@@ -766,8 +820,10 @@ def price_candidates(
     order, each view stamped with
     base + its slot (a view stamped >= base already is a duplicate), plus the sums of load
     and capacity weight.
+    `big_w`: the prompt's prefill in tokens of linear work (_work; None: big_p).
     The reference for the compiled twin in filters/_picker_c.pyx, which must agree exactly
     (tests/test_picker_twins.py)."""
+    wp = big_p if big_w is None else big_w
     pm = big_p + big_m
     x = big_p + 0.5 * big_m
     cands: list[_Cand] = []
@@ -787,7 +843,7 @@ def price_candidates(
         v.stamp = slot
         slot += 1
         c0, s0, c1, s1, u, span, extra, free, kvw, load, weight, name, a, ds, dk, r, so = kc
-        j = c0 + lam * s0 + big_p * (c1 + lam * s1) + big_m * u
+        j = c0 + lam * s0 + wp * (c1 + lam * s1) + big_m * u
         if big_m > span:
             j += (big_m - span) * extra
         if pm > free:
@@ -796,7 +852,7 @@ def price_candidates(
             if big_m < so:
                 so = big_m
             j += lam_d * (big_m * a + (big_m + r * so) * (ds + dk * x))
-        j += lam_i * r * big_p * s1
+        j += lam_i * r * wp * s1
         append((j, name, v))
         load_sum += load
         weight_sum += weight
@@ -958,11 +1014,12 @@ class Picker:
         lam_d = lam * c.decode_weight
         lam_i = lam * c.prefill_delay_weight
         big_p = max(1, req.prompt_tokens)
+        big_w = _work(big_p, 0.0)
         knee = c.lambda_knee_s
         if knee is not None:
             # The TTFT cost linearised at the request's best case t0: lambda x t0 / knee
             # under the knee, rounded up to a power of two (module docstring).
-            t0 = _REF_STEP_S + big_p / _REF.prefill_tokens_per_s
+            t0 = _REF_STEP_S + big_w / _REF.prefill_tokens_per_s
             while t0 + t0 <= knee:
                 lam *= 0.5
                 t0 += t0
@@ -992,7 +1049,19 @@ class Picker:
         if now >= self._min_until:
             self._expire_views(now)
         cands, load_sum, weight_sum = _price(
-            endpoints, kkey, base, big_p, big_m, lam, lam_d, lam_i, self._refresh, hook, req, now
+            endpoints,
+            kkey,
+            base,
+            big_p,
+            big_m,
+            lam,
+            lam_d,
+            lam_i,
+            self._refresh,
+            hook,
+            req,
+            now,
+            big_w,
         )
         if not cands:
             return []
@@ -1026,10 +1095,11 @@ class Picker:
         for name, cached in cached_of.items():
             v = by_name[name]
             unc = big_p - min(cached, big_p - 1.0)
-            j = v.c0 + lam * v.s0 + unc * (v.c1 + lam * v.inv) + kappa * v.decode_usd(big_m)
+            w = _work(unc, big_p - unc)
+            j = v.c0 + lam * v.s0 + w * (v.c1 + lam * v.inv) + kappa * v.decode_usd(big_m)
             if unc + big_m > v.free_kv:
                 j += (unc + big_m - v.free_kv) * (v.kv_wait_per_token * lam)
-            j += lam_d * _decode_s(v, big_m, ctx) + lam_i * v.running * unc * v.inv
+            j += lam_d * _decode_s(v, big_m, ctx) + lam_i * v.running * w * v.inv
             cands[v.stamp - base] = (j, name, v)
         # The affinity holder: the task's previous endpoint, else the endpoint holding the
         # most of this prompt when that is at least affinity_min_fraction of it.
@@ -1809,7 +1879,7 @@ class Picker:
         v = t[2]
         unc = prompt - min(cached_of.get(t[1], 0.0), prompt - 1.0)
         q = v.q if now is None else _queue_now(v, now)
-        ttft = v.cold_now + q + unc * v.inv
+        ttft = v.cold_now + q + _work(unc, prompt - unc) * v.inv
         if unc + max_tokens > v.free_kv:
             ttft += (unc + max_tokens - v.free_kv) * v.kv_wait_per_token
         return ttft
@@ -1886,7 +1956,8 @@ class Picker:
                 return "overloaded"
             # The prefix it would recompute, paid by this request and, as a delay, by
             # each request waiting there behind it.
-            redo = max(0.0, have - cached_of.get(t[1], 0.0)) * t[2].inv
+            theirs = cached_of.get(t[1], 0.0)
+            redo = _work(have - theirs, theirs) * t[2].inv if have > theirs else 0.0
             redo *= c.affinity_redo_weight + t[2].state.waiting
             if ttft_h > ttft + max(c.affinity_margin_s, redo):
                 faster = True
@@ -2014,7 +2085,8 @@ class Picker:
         if cached > prompt - 1.0:
             cached = prompt - 1.0
         unc = prompt - cached
-        pre = unc * v.inv
+        w = _work(unc, cached)
+        pre = w * v.inv
         cold = v.cold_now
         fixed = cold + v.q_fixed
         ttft = cold + v.q + pre
@@ -2023,7 +2095,7 @@ class Picker:
             ttft += kv_wait
             fixed += kv_wait
         cost = v.price_s * (pre + cold) + v.decode_usd(big_m)
-        nominal = v.q_nominal + unc * v.inv_nominal
+        nominal = v.q_nominal + w * v.inv_nominal
         step = _step(v, prompt + 0.5 * big_m) / v.dcal  # uncalibrated: the decode sample
         # tuple.__new__ directly: the NamedTuple's generated __new__ is one more call.
         return _new_choice(

@@ -215,7 +215,7 @@ def test_figures_and_compare():
 def test_one_real_cell_runs_every_policy():
     res = M.run_cell(M.Cell("shared-prefix", engines=4), quick=True)
     pols = [f["policy"] for f in res["figures"]]
-    assert pols == [*M.PEERS, M.MESHD]
+    assert pols == [*M.PEERS, M.MESHD, M.MESHD_ELASTIC]
     for f in res["figures"]:
         assert f["ok"] == f["sent"] > 0
     ca = next(f for f in res["figures"] if f["policy"] == "cache-aware")

@@ -115,7 +115,8 @@ async def test_an_untrusted_client_is_not_told_and_a_relay_passes_it_to_trusted_
     status, headers = await _post(trusting, ask())
     assert status == 200 and headers[PD_HEADER] == f"split; prefill={addr(p.url)}"
     wary = await sidecar(sidecar_config([front], trust=UNTRUSTED))
-    status, headers = await _post(wary, ask())
+    # Another prompt: the same one again would be served whole where its KV now is.
+    status, headers = await _post(wary, ask("again " + LONG))
     assert status == 200 and len(p.requests) == 3 and PD_HEADER not in headers
 
 

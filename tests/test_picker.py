@@ -60,6 +60,14 @@ def test_gpu_table_agrees_with_the_engine_simulator(gpu):
     for batch, context in ((1, 1024), (8, 20_000), (64, 4_000)):
         step = base + per_seq * batch + kv * batch * context
         assert step == pytest.approx(sim.decode_step_time(batch, context), rel=0.03)
+    # Prefill's attention: the compute of a prompt (or of its tail after a cached prefix)
+    # as the simulator's roofline has it, within 1%, from 2k to 50k tokens.
+    for uncached, cached in ((2_048, 0), (12_672, 0), (50_000, 0), (300, 12_000)):
+        pairs = uncached * cached + uncached * (uncached + 1) / 2
+        compute = uncached / sim.prefill_tokens_per_s + pairs * sim.attn_s_per_pair
+        ours_s = ours.prefill_work(uncached, cached) / ours.prefill_tokens_per_s
+        assert ours_s == pytest.approx(compute, rel=0.01)
+    assert ours.prefill_work(50_000) / 50_000 > 1.8  # attention, not a constant factor
 
 
 def test_gpu_names_and_overrides():
@@ -167,9 +175,12 @@ def test_predictions_are_seconds_and_dollars():
     (e,) = fleet("H100")
     c = Picker().pick(PickRequest("m", (), prompt_tokens=27_712, max_tokens=0), [e], 0.0)[0]
     h100 = GPUS["H100"]
-    # One second of H100 prefill, plus one decode step for the first token.
-    assert c.predicted_ttft_s == pytest.approx(1.0 + h100.decode_step_s(1), rel=1e-3)
-    assert c.predicted_cost_usd == pytest.approx(h100.price_per_gpu_hour / 3600, rel=1e-3)
+    # A second of H100 prefill's linear work, attention on top (half of the prompt's
+    # 27,712 tokens on average before each: x1.45), plus one decode step for the first token.
+    pre = 1.0 + h100.attn_pair_tokens * 27_713 / 2
+    assert pre == pytest.approx(1.453, abs=1e-3)
+    assert c.predicted_ttft_s == pytest.approx(pre + h100.decode_step_s(1), rel=1e-3)
+    assert c.predicted_cost_usd == pytest.approx(pre * h100.price_per_gpu_hour / 3600, rel=1e-3)
     assert c.nominal_s == pytest.approx(c.predicted_ttft_s) and c.fixed_s == 0.0
 
 
@@ -257,8 +268,10 @@ def test_workflow_stickiness_and_previous_output():
     b = p.pick(req(turn2, context_key="task-1", max_tokens=400), eps, 1.0)
     assert b[0].endpoint == a.endpoint
     assert b[0].reason in ("sticky", "prefix-affinity")
-    # The previous output counts as cached there too (half its max_tokens, approximate).
-    assert b[0].cached_tokens == int(matched_only + 400 * 0.5 * 0.8)
+    # The previous output counts as cached there too (half its max_tokens, at the index's
+    # confidence in what it routed).
+    conf = p.config.approx_confidence
+    assert b[0].cached_tokens == int(matched_only + 400 * 0.5 * conf)
     # Equal endpoints, no prefix at all: stickiness is the tie-break.
     eps2 = fleet("H100", "H100", "H100")
     p2 = Picker()

@@ -110,7 +110,7 @@ def test_a_short_prompt_may_wait_a_few_ms_for_the_cheaper_decode():
 
 def test_the_discount_rounds_up_to_a_power_of_two():
     # Best case just over knee / 2: lambda itself (the marginal value there is over 1/2).
-    t0 = H100.decode_step_s(1) + 100 / H100.prefill_tokens_per_s
+    t0 = H100.decode_step_s(1) + H100.prefill_work(100) / H100.prefill_tokens_per_s
     r = PickRequest("m", (), prompt_tokens=100, max_tokens=16)
     for knee, factor in ((1.9 * t0, 1.0), (2.0 * t0, 0.5), (4.1 * t0, 0.25)):
         got = scores(Picker(PickerConfig(lambda_knee_s=knee, **COST)), r)

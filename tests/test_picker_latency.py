@@ -190,7 +190,7 @@ def test_the_weights_must_not_be_negative():
 def test_a_prefill_delays_the_streams_running_there():
     # Eight streams decode on e0; a prompt with nothing to decode would still stall each
     # of them for its prefill (the engine interleaves it with their steps): J carries
-    # r x U x inv at the prefill-delay weight.
+    # r x W x inv at the prefill-delay weight (W: the prefill's work, attention included).
     def world() -> list[EndpointState]:
         eps = fleet("H100", "H100")
         for i in range(8):
@@ -205,7 +205,8 @@ def test_a_prefill_delays_the_streams_running_there():
     inv = 1.0 / H100.prefill_tokens_per_s  # nominal: no calibration yet
     added = on["e0"].score - off["e0"].score
     assert added == pytest.approx(
-        lam * 8 * 8_000 * inv * (1 - 8 / H100.max_num_batched_tokens) ** -1, rel=1e-6
+        lam * 8 * H100.prefill_work(8_000) * inv * (1 - 8 / H100.max_num_batched_tokens) ** -1,
+        rel=1e-6,
     )
     assert on["e1"].score == pytest.approx(off["e1"].score)  # nothing runs on e1
 

@@ -129,12 +129,14 @@ def test_a_faster_calibration_does_not_shorten_the_engine_step():
     )
     assert tiny.predicted_ttft_s >= step
     assert tiny.fixed_s == pytest.approx(step)
-    assert tiny.nominal_s == pytest.approx(1 / GPUS["H100"].prefill_tokens_per_s)
+    h100 = GPUS["H100"]
+    assert tiny.nominal_s == pytest.approx(h100.prefill_work(1) / h100.prefill_tokens_per_s)
     # ...while a long prompt's prefill takes the faster calibration.
     long = PickRequest("m", (), prompt_tokens=27_712, max_tokens=0)
     (c,) = p.pick(long, [e], soon([e]), record=False)
-    assert step + 0.25 < c.predicted_ttft_s < step + 0.5
-    assert c.fixed_s == pytest.approx(step) and c.nominal_s == pytest.approx(1.0, rel=1e-3)
+    work_s = h100.prefill_work(27_712) / h100.prefill_tokens_per_s  # 1.45 s, attention in
+    assert step + 0.25 * work_s < c.predicted_ttft_s < step + 0.5 * work_s
+    assert c.fixed_s == pytest.approx(step) and c.nominal_s == pytest.approx(work_s, rel=1e-3)
 
 
 def test_a_slower_calibration_lengthens_the_engine_step():

@@ -112,6 +112,7 @@ def _run(
     lam_d: float,
     lam_i: float,
     hooked: bool,
+    big_w: float | None = None,
 ) -> tuple[Any, ...]:
     base = 1000
     eps = _world(specs, dup, base)
@@ -125,7 +126,7 @@ def _run(
 
     hook = (lambda e, req, now: hash(e.name) % 3 != 0) if hooked else None
     cands, load_sum, weight_sum = impl(
-        eps, KKEY, base, big_p, big_m, lam, lam_d, lam_i, refresh, hook, None, 5.0
+        eps, KKEY, base, big_p, big_m, lam, lam_d, lam_i, refresh, hook, None, 5.0, big_w
     )
     stamps = [e._pick_view.stamp if e._pick_view is not None else None for e in eps]
     return [(j, name, v.name) for j, name, v in cands], load_sum, weight_sum, stamps, calls
@@ -142,6 +143,7 @@ def _run(
     lam_d=lambdas,
     lam_i=lambdas,
     hooked=st.booleans(),
+    work=st.one_of(st.none(), st.floats(min_value=1.0, max_value=3.0)),
 )
 def test_compiled_loop_agrees_with_the_reference(
     specs: list[tuple[str, tuple[float, ...] | None, bool]],
@@ -152,10 +154,14 @@ def test_compiled_loop_agrees_with_the_reference(
     lam_d: float,
     lam_i: float,
     hooked: bool,
+    work: float | None,
 ) -> None:
     assert compiled is not None
-    want = _run(price_candidates, specs, dup, big_p, big_m, lam, lam_d, lam_i, hooked)
-    got = _run(compiled.price_candidates, specs, dup, big_p, big_m, lam, lam_d, lam_i, hooked)
+    # big_w: the prompt's prefill in tokens of linear work (attention makes it more).
+    big_w = None if work is None else big_p * work
+    args = (specs, dup, big_p, big_m, lam, lam_d, lam_i, hooked, big_w)
+    want = _run(price_candidates, *args)
+    got = _run(compiled.price_candidates, *args)
     assert got == want
 
 

@@ -139,7 +139,8 @@ def test_digest_steers_and_its_removal_releases():
         router.report(u, ReportedState(epoch="x"), 0.0, ttl_s=10.0)
     system = "Shared instructions for the billing agent. " * 60
     req = _req(system + "tail")
-    default = router.order(req, 0.0)[0].url
+    # Where it would go (unrecorded: a request routed there would be cached there too).
+    default = router.order(req, 0.0, record=False)[0].url
     target = next(u for u in URLS if u != default)
     hashes = tuple(req.block_hashes[:-1])  # the system prompt's blocks
     assert router.apply_digest(target, Digest("x", 1, 1, True, hashes), 0.0)
@@ -159,13 +160,13 @@ def test_digest_steers_and_its_removal_releases():
 def test_digest_of_a_stale_report_leaves_the_index():
     router = make_router("meshd", [EndpointSpec(u, gpu="H100") for u in URLS])
     req = _req("Stale prefix system prompt. " * 60)
-    default = router.order(req, 0.0)[0].url
+    default = router.order(req, 0.0, record=False)[0].url
     target = next(u for u in URLS if u != default)
     router.report(target, ReportedState(epoch="x"), 0.0, ttl_s=2.0)
     router.apply_digest(target, Digest("x", 1, 1, True, tuple(req.block_hashes)), 0.0)
     assert router.order(req, 1.0)[0].url == target
     # No renewal: the report goes stale at 2.0 and the digest stops counting.
-    assert router.order(req, 3.0)[0].url == default
+    assert router.order(req, 3.0, record=False)[0].url == default
     assert {e["url"]: e for e in router.snapshot(3.0)}[target]["cached_blocks"] == 0
     # Renewed (the control plane is back): it counts again.
     router.report(target, ReportedState(epoch="x"), 4.0, ttl_s=2.0)

@@ -199,8 +199,9 @@ async def test_a_dead_prefill_engine_is_passed_over_and_none_at_all_means_whole(
 ) -> None:
     p, d = await engines("p1"), await engines("d0")
     s = await sidecar(pd_config([dead_url(), p.url], [d.url]))
-    for _ in range(2):
-        status, _ = await post(s, ask())
+    # Two prompts (the same one again would be served whole where its KV now is).
+    for i in range(2):
+        status, _ = await post(s, ask(f"{i} {LONG}"))
         assert status == 200
     assert len(p.requests) == 2  # each prefill step found the live engine
     assert all(r.body and "kv_transfer_params" in r.body for r in d.requests)
