@@ -232,6 +232,27 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def instance_env(cpu: int | None = None) -> dict[str, str]:
+    """The environment an instance runs in: offline, 1 GiB of CPU KV cache, caches under the
+    temp dir, no usage stats, no PYTHONHASHSEED (vLLM's block hashes vary by it), bound to
+    `cpu` when given."""
+    tmp = Path(tempfile.gettempdir())
+    env = dict(os.environ)
+    env.pop("PYTHONHASHSEED", None)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CACHE_ROOT=str(tmp / "meshd-vllm-cache"),
+        TORCHINDUCTOR_CACHE_DIR=str(tmp / "meshd-inductor"),
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_DO_NOT_TRACK="1",
+    )
+    if cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+    return env
+
+
 def start_instance(
     name: str,
     *,
@@ -249,21 +270,9 @@ def start_instance(
         raise RuntimeError("no real vLLM here: run `python -m loadtest.real_vllm setup`")
     port, kv_port, replay_port = free_port(), free_port(), free_port()
     tmp = Path(tempfile.gettempdir())
-    env = dict(os.environ)
-    env.pop("PYTHONHASHSEED", None)
+    env = instance_env(cpu)
     if hash_seed is not None:
         env["PYTHONHASHSEED"] = hash_seed
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CACHE_ROOT=str(tmp / "meshd-vllm-cache"),
-        TORCHINDUCTOR_CACHE_DIR=str(tmp / "meshd-inductor"),
-        VLLM_NO_USAGE_STATS="1",
-        VLLM_DO_NOT_TRACK="1",
-    )
-    if cpu is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     kv_cfg = {

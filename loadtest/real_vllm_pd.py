@@ -76,21 +76,8 @@ def start_pd_instance(name: str, role: str, *, cpu: int | None, num_blocks: int 
     real_vllm.start_instance starts one (no KV events: P/D needs none)."""
     port, side = real_vllm.free_port(), real_vllm.free_port()
     tmp = Path(tempfile.gettempdir())
-    env = dict(os.environ)
-    env.pop("PYTHONHASHSEED", None)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CACHE_ROOT=str(tmp / "meshd-vllm-cache"),
-        TORCHINDUCTOR_CACHE_DIR=str(tmp / "meshd-inductor"),
-        VLLM_NO_USAGE_STATS="1",
-        VLLM_DO_NOT_TRACK="1",
-        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-        VLLM_NIXL_SIDE_CHANNEL_PORT=str(side),
-    )
-    if cpu is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+    env = real_vllm.instance_env(cpu)
+    env.update(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(side))
     kv = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
     cmd = [
         str(real_vllm.venv_python()),
