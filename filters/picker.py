@@ -77,7 +77,11 @@ rate 1.01 -> 1.06, next turns kept 0.95 -> 1.00, makespan p50 0.92 -> 0.84, wast
 + 4 A100 nobody described p99 1.03 -> 0.93, E2E p50 0.92 -> 0.99; shared-prefix p99 1.10
 -> 1.06; Azure 8 H100 TTFT p90 1.01 -> 0.96, p99 1.04 -> 0.90; Azure mixed p90 1.15 ->
 0.99, p99 0.88 -> 0.94, E2E p50 1.01 -> 1.02. The attention term alone: Azure 8 H100 p90
-0.96, p99 0.90, E2E 1.00; mixed 0.99 / 0.94 / 1.02. Tried with them and dropped: counting
+0.96, p99 0.90, E2E 1.00; mixed 0.99 / 0.94 / 1.02. Over the whole matrix (54 cells,
+docs/routing-matrix.md): cells missing a target 154 -> 150, geometric means of meshd /
+best peer new / old TTFT p90 x0.959, p99 x0.956, E2E p50 x0.953, hit rate x1.013, task
+success x1.029, wasted share x0.703; worse: Mooncake on the mixed fleet's hit rate 1.23 ->
+1.05 and agentic tasks on 4 H100 E2E p50 0.96 -> 1.03. Tried with them and dropped: counting
 a calibration's evidence by the samples taken instead of the requests finished (follow-ups
 give no sample, so an engine serving sessions keeps its class's prior): agentic 8 H100
 TTFT p99 3.63 (13 "overloaded" departures instead of 2, each recomputing ~9k tokens,
