@@ -372,14 +372,9 @@ _REF_DECODE_TOKEN_S = _REF.decode_step_s(DECODE_REF_BATCH) / DECODE_REF_BATCH
 # A request's best case first token: one step of an idle reference GPU, plus its prompt
 # at the reference prefill speed (lambda_knee_s).
 _REF_STEP_S = _REF.decode_step_s(1)
-_ATTN = _REF.attn_pair_tokens
-
-
-def _work(uncached: float, cached: float) -> float:
-    """Prefill of `uncached` tokens after `cached` ones in tokens of linear work, attention
-    included (GpuProfile.prefill_work, the reference model's: a model property, not the
-    GPU's)."""
-    return uncached * (1.0 + _ATTN * (cached + 0.5 * (uncached + 1.0)))
+# Prefill of `uncached` tokens after `cached` ones in tokens of linear work, attention
+# included: the reference model's (a model property, not the GPU's).
+_work = _REF.prefill_work
 
 
 # Bound on remembered (model, adapter) classes: model names come from clients.
