@@ -57,6 +57,7 @@ from filters.gpu import GPUS, normalise_gpu_name
 from loadtest.bench.client import ClientSettings, RequestOutcome
 from loadtest.bench.fleet import FleetSpec
 from loadtest.workloads import PlannedRequest
+from meshd.config import deep_merge
 
 PEERS = ("round-robin", "least-request", "cache-aware")
 MESHD = "meshd-no-gpu"  # the bench policy of a sidecar given URLs only
@@ -412,14 +413,6 @@ def cell_floor(cell: Cell, quick: bool = False) -> float | None:
     return floor_p90(*setup(cell, quick))
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """`extra` laid over `base`, nested mappings merged key by key."""
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def cell_policies(cell: Cell) -> list[str]:
     """The rows a cell runs: the peers, meshd given URLs only and told it is elastic, and
     on a mixed fleet meshd told each GPU."""
@@ -462,7 +455,7 @@ def run_cell(
     for p in wanted:
         each = []
         bench, own = MESHD_RUNS.get(p, (p, {}))
-        extra = _merge(own, overrides or {}) if p in MESHD_RUNS else None
+        extra = deep_merge(own, overrides or {}) if p in MESHD_RUNS else None
         for f in fleets:
             result, run = run_virtual_policy(
                 bench, f, requests, settings, log=lambda m: None, overrides=extra or None
