@@ -224,7 +224,7 @@ def plain_requests(draw: st.DrawFn) -> bytes:
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.one_of(requests(), plain_requests()),
     max_count=st.integers(0, 8),
@@ -237,7 +237,7 @@ def test_what_it_reads_llhttp_reads_the_same(data: bytes, max_count: int, max_by
 
 
 @needs_compiled
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.one_of(requests(), plain_requests(), st.binary(max_size=64)),
     max_count=st.integers(0, 8),

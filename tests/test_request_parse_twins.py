@@ -104,7 +104,7 @@ def _encode(doc: Any) -> bytes:
 
 
 @needs_compiled
-@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(doc=request)
 @example(doc={"model": "m", "prompt": "hi", "stream": True, "max_tokens": 5})
 @example(doc={"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "x"}]})
@@ -118,7 +118,7 @@ def test_the_twins_agree_on_any_request_document(doc: dict[str, Any]) -> None:
 
 
 @needs_compiled
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(body=st.binary(max_size=64) | values.map(_encode))
 @example(body=b"")
 @example(body=b"[]")
