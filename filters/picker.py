@@ -260,7 +260,23 @@ had gathered behind the 2,048-token tool prompt on the engines that saw it first
 H100s served 273 / 266 / 53 / 12 requests; A/B, meshd / best peer, TTFT p99 1.32 ->
 0.85, E2E p50 1.02 -> 0.93, max/mean 2.45 -> 1.19; shared-prefix p99 0.99 -> 1.13; the
 Mooncake and sessions cells unchanged. Without the fan-out bound, every branch point
-dropped the holder and Mooncake's hit rate fell 0.92 -> 0.28x). Among
+dropped the holder and Mooncake's hit rate fell 0.92 -> 0.28x). Sessions start at a hub:
+a new session's first step behind a hub (a task id the picker has not seen, or, with no
+header, a prefix group whose picks mostly continue an earlier prompt from where it ended:
+_Group.follow >= session_share, 0.5) is priced as if every candidate held the hub. Its
+later steps stay where it starts and every engine will hold the hub anyway, so the engine
+that saw the tool prompt first must not win every new task: load, homes and the
+rendezvous hash choose (the prediction and the calibration keep what each engine holds).
+A standalone question behind a shared system prompt (nothing in its group continues) still
+goes where the prompt is. Found on the matrix's agentic tasks on 4 H100s: every task went
+to the two engines that first held the tool prompt (308 and 296 requests, two engines
+idle; E2E p50 1.03x round robin's). Virtual clock, 2026-12-07, meshd given URLs only /
+the best peer, before -> after: agentic 4 H100 E2E p50 1.03 -> 0.94, makespan p50 1.01 ->
+0.95, max/mean 2.04 -> 1.38, TTFT p90 0.87 -> 0.82; 8 H100 E2E 0.98 -> 0.92, makespan 0.95
+-> 0.92, max/mean 2.38 -> 1.80; 16 H100 E2E 0.89 -> 0.84; 4 H100 + 4 A100 nobody described
+E2E 0.99 -> 0.89, makespan 0.86 -> 0.77, TTFT p99 0.93 -> 0.77, max/mean 2.89 -> 1.89; at
+load 0.5 makespan 1.00 -> 0.91, at 1.5 E2E 0.98 -> 0.92; the sessions, Mooncake and
+shared-prefix cells unchanged. Among
 endpoints holding it equally, one within the bounded-load rule, then the lowest J. The
 holder departs when, in order: a hot group replicates (the demand rule below); it misses
 the deadline ("deadline"); its load exceeds affinity_imbalance (3.0) x its share of the
@@ -410,6 +426,9 @@ FOLLOW_UP_FRACTION = 0.5
 OVERDUE_FACTOR = 3.0
 OVERDUE_MIN_S = 1.0
 OVERDUE_STEP_S = 0.5
+# The weight of one pick in a prefix group's share of picks that continue a session
+# (_Group.follow: an EWMA over about ten picks).
+FOLLOW_ALPHA = 0.1
 # A fixed fleet's cost weight in J (PickerConfig.elastic false): its GPUs are paid for
 # whether busy or idle, so a dollar of GPU time counts this much against latency.
 FIXED_COST_WEIGHT = 0.1
@@ -497,6 +516,11 @@ class PickerConfig:
     # What an approximate prefix entry (what we routed where, not the engine's KV events)
     # counts of a matched block (PrefixIndex approx_confidence).
     approx_confidence: float = 1.0
+    # A new session's first step at a hub (module docstring, "Sessions start at a hub"):
+    # priced as if every engine held the hub when it brings a new task id, or when at
+    # least this share of the pool's recent picks continued a session (0 < share; 1.0 or
+    # more: only with a task id).
+    session_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.epsilon < 0 or self.lambda_usd_per_s < 0 or self.tokens_per_block <= 0:
@@ -798,6 +822,27 @@ def _decode_s(v: _View, max_tokens: int, context: float) -> float:
     return max_tokens * (v.step + inc) + v.running * so * inc
 
 
+def _j_cached(
+    v: _View,
+    cached: float,
+    big_p: int,
+    big_m: int,
+    lam: float,
+    lam_d: float,
+    lam_i: float,
+    kappa: float,
+    ctx: float,
+) -> float:
+    """J of a request of `big_p` prompt tokens, `cached` of them held at v's engine
+    (Picker.pick's re-pricing of the candidates holding a prefix; the hot loop prices U = P)."""
+    unc = big_p - min(cached, big_p - 1.0)
+    w = _work(unc, big_p - unc)
+    j = v.c0 + lam * v.s0 + w * (v.c1 + lam * v.inv) + kappa * v.decode_usd(big_m)
+    if unc + big_m > v.free_kv:
+        j += (unc + big_m - v.free_kv) * (v.kv_wait_per_token * lam)
+    return j + lam_d * _decode_s(v, big_m, ctx) + lam_i * v.running * w * v.inv
+
+
 def price_candidates(
     endpoints: Sequence[EndpointState],
     kkey: _KKey,
@@ -915,6 +960,9 @@ class _CalOf(NamedTuple):
 class _Group:
     rate: float  # reference GPU-seconds per second, exponentially weighted
     at: float
+    # The share of its picks that continued a session (a follow-up step: Picker.pick), an
+    # EWMA over picks (FOLLOW_ALPHA).
+    follow: float = 0.0
 
 
 @dataclass(slots=True)
@@ -1093,18 +1141,18 @@ class Picker:
         kappa = self._kappa
         for name, cached in cached_of.items():
             v = by_name[name]
-            unc = big_p - min(cached, big_p - 1.0)
-            w = _work(unc, big_p - unc)
-            j = v.c0 + lam * v.s0 + w * (v.c1 + lam * v.inv) + kappa * v.decode_usd(big_m)
-            if unc + big_m > v.free_kv:
-                j += (unc + big_m - v.free_kv) * (v.kv_wait_per_token * lam)
-            j += lam_d * _decode_s(v, big_m, ctx) + lam_i * v.running * w * v.inv
+            j = _j_cached(v, cached, big_p, big_m, lam, lam_d, lam_i, kappa, ctx)
             cands[v.stamp - base] = (j, name, v)
+        gk = min(c.group_blocks, nb)
+        group_key = hashes[gk - 1] if gk else None
         # The affinity holder: the task's previous endpoint, else the endpoint holding the
         # most of this prompt when that is at least affinity_min_fraction of it.
         # Among endpoints that hold it equally, one within the bounded-load rule, then the
         # lowest J (chosen below).
         holders: list[_Cand] = []
+        # A follow-up step: the task's next, or a prompt that extends an earlier one from
+        # where it ended (no other prompt goes on from there).
+        follow_up = sticky is not None
         if sticky is not None:
             holders = [cands[by_name[sticky].stamp - base]]
         elif cached_of:
@@ -1115,8 +1163,25 @@ class Picker:
                 ]
                 # A hub (more prompts extend this prefix than there are endpoints to hold
                 # it: a shared tool or system prompt) is not this request's history.
-                if self.index.fan_out(hashes, matched[holders[0][1]][0]) >= len(cands):
+                fan = self.index.fan_out(hashes, matched[holders[0][1]][0])
+                follow_up = fan == 0
+                if fan >= len(cands):
                     holders = []
+                    g = self._groups.get(group_key) if group_key is not None else None
+                    if (req.context_key is not None and task is None) or (
+                        g is not None and g.follow >= c.session_share
+                    ):
+                        # A session starts here (a new task id, or a pool whose picks
+                        # mostly continue sessions): its later steps stay where it
+                        # starts, and every engine will hold the hub, so the hub does
+                        # not choose its home: J as if every candidate held it (the
+                        # prediction and the calibration keep what each holds).
+                        for i, t in enumerate(cands):
+                            if cached_of.get(t[1], 0.0) < most:
+                                j = _j_cached(
+                                    t[2], most, big_p, big_m, lam, lam_d, lam_i, kappa, ctx
+                                )
+                                cands[i] = (j, t[1], t[2])
         _sort(cands)
 
         limit = len(cands) if c.max_choices is None else c.max_choices
@@ -1172,15 +1237,13 @@ class Picker:
                 )
             return pool_q[0] > yield_q
 
-        gk = min(c.group_blocks, nb)
-        group_key = hashes[gk - 1] if gk else None
         home = False
         demand = 0.0
         if group_key is not None:
             # The group's work is what its holders would still compute: the prompt beyond
             # the best holder's cached part (or beyond the group prefix), and the decode.
             held = max(cached_of.values()) if cached_of else gk * tpb
-            demand = self._demand(group_key, big_p - held, big_m, now)
+            demand = self._demand(group_key, big_p - held, big_m, follow_up, now)
 
         holder_t = min(holders, key=lambda t: (not within(t), t)) if holders else None
         everyone = meet
@@ -1962,7 +2025,9 @@ class Picker:
                 faster = True
         return "faster-elsewhere" if faster else None
 
-    def _demand(self, key: int, uncached: float, max_tokens: int, now: float) -> float:
+    def _demand(
+        self, key: int, uncached: float, max_tokens: int, follow_up: bool, now: float
+    ) -> float:
         c = self.config
         work = max(0.0, uncached) / _REF.prefill_tokens_per_s
         work += max_tokens * _REF_DECODE_TOKEN_S
@@ -1980,6 +2045,7 @@ class Picker:
             g.rate *= math.exp(-dt / tau)
             g.at = now
         g.rate += work / tau
+        g.follow += FOLLOW_ALPHA * ((1.0 if follow_up else 0.0) - g.follow)
         return g.rate
 
     def _replica_target(

@@ -331,3 +331,46 @@ def test_an_endpoint_holding_the_prompt_has_headroom_under_the_bound(headroom: f
 def test_cached_headroom_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="cached_headroom"):
         PickerConfig(cached_headroom=-0.1)
+
+
+def _hub_fleet() -> tuple[list[EndpointState], Picker, str]:
+    """Four H100s; a tool prompt eight tasks have extended on e0 (a hub for four
+    endpoints), e0 decoding three streams (under the load floor: the bound does not
+    decide)."""
+    eps = fleet(4)
+    p = Picker()
+    header = "Tool spec: " + "call the tools as documented here. " * 120
+    for i in range(8):
+        p.index.record("e0", req(header + f" task {i}: " + "details " * 30).block_hashes, 0.0)
+    busy(eps[0], 3, 0.5)
+    return eps, p, header
+
+
+def test_a_session_starting_at_a_hub_is_homed_by_load_not_by_the_hub():
+    """A new task (a task id the picker has not seen) behind a shared tool prompt: its
+    later steps will stay where it starts and every engine will hold the prompt, so the
+    engine that saw the prompt first does not win it; a standalone question behind the
+    same prompt (no task id, nothing in its group continues) still goes where the prompt
+    is cached. The prediction keeps what each engine holds."""
+    eps, p, header = _hub_fleet()
+    prompt = header + " task 9: " + "other details " * 30
+    question = p.pick(req(prompt), eps, 1.0, record=False)[0]
+    assert question.endpoint == "e0" and question.cached_tokens > 0
+    new_task = p.pick(req(prompt, context_key="task-9"), eps, 1.0, record=False)[0]
+    assert new_task.endpoint != "e0" and new_task.cached_tokens == 0
+    assert new_task.predicted_ttft_s > question.predicted_ttft_s  # it recomputes the prompt
+
+
+def test_without_headers_a_group_whose_prompts_continue_starts_sessions_by_load():
+    """No task id: once most picks in the tool prompt's group continue an earlier prompt
+    from where it ended (sessions' next steps), a new prompt behind the hub is a session
+    start too."""
+    eps, p, header = _hub_fleet()
+    prompt = header + " task 9: " + "other details " * 30
+    assert p.pick(req(prompt), eps, 1.0, record=False)[0].endpoint == "e0"
+    now = 1.0
+    for i in range(8):  # each task's next step, found in the index, no header
+        step = req(header + f" task {i}: " + "details " * 30 + " result. next " * 10)
+        assert p.pick(step, eps, now)[0].reason == "prefix-affinity"
+        now += 0.1
+    assert p.pick(req(prompt), eps, now, record=False)[0].endpoint != "e0"
