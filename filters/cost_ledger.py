@@ -4,11 +4,16 @@ that the headline figure is cost per *successful* task and every wasted dollar i
 Sans-I/O: records come in (time is the record's own `ts`), summaries go out. The rules:
 
 - A request's cost is the sum over its upstream attempts of GPU-seconds x the price per
-  GPU-second of that attempt's GPU generation. GPU-seconds are the engine's own figure when
-  it reported one (ORCA `OrcaLoadReport.request_cost`, cncf/xds: xds/data/orca/v3/
-  orca_load_report.proto, or a usage extension), else the timing model's estimate:
-  uncached prompt tokens / prefill rate + output tokens x (decode step at the typical batch /
-  batch), the step shared by the batch that decodes together (profiles: filters/gpu.py).
+  GPU-second of that attempt's GPU generation. An attempt's GPU-seconds are one of three
+  readings, named in `LedgerSummary.readings` and the access log's `gpu_seconds_source`:
+  `reported`, the engine's own figure for the request (ORCA `OrcaLoadReport.request_cost`,
+  cncf/xds: xds/data/orca/v3/orca_load_report.proto, or a usage extension); else `measured`,
+  the engine's measured busy GPU-seconds apportioned to the requests by the timing model's
+  shares (filters/busy_time.py: where the engine's /metrics count its busy time); else
+  `estimated`, the timing model alone: uncached prompt tokens / prefill rate + output tokens
+  x (decode step at the typical batch / batch), the step shared by the batch that decodes
+  together (profiles: filters/gpu.py). The model's figure for every request is kept beside
+  (`CostFigures.modelled_usd`), so the two can be compared.
 - A task is `task_id`, else `workflow_id`, else the request alone. It succeeds when its final
   step succeeds: the record marked `final` (x-meshd-task-final), else, when a record says
   nothing of `final`, the step with `step == steps_in_task - 1` (0-based, as loadtest/
@@ -44,19 +49,25 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
+from filters.busy_time import BusyApportioner
 from filters.gpu import GPUS, UNKNOWN, GpuTable, normalise_gpu_name
 
 __all__ = [
     "ABANDONED_OUTCOMES",
     "DEFAULT_DECODE_BATCH",
     "DEFAULT_PRICES",
+    "ESTIMATED",
     "IDLE_TIMEOUT_S",
     "MAX_FLEET_ENDPOINTS",
     "MAX_OPEN_TASKS",
+    "MEASURED",
+    "NO_WORK",
     "NO_WORK_OUTCOMES",
     "OK_OUTCOME",
+    "REPORTED",
+    "AttemptCost",
     "AttemptLike",
     "CostFigures",
     "CostLedger",
@@ -64,6 +75,7 @@ __all__ = [
     "FleetSpec",
     "LedgerSummary",
     "PriceTable",
+    "ReadingFigures",
     "RecordLike",
     "TaskResult",
     "TimingModel",
@@ -100,6 +112,12 @@ ABANDONED_OUTCOMES = frozenset({"client_disconnect", "abandoned"})
 # Attempts that never reached an engine cost no GPU time.
 NO_WORK_OUTCOMES = frozenset({"connect_error", "no_upstream", "rejected", "not_sent"})
 
+# Where an attempt's GPU-seconds came from (the module's docstring).
+REPORTED = "reported"  # the engine's figure for this request
+MEASURED = "measured"  # the engine's measured busy time, apportioned
+ESTIMATED = "estimated"  # the timing model (its batch guess)
+NO_WORK = "none"  # it never reached an engine
+
 
 class AttemptLike(Protocol):
     """One upstream try, as meshd/access_log.py's AttemptRecord has it."""
@@ -117,7 +135,32 @@ class AttemptLike(Protocol):
     @property
     def gpu_seconds(self) -> float | None: ...
     @property
+    def gpu_seconds_source(self) -> str | None: ...  # MEASURED, else (None too) REPORTED
+    @property
     def reason(self) -> str: ...  # why it was made: "" first, "prefill" a P/D prefill step
+    # When it began and ended on the ledger's clock (None: not known, as in a log): the busy
+    # apportioner waits for a begun attempt's work before it settles a window.
+    @property
+    def started_ts(self) -> float | None: ...
+    @property
+    def first_token_ts(self) -> float | None: ...
+    @property
+    def ended_ts(self) -> float | None: ...
+
+
+class AttemptCost(NamedTuple):
+    """One attempt's price: `seconds` and `usd` as charged, by `reading`; the timing
+    model's figures beside them (`prefill_s` of its `modelled_s` the prefill's), and the
+    tokens it carried."""
+
+    seconds: float
+    usd: float
+    reading: str  # REPORTED | MEASURED | ESTIMATED | NO_WORK
+    modelled_s: float
+    modelled_usd: float
+    prefill_s: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
 
 
 # A prefill/decode request's prefill step (meshd/disagg.py): an earlier attempt that, when it
@@ -257,6 +300,12 @@ class CostFigures:
     useful_usd: float = 0.0
     pending_usd: float = 0.0
     waste: WasteBreakdown = WasteBreakdown()
+    # The same requests priced by the timing model alone (every attempt ESTIMATED).
+    modelled_usd: float = 0.0
+
+    @property
+    def modelled_cost_per_successful_task(self) -> float | None:
+        return self.modelled_usd / self.tasks_succeeded if self.tasks_succeeded else None
 
     @property
     def tokens(self) -> int:
@@ -323,6 +372,17 @@ class FixedFleetFigures:
 
 
 @dataclass(frozen=True, slots=True)
+class ReadingFigures:
+    """The attempts whose GPU-seconds came from one reading, and what they were charged;
+    `modelled_usd` is what the timing model alone would have charged them."""
+
+    attempts: int = 0
+    gpu_seconds: float = 0.0
+    usd: float = 0.0
+    modelled_usd: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class LedgerSummary:
     total: CostFigures  # the elastic view
     by_tenant: dict[str, CostFigures]
@@ -333,6 +393,18 @@ class LedgerSummary:
     # The fixed-fleet view of `total`; None when no fleet is known (none given, no endpoint
     # named by a record).
     fixed: FixedFleetFigures | None = None
+    # By reading (REPORTED, MEASURED, ESTIMATED): the attempts that did work, what each
+    # reading charged; their usd sums to total.cost_usd.
+    readings: dict[str, ReadingFigures] = field(default_factory=dict)
+
+    @property
+    def measured_share(self) -> float | None:
+        """The share of the spend that engines measured (reported or apportioned busy
+        time), None when nothing was spent."""
+        spent = sum(r.usd for r in self.readings.values())
+        if spent <= 0:
+            return None
+        return sum(r.usd for k, r in self.readings.items() if k != ESTIMATED) / spent
 
     # The headline figures of the whole ledger, for callers that want one number.
     @property
@@ -383,6 +455,7 @@ class _Figures:
     failed_requests: float = 0.0
     abandoned_streams: float = 0.0
     failed_tasks: float = 0.0
+    modelled_usd: float = 0.0
 
     def freeze(self) -> CostFigures:
         return CostFigures(
@@ -399,6 +472,7 @@ class _Figures:
             waste=WasteBreakdown(
                 self.retries, self.failed_requests, self.abandoned_streams, self.failed_tasks
             ),
+            modelled_usd=self.modelled_usd,
         )
 
 
@@ -428,7 +502,11 @@ class CostLedger:
 
     `fleet`: endpoint -> GPU generation, or (generation, GPU count), for the fixed view;
     without it the fleet is the endpoints the records name, one GPU each. Raises ValueError
-    for an empty fleet or a GPU count < 1."""
+    for an empty fleet or a GPU count < 1.
+
+    `busy`: the engines' measured busy time (filters/busy_time.py), fed by the caller's
+    readings; an attempt on an endpoint it has a factor for is charged MEASURED. The ledger
+    tells it each attempt's work as records arrive (a live ledger: records in time order)."""
 
     def __init__(
         self,
@@ -439,6 +517,7 @@ class CostLedger:
         max_open_tasks: int = MAX_OPEN_TASKS,
         fleet: Mapping[str, FleetSpec] | None = None,
         max_fleet_endpoints: int = MAX_FLEET_ENDPOINTS,
+        busy: BusyApportioner | None = None,
     ) -> None:
         if max_open_tasks < 1:
             raise ValueError(f"max_open_tasks must be >= 1, got {max_open_tasks}")
@@ -463,56 +542,78 @@ class CostLedger:
         self._untracked = 0
         self._first_start = float("inf")
         self._last_end = float("-inf")
+        self.busy = busy
+        # reading -> [attempts, gpu_seconds, usd, modelled_usd]
+        self._readings: dict[str, list[float]] = {}
 
     # -- cost of one request ----------------------------------------------------------
 
-    def attempt_costs(self, record: RecordLike) -> list[tuple[float, float, bool]]:
-        """(gpu_seconds, usd, estimated) per attempt; the last is the final attempt. A record
-        without attempts is one attempt on its own GPU with its own figures."""
+    def attempt_costs(self, record: RecordLike) -> list[AttemptCost]:
+        """Each attempt's AttemptCost; the last is the final attempt. A record without
+        attempts is one attempt on its own GPU with its own figures."""
         prompt = record.prompt_tokens or 0
+        timing = self.timing
         if not record.attempts:
-            seconds, estimated = record.gpu_seconds, False
+            gpu = record.gpu
+            price = self.prices.per_second(gpu)
+            completion = record.completion_tokens or 0
+            work = record.outcome not in NO_WORK_OUTCOMES
+            if not work:
+                prompt = completion = 0
+            prefill = timing.gpu_seconds(gpu, prompt, record.cached_tokens or 0, 0)
+            modelled = prefill + timing.gpu_seconds(gpu, 0, 0, completion)
+            seconds, reading = record.gpu_seconds, REPORTED
             if seconds is None:
-                estimated = record.outcome not in NO_WORK_OUTCOMES
-                seconds = (
-                    self.timing.gpu_seconds(
-                        record.gpu, prompt, record.cached_tokens or 0, record.completion_tokens or 0
-                    )
-                    if estimated
-                    else 0.0
+                seconds, reading = modelled, ESTIMATED if work else NO_WORK
+            return [
+                AttemptCost(
+                    seconds, seconds * price, reading, modelled, modelled * price,
+                    prefill, prompt, completion,
                 )
-            return [(seconds, seconds * self.prices.per_second(record.gpu), estimated)]
+            ]  # fmt: skip
         out = []
         last = len(record.attempts) - 1
         # Tokens earlier attempts sent the client (a prefill step's one token never is).
         earlier_tokens = sum(
             a.completion_tokens or 0 for a in record.attempts[:last] if not _prefill_step(a)
         )
+        busy = self.busy
         for i, a in enumerate(record.attempts):
             gpu = a.gpu or record.gpu
+            price = self.prices.per_second(gpu)
             seconds = a.gpu_seconds
-            estimated = False
-            if seconds is None and a.outcome in NO_WORK_OUTCOMES:
-                seconds = 0.0
-            elif seconds is None:
-                estimated = True
-                if i == last:
-                    cached = (
-                        a.cached_tokens if a.cached_tokens is not None else record.cached_tokens
-                    )
-                    tokens = a.completion_tokens
-                    if tokens is None:  # the rest of what the client got
-                        tokens = max(0, (record.completion_tokens or 0) - earlier_tokens)
+            if a.outcome in NO_WORK_OUTCOMES and seconds is None:
+                out.append(AttemptCost(0.0, 0.0, NO_WORK, 0.0, 0.0))
+                continue
+            if i == last:
+                cached = a.cached_tokens if a.cached_tokens is not None else record.cached_tokens
+                tokens = a.completion_tokens
+                if tokens is None:  # the rest of what the client got
+                    tokens = max(0, (record.completion_tokens or 0) - earlier_tokens)
+            else:
+                cached, tokens = a.cached_tokens, a.completion_tokens
+            prefill = timing.gpu_seconds(gpu, prompt, cached or 0, 0)
+            modelled = prefill + timing.gpu_seconds(gpu, 0, 0, tokens or 0)
+            if seconds is not None:
+                reading = MEASURED if a.gpu_seconds_source == MEASURED else REPORTED
+            else:
+                factor = busy.factor(a.endpoint) if busy is not None else None
+                if factor is None:
+                    seconds, reading = modelled, ESTIMATED
                 else:
-                    cached, tokens = a.cached_tokens, a.completion_tokens
-                seconds = self.timing.gpu_seconds(gpu, prompt, cached or 0, tokens or 0)
-            out.append((seconds, seconds * self.prices.per_second(gpu), estimated))
+                    seconds, reading = modelled * factor, MEASURED
+            out.append(
+                AttemptCost(
+                    seconds, seconds * price, reading, modelled, modelled * price,
+                    prefill, prompt, tokens or 0,
+                )
+            )  # fmt: skip
         return out
 
     # -- feeding ----------------------------------------------------------------------
 
     def record(
-        self, record: RecordLike, costs: list[tuple[float, float, bool]] | None = None
+        self, record: RecordLike, costs: list[AttemptCost] | None = None
     ) -> list[TaskResult]:
         """Account one request; returns the tasks this closed (its own, idle or evicted).
         `costs`: the record's `attempt_costs`, when the caller has computed them already."""
@@ -532,25 +633,37 @@ class CostLedger:
         pool = record.pool or "-"
         if costs is None:
             costs = self.attempt_costs(record)
-        if len(costs) == 1:  # the usual request: sum() of its one attempt, without sum()
-            seconds, usd, estimated = costs[0]
-            seconds, usd = 0 + seconds, 0 + usd
-        else:
-            estimated = any(e for _, _, e in costs)
-            seconds = sum(s for s, _, _ in costs)
-            usd = sum(c for _, c, _ in costs)
+        readings = self._readings
+        estimated = False
+        seconds = usd = modelled_usd = 0.0
+        for c in costs:
+            seconds += c.seconds
+            usd += c.usd
+            modelled_usd += c.modelled_usd
+            if c.reading == NO_WORK:
+                continue
+            estimated = estimated or c.reading == ESTIMATED
+            tally = readings.get(c.reading)
+            if tally is None:
+                tally = readings[c.reading] = [0, 0.0, 0.0, 0.0]
+            tally[0] += 1
+            tally[1] += c.seconds
+            tally[2] += c.usd
+            tally[3] += c.modelled_usd
         if estimated:
             self._estimated += 1
+        if self.busy is not None:
+            self._busy_work(record, costs, end)
         outcome = record.outcome
         ok = outcome == OK_OUTCOME
         # The answer's cost: its final attempt, and a prefill step that served it.
         attempts = record.attempts
         if len(costs) == 1 and len(attempts) <= 1:
-            final_usd = costs[0][1] + 0
+            final_usd = costs[0].usd + 0
         else:
-            final_usd = costs[-1][1] + sum(
-                c
-                for a, (_, c, _) in zip(attempts[:-1], costs[:-1], strict=True)
+            final_usd = costs[-1].usd + sum(
+                c.usd
+                for a, c in zip(attempts[:-1], costs[:-1], strict=True)
                 if _prefill_step(a) and a.outcome == OK_OUTCOME
             )
         # Buckets decided now: the request's fate is known; only ok work waits for its task.
@@ -569,6 +682,7 @@ class CostLedger:
             figures.output_tokens += completion_tokens
             figures.gpu_seconds += seconds
             figures.cost_usd += usd
+            figures.modelled_usd += modelled_usd
             if ok:
                 figures.retries += usd - final_usd
                 figures.pending_usd += final_usd
@@ -666,7 +780,12 @@ class CostLedger:
         if window_s is not None and not window_s >= 0:
             raise ValueError(f"window_s must be >= 0, got {window_s}")
         total = self._total.freeze()
+        readings = {
+            k: ReadingFigures(int(v[0]), v[1], v[2], v[3])
+            for k, v in sorted(self._readings.items())
+        }
         return LedgerSummary(
+            readings=readings,
             total=total,
             by_tenant={k: v.freeze() for k, v in sorted(self._tenants.items())},
             by_model={k: v.freeze() for k, v in sorted(self._models.items())},
@@ -682,6 +801,35 @@ class CostLedger:
         return max(0.0, self._last_end - self._first_start)  # -inf before any record
 
     # -- internals --------------------------------------------------------------------
+
+    def _busy_work(self, record: RecordLike, costs: list[AttemptCost], end: float) -> None:
+        """Tell the busy apportioner what work each attempt was, over its life."""
+        busy = self.busy
+        assert busy is not None
+        attempts = record.attempts
+        if not attempts:
+            c = costs[0]
+            if record.endpoint and c.reading != NO_WORK:
+                busy.work(
+                    record.endpoint, record.ts, end,
+                    prefill_s=c.prefill_s, decode_s=c.modelled_s - c.prefill_s,
+                    prompt_tokens=c.prompt_tokens, output_tokens=c.output_tokens,
+                    tracked=False,
+                )  # fmt: skip
+            return
+        for a, c in zip(attempts, costs, strict=True):
+            start, stop = a.started_ts, a.ended_ts
+            busy.work(
+                a.endpoint,
+                record.ts if start is None else start,
+                end if stop is None else stop,
+                prefill_s=c.prefill_s,
+                decode_s=c.modelled_s - c.prefill_s,
+                prompt_tokens=c.prompt_tokens,
+                output_tokens=c.output_tokens,
+                first_token=a.first_token_ts,
+                tracked=start is not None,
+            )
 
     def _see_endpoints(self, record: RecordLike) -> None:
         seen: list[tuple[str | None, str | None]]

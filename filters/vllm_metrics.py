@@ -82,6 +82,19 @@ class EngineMetrics:
     tpot: Histogram | None = None
     gpu: str | None = None  # only the simulator says (meshd_sim:engine_info{gpu=...})
     counters: Mapping[str, float] = field(default_factory=dict)
+    # Seconds the GPU was busy since the engine started: only the simulator counts them
+    # (meshd_sim:gpu_busy_seconds_total); vLLM's request prefill/decode histograms are
+    # request-seconds, shared with the batch, so not this (filters/busy_time.py).
+    busy_seconds: float | None = None
+
+    @property
+    def tokens(self) -> float | None:
+        """Prompt + generation tokens since the engine started (None: not counted)."""
+        c = self.counters
+        names = _TOKEN_COUNTERS[self.flavor]
+        if not all(n in c for n in names):
+            return None
+        return sum(c[n] for n in names)
 
 
 # -- the text format ----------------------------------------------------------------------
@@ -216,6 +229,10 @@ def _fraction(v: float | None) -> float | None:
     return min(1.0, max(0.0, v))
 
 
+def _busy(v: float | None) -> float | None:
+    return v if v is not None and math.isfinite(v) and v >= 0 else None
+
+
 def _pos_int(s: str | None) -> int | None:
     if s is None:
         return None
@@ -237,6 +254,12 @@ _SGLANG_COUNTERS = (
     "sglang:generation_tokens_total",
     "sglang:num_requests_total",
 )
+
+
+_TOKEN_COUNTERS: dict[str, tuple[str, str]] = {
+    "vllm": ("vllm:prompt_tokens_total", "vllm:generation_tokens_total"),
+    "sglang": ("sglang:prompt_tokens_total", "sglang:generation_tokens_total"),
+}
 
 
 def _counters(acc: _Acc, names: tuple[str, ...]) -> dict[str, float]:
@@ -271,6 +294,7 @@ def parse_vllm(text: str) -> EngineMetrics:
         or acc.hist("vllm:time_per_output_token_seconds"),
         gpu=acc.gpu,
         counters=_counters(acc, _VLLM_COUNTERS),
+        busy_seconds=_busy(acc.get("meshd_sim:gpu_busy_seconds_total")),
     )
 
 

@@ -42,7 +42,10 @@ Measured per run: TTFT p50/p90/p99 (planned send to first token event) and ITL p
 (the gaps between a stream's token events, pooled over all successful requests, as vLLM's
 benchmark does), success rate (HTTP 200 and a stream ending in [DONE]), $ per successful
 task from the sidecar's access log through the cost ledger (filters/cost_ledger.py,
-elastic view; both legs of a split request are attempts there; a request is a task), the
+elastic view; both legs of a split request are attempts there; a request is a task): its
+figure (each attempt engine-measured where the sidecar read the engine's busy time,
+meshd_sim:gpu_busy_seconds_total, apportioned by filters/busy_time.py, else the timing
+model; the measured share printed beside) and the timing model's alone, the
 engines' own busy GPU-seconds (/admin/state busy_time) priced alike as a cross-check, the
 share of requests split (access log `pd`, and meshd_pd_requests_total), a split request's
 TTFT by leg (p50/p90 of the prefill leg, arrival to the prefill step's answer, and of the
@@ -549,7 +552,8 @@ class RunResult:
         ok = [o for o in self.outcomes if o.ok]
         ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
         gaps = [g for o in ok for g in o.gaps]
-        summary = ledger_of(self.records).total
+        ledger = ledger_of(self.records)
+        summary = ledger.total
         pd = Counter(r.pd or "-" for r in self.records)
         split = pd.get("split", 0)
         busy = sum(float(e.get("busy_time") or 0.0) for e in self.engines)
@@ -594,6 +598,11 @@ class RunResult:
             "cost_usd": summary.cost_usd,
             "tasks_ok": summary.tasks_succeeded,
             "usd_per_ok_task": summary.cost_per_successful_task,
+            # The ledger's two readings: the timing model alone, and the share of its $ that
+            # engines measured (busy time apportioned, filters/busy_time.py).
+            "modelled_usd_per_ok_task": summary.modelled_cost_per_successful_task,
+            "measured_share": ledger.measured_share,
+            "readings": {k: asdict(v) for k, v in ledger.readings.items()},
             "waste_usd": summary.waste.total,
             "busy_gpu_seconds": busy,
             "busy_usd": busy_usd,
@@ -664,7 +673,7 @@ def sms(v: float | None) -> str:
 
 def runs_table(figs: Sequence[Mapping[str, Any]]) -> str:
     head = ("run", "fleet", "router", "ok", "TTFT p50", "p90", "p99", "ITL p50", "p99",
-            "hit", "$/ok task", "busy $/ok", "split")  # fmt: skip
+            "hit", "$/ok task", "measured", "model $/ok", "busy $/ok", "split")  # fmt: skip
     rows = [
         [
             f["run"],
@@ -678,6 +687,8 @@ def runs_table(figs: Sequence[Mapping[str, Any]]) -> str:
             sms(f["itl_p99_s"]),
             f"{f['prefix_hit_rate']:.0%}",
             usd(f["usd_per_ok_task"]),
+            fmt(f["measured_share"], "{:.0%}"),
+            usd(f["modelled_usd_per_ok_task"]),
             usd(f["busy_usd_per_ok_task"]),
             f"{f['split_share']:.0%}",
         ]
@@ -693,8 +704,10 @@ def targets(
 ) -> dict[str, Any]:
     """Per split: the two targets' ratios and verdicts; `best` the split that passes most
     (ties: the lower TTFT ratio). The ITL target's $ condition is the cost ledger's $ per
-    successful task (<= aggregated meshd's); `itl_target_pass_busy_usd` judges it by the
-    engines' busy GPU-seconds instead. `ttft_ratio_bound`: the split fleet's TTFT floor p90
+    successful task (<= aggregated meshd's): engine-measured where the sidecar read the
+    engines' busy time, as the ledger charges it; `modelled_usd_per_ok_task_ratio` is the
+    ledger's timing model alone, `itl_target_pass_busy_usd` judges it by the engines' busy
+    GPU-seconds instead. `ttft_ratio_bound`: the split fleet's TTFT floor p90
     over round robin's p90, under which no router's ratio can go."""
     agg = by_run["agg-meshd"]
     out: dict[str, Any] = {}
@@ -702,6 +715,7 @@ def targets(
         pd, rr = by_run[f"pd{p}-meshd"], by_run[f"pd{p}-rr"]
         itl = ratio(pd["itl_p99_s"], agg["itl_p99_s"])
         cost = ratio(pd["usd_per_ok_task"], agg["usd_per_ok_task"])
+        modelled = ratio(pd["modelled_usd_per_ok_task"], agg["modelled_usd_per_ok_task"])
         busy_cost = ratio(pd["busy_usd_per_ok_task"], agg["busy_usd_per_ok_task"])
         ttft = ratio(pd["ttft_p90_s"], rr["ttft_p90_s"])
         itl_ok = itl is not None and itl <= ITL_TARGET
@@ -712,6 +726,8 @@ def targets(
             "itl_p99_ratio": itl,
             "usd_per_ok_task_ratio": cost,
             "usd_equal_or_better": cost_ok,
+            "modelled_usd_per_ok_task_ratio": modelled,
+            "measured_share": (pd["measured_share"], agg["measured_share"]),
             "busy_usd_per_ok_task_ratio": busy_cost,
             "itl_target_pass": itl_ok and cost_ok,
             "itl_target_pass_busy_usd": itl_ok and busy_ok,
@@ -736,6 +752,8 @@ def targets_table(t: Mapping[str, Any]) -> str:
             k + (" (best)" if k == t["best"] else ""),
             fmt(v["itl_p99_ratio"], "{:.3f}x"),
             fmt(v["usd_per_ok_task_ratio"], "{:.4f}x"),
+            "/".join(fmt(x, "{:.0%}") for x in v["measured_share"]),
+            fmt(v["modelled_usd_per_ok_task_ratio"], "{:.4f}x"),
             fmt(v["busy_usd_per_ok_task_ratio"], "{:.3f}x"),
             "PASS" if v["itl_target_pass"] else "FAIL",
             "PASS" if v["itl_target_pass_busy_usd"] else "FAIL",
@@ -743,7 +761,8 @@ def targets_table(t: Mapping[str, Any]) -> str:
             fmt(v["ttft_ratio_bound"], "{:.3f}x"),
             "PASS" if v["ttft_target_pass"] else "FAIL",
         ])  # fmt: skip
-    head = ("split", "ITL p99 pd/agg (<=0.6)", "$/ok pd/agg (<=1)", "busy $ pd/agg",
+    head = ("split", "ITL p99 pd/agg (<=0.6)", "$/ok pd/agg (<=1)", "measured pd/agg",
+            "model $ pd/agg", "busy $ pd/agg",
             "ITL target", "(busy $)", "TTFT p90 meshd/rr (<=0.7)", "floor/rr",
             "TTFT target")  # fmt: skip
     return render_table(head, rows)
@@ -830,7 +849,9 @@ async def run_bench(s: PDBenchSettings, out: Path) -> dict[str, Any]:
     t = targets(by_run, s.splits, floors["split"]["p90_s"])
     print()
     print(runs_table(figs))
-    print("(times in simulated ms; $/ok task: the cost ledger over the access log, elastic; "
+    print("(times in simulated ms; $/ok task: the cost ledger over the access log, elastic, "
+          "engine-measured where the sidecar read an engine's busy time (measured: that "
+          "share of its $), else its timing model; model $/ok: the timing model alone; "
           "busy $/ok: the engines' busy GPU-seconds at their price)")  # fmt: skip
     fa, fs = floors["aggregated"], floors["split"]
     print(
@@ -841,8 +862,9 @@ async def run_bench(s: PDBenchSettings, out: Path) -> dict[str, Any]:
     print()
     print(targets_table(t))
     print(
-        "ITL target: ITL p99 ratio <= 0.6 and the ledger's $/ok task <= aggregated meshd's; "
-        "(busy $): the same judged by the engines' busy GPU-seconds. floor/rr: the split "
+        "ITL target: ITL p99 ratio <= 0.6 and the ledger's $/ok task <= aggregated meshd's "
+        "(its figure: engine-measured where read, else modelled; model $: the timing model "
+        "alone); (busy $): the same judged by the engines' busy GPU-seconds. floor/rr: the split "
         "floor's p90 / round robin's TTFT p90, the least ratio any router could reach"
     )
     for f in figs:

@@ -64,10 +64,26 @@ class AttemptRecord:
     gpu: str | None = None
     completion_tokens: int | None = None  # tokens this attempt generated (failover splits)
     cached_tokens: int | None = None
-    gpu_seconds: float | None = None  # reported by the engine (ORCA request_cost), else None
+    # The engine's: reported for the request (ORCA request_cost), or its measured busy time
+    # apportioned (gpu_seconds_source "measured"); None: the ledger's timing model.
+    gpu_seconds: float | None = None
     ttft_s: float | None = None
     # A split request's decode leg: the predicted seconds of the prompt's KV transfer.
     kv_transfer_s: float | None = None
+    gpu_seconds_source: str | None = None  # reported | measured, with gpu_seconds
+
+    # A log does not say when a try began or ended (filters/cost_ledger.py AttemptLike).
+    @property
+    def started_ts(self) -> float | None:
+        return None
+
+    @property
+    def first_token_ts(self) -> float | None:
+        return None
+
+    @property
+    def ended_ts(self) -> float | None:
+        return None
 
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _ATTEMPT_FIELDS}
@@ -84,6 +100,7 @@ class AttemptRecord:
             gpu_seconds=_opt_float(obj, "gpu_seconds"),
             ttft_s=_opt_float(obj, "ttft_s"),
             kv_transfer_s=_opt_float(obj, "kv_transfer_s"),
+            gpu_seconds_source=_opt_str(obj, "gpu_seconds_source"),
         )
 
 

@@ -37,6 +37,7 @@ class AttemptTrace:
         "first_token_at",
         "gpu",
         "gpu_seconds",
+        "gpu_seconds_source",
         "index",
         "kv_transfer_s",
         "outcome",
@@ -45,6 +46,7 @@ class AttemptTrace:
         "reason",
         "span",
         "started",
+        "started_ts",
         "status",
     )
 
@@ -63,6 +65,9 @@ class AttemptTrace:
         self.endpoint = url
         self.gpu = gpu
         self.started = now
+        # On the wall clock once: the observer re-reads its offset, and the ledger's busy
+        # apportioner finds this attempt by it (filters/busy_time.py started/work).
+        self.started_ts = request.observer.wall(now)
         self.reason = reason
         self.predicted_cached_tokens = predicted_cached_tokens
         self.span: Span | None = None
@@ -75,6 +80,7 @@ class AttemptTrace:
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
         self.gpu_seconds: float | None = None
+        self.gpu_seconds_source: str | None = None  # "measured": the ledger's busy apportioning
         self.kv_transfer_s: float | None = None
 
     def kv_transfer(self, seconds: float) -> None:
@@ -87,6 +93,15 @@ class AttemptTrace:
     @property
     def ended(self) -> bool:
         return self.outcome != ""
+
+    @property
+    def first_token_ts(self) -> float | None:
+        at = self.first_token_at
+        return None if at is None else self._request.observer.wall(at)
+
+    @property
+    def ended_ts(self) -> float | None:
+        return self._request.observer.wall(self.ended_at) if self.ended else None
 
     def traceparent(self) -> str | None:
         """The `traceparent` naming this attempt as the engine's parent (None: tracing off)."""
@@ -202,4 +217,5 @@ class AttemptTrace:
             gpu_seconds=self.gpu_seconds,
             ttft_s=None if self.first_token_at is None else self.first_token_at - started,
             kv_transfer_s=self.kv_transfer_s,
+            gpu_seconds_source=self.gpu_seconds_source,
         )

@@ -17,6 +17,9 @@ from typing import Any
 import yaml
 
 from filters.cost_ledger import (
+    ESTIMATED,
+    MEASURED,
+    REPORTED,
     CostFigures,
     CostLedger,
     FixedFleetFigures,
@@ -164,6 +167,33 @@ def views_table(summary: LedgerSummary) -> str:
     return render_table(header, rows)
 
 
+# How each reading of an attempt's GPU-seconds is named in the report.
+_READINGS = (
+    (REPORTED, "reported by the engine for the request"),
+    (MEASURED, "the engine's measured busy time, apportioned"),
+    (ESTIMATED, "the timing model's estimate"),
+)
+
+
+def readings_line(summary: LedgerSummary) -> str:
+    """Which reading the elastic spend is: each one's share of the dollars and attempts,
+    and the timing model's figure for the same requests ("" when nothing was spent)."""
+    spent = sum(r.usd for r in summary.readings.values())
+    if spent <= 0:
+        return ""
+    parts = [
+        f"{r.usd / spent:.0%} {what} ({r.attempts} attempt(s), {_usd(r.usd)})"
+        for key, what in _READINGS
+        if (r := summary.readings.get(key)) is not None
+    ]
+    model = summary.total.modelled_usd
+    return (
+        "elastic spend by reading: " + "; ".join(parts)
+        + f". The timing model alone: {_usd(model)}, $/ok task "
+        + _usd(summary.total.modelled_cost_per_successful_task)
+    )  # fmt: skip
+
+
 def task_rows(tasks: Sequence[TaskResult]) -> tuple[tuple[str, ...], list[list[str]]]:
     header = ("task", "tenant", "model", "ok", "requests", "cost", "wasted", "closed")
     rows = [
@@ -228,6 +258,9 @@ def render_summary(summary: LedgerSummary, by: str | None, tasks: Sequence[TaskR
     if by == "task":
         out += ["", render_table(*task_rows(tasks))]
     out += ["", views_table(summary)]
+    readings = readings_line(summary)
+    if readings:
+        out += [readings]
     notes = []
     if summary.estimated_requests:
         notes.append(

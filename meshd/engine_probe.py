@@ -3,9 +3,11 @@ engines (`routing.engine_metrics`): the I/O of filters/engine_probe.py, whose Pr
 decides what a page says and when to ask again. One task per endpoint; a scrape never
 holds a request, and an endpoint without the page is asked again after a backoff.
 
-The first good scrape of an endpoint logs what was learnt (its KV capacity); a restart (a
-new epoch) goes to `on_restart(pool, url, now)` as the control feed's does, so the guard
-ramps the engine back in while the picker's prefix index forgets what it held.
+Each good scrape's page also goes to `on_metrics(url, now, metrics)` (the sidecar hands an
+engine's busy-time counter to the cost ledger). The first good scrape of an endpoint logs
+what was learnt (its KV capacity); a restart (a new epoch) goes to `on_restart(pool, url,
+now)` as the control feed's does, so the guard ramps the engine back in while the picker's
+prefix index forgets what it held.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import aiohttp
 
 from filters.engine_probe import ProbeState
 from filters.pool_router import PoolRouter
-from filters.vllm_metrics import MAX_METRICS_BYTES
+from filters.vllm_metrics import MAX_METRICS_BYTES, EngineMetrics
 from meshd.config import Config
 from meshd.tasks import cancel_and_wait
 
@@ -38,11 +40,13 @@ class EngineProbes:
         routers: Mapping[str, PoolRouter],
         *,
         on_restart: Callable[[str, str, float], None] | None = None,
+        on_metrics: Callable[[str, float, EngineMetrics], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = s = config.routing.engine_metrics
         self.routers = routers
         self._on_restart = on_restart
+        self._on_metrics = on_metrics
         self._clock = clock
         self.states: dict[tuple[str, str], ProbeState] = {
             (pool.name, ep.url): ProbeState(
@@ -79,6 +83,8 @@ class EngineProbes:
             router = self.routers[pool]
             first = st.good == 1
             router.report(url, result.state, now, ttl_s=st.ttl_s())
+            if self._on_metrics is not None and st.last is not None:
+                self._on_metrics(url, now, st.last)
             if result.restarted and self._on_restart is not None:
                 log.info("engine %s restarted (its /metrics counters went back)", url)
                 self._on_restart(pool, url, now)

@@ -36,10 +36,12 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from filters.autoscale import DemandBoard
+from filters.busy_time import BusyApportioner
 from filters.cost_ledger import (
     ABANDONED_OUTCOMES,
     NO_WORK_OUTCOMES,
     OK_OUTCOME,
+    AttemptCost,
     CostLedger,
     PriceTable,
     TaskResult,
@@ -158,7 +160,9 @@ class RequestObserver:
             tracer_provider.get_tracer("meshd.sidecar", __version__) if tracer_provider else None
         )
         self.access_log = access_log
-        self.ledger = CostLedger(prices, timing)
+        # The engines' busy time, where their /metrics count it (engine_busy), priced to
+        # the requests in place of the timing model's batch guess.
+        self.ledger = CostLedger(prices, timing, busy=BusyApportioner())
         self.tenant_label = BoundedLabels(max_tenant_labels, tenants)
         self.model_label = BoundedLabels(max_model_labels, (m for m in models if m != "*"))
         self.gpus = dict(gpus or {})
@@ -287,6 +291,13 @@ class RequestObserver:
     def wall(self, now: float) -> float:
         return now + self._wall_offset
 
+    def engine_busy(self, url: str, now: float, busy_s: float, tokens: float | None) -> None:
+        """An engine's cumulative busy GPU-seconds (and prompt + generation tokens) read at
+        `now` (the loop's clock), for the cost ledger's measured reading."""
+        busy = self.ledger.busy
+        if busy is not None:
+            busy.reading(url, self.wall(now), busy_s, tokens)
+
     def wall_ns(self, now: float) -> int:
         return int((now + self._wall_offset) * 1e9)
 
@@ -361,9 +372,9 @@ class RequestObserver:
                     predicted_ttft_s=getattr(req, "predicted_ttft_s", None),
                 )
 
-    def _record_cost(self, req: RequestTrace, costs: list[tuple[float, float, bool]]) -> None:
+    def _record_cost(self, req: RequestTrace, costs: list[AttemptCost]) -> None:
         pool = req.pool
-        for a, (seconds, usd, _) in zip(req._attempts, costs, strict=False):
+        for a, (seconds, usd, *_) in zip(req._attempts, costs, strict=False):
             if seconds <= 0:
                 continue
             key = (pool, normalise_gpu_name(a.gpu))

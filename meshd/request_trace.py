@@ -12,6 +12,13 @@ from urllib.parse import urlsplit
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from filters.cost_ledger import (
+    ESTIMATED,
+    MEASURED,
+    NO_WORK,
+    REPORTED,
+    AttemptCost,
+)
 from filters.request import InferenceRequest
 from filters.routing_headers import RoutingHeaders
 from meshd import telemetry as t
@@ -247,6 +254,9 @@ class RequestTrace:
                     predicted_cached_tokens = int(r.cached_tokens)
         a = AttemptTrace(self, len(self._attempts), url, gpu, now, reason, predicted_cached_tokens)
         self._attempts.append(a)
+        busy = self.observer.ledger.busy
+        if busy is not None:  # its engine's busy windows wait for this attempt's work
+            busy.started(url, a.started_ts)
         tracer = self.observer._tracer
         if tracer is not None and self.span is not None:
             attrs: dict[str, Any] | None = None
@@ -370,16 +380,21 @@ class RequestTrace:
         if attempts:
             costs = obs.ledger.attempt_costs(self)
             seconds = usd = 0.0
-            estimated = False
-            for s, c, e in costs:
-                seconds += s
-                usd += c
-                estimated = estimated or bool(e)
+            readings = set()
+            for a, c in zip(attempts, costs, strict=True):
+                seconds += c.seconds
+                usd += c.usd
+                readings.add(c.reading)
+                if c.reading == MEASURED and a.gpu_seconds is None:  # for the access log
+                    a.gpu_seconds, a.gpu_seconds_source = c.seconds, MEASURED
             self.gpu_seconds = seconds
-            self.gpu_seconds_source = "estimated" if estimated else "reported"
+            # The least certain reading of its attempts names the request's figure.
+            self.gpu_seconds_source = next(
+                (r for r in (ESTIMATED, MEASURED) if r in readings), REPORTED
+            )
             self.cost_usd = usd
         else:
-            costs = [(0.0, 0.0, False)]  # nothing reached an engine
+            costs = [AttemptCost(0.0, 0.0, NO_WORK, 0.0, 0.0)]  # nothing reached an engine
             self.gpu_seconds, self.gpu_seconds_source = 0.0, "none"
             self.cost_usd = 0.0
         obs._record_cost(self, costs)

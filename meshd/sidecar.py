@@ -31,6 +31,7 @@ from aiohttp import web
 from filters.chars_per_token import CharsPerToken
 from filters.hotpath import IMPLEMENTATION
 from filters.request import PATH_KINDS
+from filters.vllm_metrics import EngineMetrics
 from meshd import __version__
 from meshd.accounting import Accounting
 from meshd.admin import PROBES_APP, build_admin_app
@@ -228,8 +229,19 @@ class Sidecar:
         elif cfg.routing.engine_metrics.enabled and cfg.routing.policy == "meshd":
             from meshd.engine_probe import EngineProbes
 
-            self.probes = EngineProbes(cfg, self.routers, on_restart=self.gate.engine_restarted)
+            self.probes = EngineProbes(
+                cfg,
+                self.routers,
+                on_restart=self.gate.engine_restarted,
+                on_metrics=self._engine_read,
+            )
             await self.probes.start()
+
+    def _engine_read(self, url: str, now: float, m: EngineMetrics) -> None:
+        """A scrape of an engine's /metrics: its busy-time counter, where it has one, to
+        the cost ledger (filters/busy_time.py)."""
+        if m.busy_seconds is not None:
+            self.observer.engine_busy(url, now, m.busy_seconds, m.tokens)
 
     async def _start_transparent(self) -> None:
         from meshd.transparent import start_transparent_listener

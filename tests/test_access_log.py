@@ -79,6 +79,7 @@ def test_round_trip_through_the_writer(tmp_path: Path) -> None:
         "gpu_seconds": None,
         "ttft_s": None,
         "kv_transfer_s": None,
+        "gpu_seconds_source": None,
     }
 
 

@@ -39,6 +39,9 @@ async def test_a_tiny_run_splits_on_the_pd_fleet_and_writes_its_figures(
         for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
             assert f[key] is not None and f[key] >= 0, (name, key)
         assert f["usd_per_ok_task"] > 0 and f["busy_usd_per_ok_task"] > 0
+        # The ledger's figure and its timing model's alone, and how much engines measured.
+        assert f["modelled_usd_per_ok_task"] > 0 and 0 <= f["measured_share"] <= 1
+        assert set(f["readings"]) <= {"estimated", "measured", "reported"}
         assert f["itl_gaps"] > 0
     for name in ("pd1-meshd", "pd1-rr"):
         f = runs[name]
@@ -65,6 +68,8 @@ async def test_a_tiny_run_splits_on_the_pd_fleet_and_writes_its_figures(
     assert (tmp_path / "pd_cdf.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "ITL p99 pd/agg" in printed and "TTFT p90 meshd/rr" in printed
+    assert "model $ pd/agg" in printed
+    assert t["modelled_usd_per_ok_task_ratio"] > 0
 
 
 def test_the_help_says_how_the_workload_is_made(capsys: pytest.CaptureFixture[str]) -> None:

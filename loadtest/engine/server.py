@@ -675,6 +675,7 @@ class SimEngine:
             extra_info=extra,
             kv_held_requests=core.num_held_requests,
             kv_held_blocks=core.num_held_blocks,
+            busy_seconds=core.busy_time_at(self.sim_now()),
         )
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:

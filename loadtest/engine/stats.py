@@ -12,7 +12,10 @@ connector's histograms (vllm:nixl_xfer_time_seconds, vllm:nixl_bytes_transferred
 vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py: NixlPromMetrics); what
 vLLM does not count (prefill steps whose KV was pinned, holds fetched or expired, fetches
 refused, bytes and seconds in total, the pinned blocks, the engine's kv_role) is
-simulator-only, under `meshd_sim:`.
+simulator-only, under `meshd_sim:`. So is the GPU's busy time
+(`meshd_sim:gpu_busy_seconds_total`, the seconds a step was running: what NVML's
+utilisation integrates on a real GPU, and what the cost ledger apportions to requests,
+filters/busy_time.py); vLLM has no such series.
 """
 
 from __future__ import annotations
@@ -364,6 +367,7 @@ def render_metrics(
     extra_info: Mapping[str, str] | None = None,
     kv_held_requests: int = 0,
     kv_held_blocks: int = 0,
+    busy_seconds: float | None = None,
 ) -> str:
     """Prometheus text for one engine, laid out as prometheus_client lays it out."""
     fmt = floatToGoString
@@ -441,6 +445,10 @@ def render_metrics(
         kv_held_requests,
     )
     gauge("meshd_sim:kv_held_blocks", "KV blocks pinned for decode steps.", kv_held_blocks)
+    if busy_seconds is not None:
+        name = "meshd_sim:gpu_busy_seconds"
+        family(f"{name}_total", "counter", "Simulated seconds the GPU was running a step.")
+        w(f"{name}_total{{{base}}} {fmt(busy_seconds)}\n")
     if extra_info:
         gauge(
             "meshd_sim:engine_info",
