@@ -28,6 +28,7 @@ from filters.failover import (
     remaining_tokens,
 )
 from filters.hotpath import SSEScanner, split_fields
+from filters.stream_start import error_status
 from meshd.accounting import Accounting
 from meshd.attempts import Attempts
 from meshd.config import Config
@@ -354,6 +355,8 @@ class _Stream:
         self.tokens_before = 0
         self.yielded = False
         self.gone = False  # the client left
+        # The engine's answer was an error event and no token: the client has it as sent.
+        self.relayed_error = False
 
     async def run(self) -> None:
         attempts = self.relay.attempts
@@ -371,10 +374,13 @@ class _Stream:
                     break
                 self.cur.ok = False
                 self.cur.local_failure = True
-                attempts.settle(
-                    self.cur, _FAILURE_OUTCOMES.get(failure[2], "stream_broken"), failure[1]
+                outcome = (
+                    f"http_{failure[0]}"
+                    if self.relayed_error
+                    else _FAILURE_OUTCOMES.get(failure[2], "stream_broken")
                 )
-                if self.sent is None or self.resumes >= self.max_resumes:
+                attempts.settle(self.cur, outcome, failure[1])
+                if self.sent is None or self.resumes >= self.max_resumes or self.relayed_error:
                     break
                 failure, again = await self._resume(failure)
                 if not again:
@@ -489,7 +495,19 @@ class _Stream:
                     scanner.feed(tail)
             with contextlib.suppress(ConnectionError):
                 self.out.write(tail)
-        if scanner is not None and not scanner.done and scanner.error is None:
+        if scanner is None:
+            return None
+        error = scanner.error
+        if error is not None and scanner.tokens == 0:
+            # An answer of an error event alone (a 200 whose engine failed before its first
+            # token) failed: not resumed (the client has the engine's event), not ok.
+            self.relayed_error = True
+            return (
+                error_status(error),
+                f"the upstream answered an error event: {str(error.get('message'))[:200]}",
+                "upstream_error",
+            )
+        if not scanner.done and error is None:
             return (
                 502,
                 "the upstream closed the stream before [DONE]",
@@ -558,7 +576,7 @@ class _Stream:
     def _end(self, failure: Failure | None, usage: dict[str, Any] | None) -> None:
         ctx = self.ctx
         try:
-            if failure is not None:
+            if failure is not None and not self.relayed_error:
                 self.out.write(sse_error_event(*failure))
             self.out.end()
         except ConnectionError:

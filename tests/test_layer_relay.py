@@ -231,6 +231,25 @@ async def test_a_stream_cut_before_done_with_failover_off_ends_with_an_error_eve
     assert await r.finished() == "upstream_stream_truncated"
 
 
+async def test_a_stream_of_an_error_event_alone_failed() -> None:
+    # vLLM's answer when it fails before its first token: 200, one error event, [DONE].
+    error = {"message": "boom", "type": "InternalServerError", "param": None, "code": 500}
+    first = FakeUpstream(200, [b"data: " + json.dumps({"error": error}).encode() + b"\n\n", DONE],
+                         content_type=SSE)  # fmt: skip
+    r = Relayed(first)
+
+    await r.run()
+
+    out = r.req.out
+    assert out is not None and out.ended
+    assert sse_events(out.body) == [{"error": error}, "[DONE]"]  # as sent, nothing added
+    assert not r.pool.sent  # nothing to resume: no token reached the client
+    assert r.outcomes() == ["http_500"]
+    assert [e["local_failure"] for e in r.guard.ends] == [True]
+    assert_settled_once(r.router, r.guard)
+    assert await r.finished() == "upstream_error"  # not ok: charged as a failed request
+
+
 async def test_a_broken_stream_no_endpoint_will_continue_ends_with_an_error_event() -> None:
     broken = UpstreamClosedError(URLS[0], "connection reset")
     first = FakeUpstream(200, [event(" one"), broken], content_type=SSE)
