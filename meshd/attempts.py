@@ -351,6 +351,8 @@ class Attempts:
                 tries.reason = "kv_fetch_failed"
                 if ctx.pd_pair is None:
                     ctx.body, ctx.pd_params = whole_body(ctx), None
+                    # Served whole from here on, as x-meshd-pd says (meshd/disagg.py served).
+                    ctx.trace.pd = "whole:kv-fetch-failed"
                 ctx.tried.discard(url)  # it can serve the request again
                 delay = self.retry_delay(ctx, tries.made, len(tries.routes) + 1, None, "kv_fetch")
                 if delay is None:

@@ -16,6 +16,7 @@ from filters.cost_ledger import (
     ESTIMATED,
     MEASURED,
     NO_WORK,
+    PREFILL_REASON,
     REPORTED,
     AttemptCost,
 )
@@ -365,7 +366,12 @@ class RequestTrace:
                 self.completion_tokens = last.completion_tokens
             else:
                 prompt = next((a.prompt_tokens for a in attempts if a.prompt_tokens), None)
-                known = [a.completion_tokens for a in attempts if a.completion_tokens is not None]
+                # What the client got: a prefill step's one token is the decode step's too.
+                known = [
+                    a.completion_tokens
+                    for a in attempts
+                    if a.completion_tokens is not None and a.reason != PREFILL_REASON
+                ]
                 self.completion_tokens = sum(known) if known else None
         else:
             prompt = _int(usage, "prompt_tokens") if usage else None

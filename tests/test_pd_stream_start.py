@@ -190,9 +190,10 @@ async def test_a_streamed_decode_step_that_lost_its_kv_is_retried_whole_on_the_s
         assert d.core.stats.kv_fetch_refused["expired"] == 1
         assert count(s, "meshd_retries_total", pool="decode", reason="kv_fetch") == 1
         (record,) = await _records(s, tmp_path / "access.jsonl")
-    # The access log's pd says the prefill step ran (docs/access-log.md); the attempts say
-    # the rest.
-    assert record.outcome == "ok" and record.pd == "split"
+    # The access log's pd says what x-meshd-pd said (docs/access-log.md); the attempts say
+    # the prefill step ran.
+    assert record.outcome == "ok" and record.pd == "whole:kv-fetch-failed"
+    assert record.completion_tokens == 4  # the whole retry's, not the prefill step's too
     assert [(a.endpoint, a.reason, a.outcome) for a in record.attempts] == [
         (p.url, "prefill", "ok"),
         (d.url, "", "http_500"),

@@ -180,6 +180,9 @@ async def test_a_long_prompt_is_prefilled_on_the_prefill_pool_then_decoded(
     prefill_step, decode_step = record.attempts
     assert prefill_step.kv_transfer_s is None
     assert decode_step.kv_transfer_s is not None and 0.5e-3 < decode_step.kv_transfer_s < 2e-3
+    # The client's tokens are the decode step's: the prefill step's one is its first again.
+    assert prefill_step.completion_tokens == 1 and decode_step.completion_tokens
+    assert record.completion_tokens == decode_step.completion_tokens
 
 
 async def test_a_short_prompt_is_served_whole_on_the_decode_pool(
