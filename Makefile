@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -U pip
 
-$(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard filters/*.pyx xds/*.pyx)
+$(STAMP): $(BIN)/python pyproject.toml setup.py $(wildcard filters/*.pyx filters/*.pxd xds/*.pyx xds/*.pxd)
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
 	# xds-protos bundles old copies of opentelemetry-proto's modules and the last package
 	# installed wins; reinstall opentelemetry-proto so OpenTelemetry's own (newer) ones do.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -49,7 +50,7 @@ def _buggy(body: bytes) -> bytes:
     return body
 
 
-DECODERS = {T: decode_engine_report, BUGGY: _buggy}
+DECODERS: dict[str, Callable[[bytes], Any]] = {T: decode_engine_report, BUGGY: _buggy}
 
 compiled = pytest.mark.skipif(
     delta_response.IMPLEMENTATION != "cython", reason=delta_response.IMPLEMENTATION
@@ -131,9 +132,11 @@ interests = st.fixed_dictionaries(
 )
 
 
-def outcome(read: Any, raw: bytes, wanted: dict[str, Interest]) -> tuple[Any, ...]:
+def outcome(
+    read: Any, raw: bytes, wanted: dict[str, Interest], held: Any = None
+) -> tuple[Any, ...]:
     try:
-        r = read(raw, wanted, DECODERS, 5.0)
+        r = read(raw, wanted, DECODERS, 5.0, held)
     except Exception as exc:
         return ("raises", type(exc), str(exc))
     assert type(r) is DeltaResponse
@@ -173,6 +176,50 @@ def test_any_bytes_read_or_fail_as_the_reference(raw: bytes, wanted: dict[str, I
     same(raw, wanted)
 
 
+# What a subscriber may hold when a response comes: Entries of each body under each name
+# (another engine's, a body that failed), a value of another type, something else.
+held_tables = st.dictionaries(
+    st.sampled_from([T, RAW]),
+    st.dictionaries(
+        st.sampled_from(NAMES),
+        st.sampled_from(BODIES[:2]).map(lambda b: Entry("x", "1", decode_engine_report(b), 1.0))
+        | st.just(Entry("x", "1", b"raw", 1.0))
+        | st.just("not an entry"),
+        max_size=4,
+    )
+    | st.just("not a table"),
+    max_size=2,
+)
+
+
+@compiled
+@settings(max_examples=250, deadline=None)
+@given(response(), interests, held_tables)
+def test_what_the_subscriber_holds_changes_no_answer(
+    raw: bytes, wanted: dict[str, Interest], held: Any
+) -> None:
+    assert outcome(read_response, raw, wanted, held) == outcome(reference_read, raw, wanted)
+
+
+@compiled
+def test_an_engine_report_takes_its_unchanged_values_from_the_held_one() -> None:
+    """Read in place and given the Entry it replaces, an EndpointState keeps that report's
+    unchanged values (its address, epoch, models...), or is that report when unchanged."""
+    wanted = {T: Interest(True)}
+    first = read_response(_message(("e0", T, BODIES[0])), wanted, DECODERS, 5.0)
+    assert first.changed is not None
+    was = first.changed["e0"].value
+    held = {T: dict(first.changed)}
+    changed = dataclasses.replace(STATE, requests_running=STATE.requests_running + 1)
+    again = read_response(_message(("e0", T, BODIES[0])), wanted, DECODERS, 6.0, held)
+    moved = read_response(_message(("e0", T, changed.encode())), wanted, DECODERS, 6.0, held)
+    assert again.changed is not None and moved.changed is not None
+    assert again.changed["e0"].value is was and again.changed["e0"].received_at == 6.0
+    now = moved.changed["e0"].value
+    assert now.state.requests_running == changed.requests_running
+    assert now.address is was.address and now.state.models is was.state.models
+
+
 def _message(*resources: tuple[str, str, bytes], removed: tuple[str, ...] = ()) -> bytes:
     m = pb.DeltaDiscoveryResponse(type_url=T, nonce="7")
     for name, type_url, body in resources:
@@ -209,7 +256,10 @@ def test_entries_of_untracked_values_are_left_out_of_the_cyclic_gc() -> None:
     """An Entry of a value the GC does not track (a compiled EngineReport, bytes) can be in
     no cycle: untracked too. One of a value it tracks stays tracked."""
     wanted = {t: Interest(True) for t in (T, RAW, BUGGY)}
-    listing = {BUGGY: lambda body: [body], T: decode_engine_report}  # a list: tracked
+    listing: dict[str, Callable[[bytes], Any]] = {
+        BUGGY: lambda body: [body],  # a list: tracked
+        T: decode_engine_report,
+    }
     for t, name in ((T, "e0"), (RAW, "r0"), (BUGGY, "b0")):
         m = pb.DeltaDiscoveryResponse(type_url=t, nonce="7")
         res = m.resources.add(name=name, version="1")

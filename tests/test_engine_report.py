@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import pickle
 from typing import Any
 
@@ -158,6 +159,53 @@ def test_strings_and_maps_repeated_are_built_once() -> None:
     assert a.address is b.address and a.state.epoch is b.state.epoch
     assert a.state.models is b.state.models and a.state.adapters is b.state.adapters
     assert a.state is not b.state and b.state.requests_running == 9
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.fixed_dictionaries(VALID), st.fixed_dictionaries(VALID), st.data())
+def test_a_previous_report_changes_no_answer(
+    kw: dict[str, Any], before: dict[str, Any], data: st.DataObject
+) -> None:
+    """Given the report it replaces (any report: of another engine, the reference's, one
+    differing in some fields), a body decodes to what the reference gives it alone."""
+    mixed = {k: data.draw(st.sampled_from([kw[k], before[k]])) for k in kw}
+    body = EndpointState(**mixed).encode()
+    for previous in (
+        decode_engine_report(EndpointState(**before).encode()),
+        reference_decode(EndpointState(**before).encode()),
+        decode_engine_report(EndpointState(**kw).encode()),
+        EngineReport(str(kw["address"]), ReportedState()),
+        None,
+    ):
+        assert outcome(lambda b: decode_engine_report(b, previous), body) == outcome(  # noqa: B023
+            reference_decode, body
+        )
+
+
+@compiled
+def test_unchanged_values_are_the_previous_reports() -> None:
+    """An engine's next report takes its unchanged values from the last one (no new int,
+    float, str or dict for them); an unchanged report is the last one itself."""
+    big = dataclasses.replace(STATE, memory_total_bytes=2**40, kv_capacity_blocks=90_000)
+    a = decode_engine_report(big.encode())
+    b = decode_engine_report(dataclasses.replace(big, requests_running=9, kv_usage=0.5).encode(), a)
+    assert b.state.requests_running == 9 and b.state.kv_usage == 0.5
+    assert b.address is a.address and b.state is not a.state
+    for name in ("memory_total_bytes", "kv_capacity_blocks", "ttft_s", "tpot_s", "epoch"):
+        assert getattr(b.state, name) is getattr(a.state, name), name
+    assert b.state.models is a.state.models and b.state.adapters is a.state.adapters
+    assert decode_engine_report(big.encode(), a) is a
+    assert decode_engine_report(big.encode(), reference_decode(big.encode())) == a
+    # Ints equal in their low 64 bits only are other ints; -0.0 is not 0.0.
+    m = big.memory_total_bytes
+    assert m is not None
+    odd = EngineReport(a.address, ReportedState(memory_total_bytes=2**64 + m))
+    assert decode_engine_report(big.encode(), odd).state.memory_total_bytes == m
+    odd = EngineReport(a.address, ReportedState(memory_total_bytes=m - 2**64))
+    assert decode_engine_report(big.encode(), odd).state.memory_total_bytes == m
+    z = decode_engine_report(dataclasses.replace(big, ttft_s=0.0).encode())
+    n = decode_engine_report(dataclasses.replace(big, ttft_s=-0.0).encode(), z)
+    assert n.state.ttft_s is not None and math.copysign(1.0, n.state.ttft_s) == -1.0
 
 
 @compiled

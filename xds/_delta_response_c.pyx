@@ -23,16 +23,24 @@ a resource against 3.1 us for the reference, the body's decode (1.1 us) included
 whole in-process apply of an update (`python -m loadtest.xds_apply_bench` (a), 60 a
 response: read, the feed's apply, the ACK) 4.6 -> 2.4-2.6 us. In a real sidecar process
 the figure is set by cold caches and gRPC's per-response cost (docs/control-plane-scale.md).
+An EndpointState body (xds.engine_report's compiled decoder) is decoded in place, with no
+bytes object of it, given the report the subscriber holds under its name (`held`): see
+xds/_engine_report_c.pyx for what that saves.
 """
 
 import types
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.dict cimport PyDict_GetItem
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport uint64_t
 from libc.string cimport memcmp
+
+from xds._engine_report_c cimport decode_span as _report_span
+
+from xds._engine_report_c import decode_engine_report as _report_decoder
 
 __all__ = ["bind", "read_response"]
 
@@ -337,13 +345,31 @@ cdef inline object _str(Span *s):
     return _text(s.p, s.n) if s.seen else ""
 
 
-def read_response(raw, interests, decoders, now):
+cdef inline object _version(Span *s):
+    return PyUnicode_DecodeUTF8(<const char *>s.p, s.n, NULL) if s.seen else ""
+
+
+cdef object _held_value(object entry):
+    """An Entry's value (None for anything else)."""
+    cdef PyObject *v
+    if type(entry) is not _Entry:
+        return None
+    if not _slots_bound:
+        return entry.value
+    v = (<PyObject **>((<char *><PyObject *>entry) + _entry_off[2]))[0]
+    return None if v == NULL else <object>v
+
+
+def read_response(raw, interests, decoders, now, held=None):
     """A serialized DeltaDiscoveryResponse as a DeltaResponse, or protobuf's DecodeError:
     what reference_read returns or raises, for every input.
 
     One pass over the top level finds the type, the nonce and the removed names; a second
     reads each resource (all of them: a malformed one the subscriber does not want still
-    makes protobuf refuse the message) and decodes those subscribed.
+    makes protobuf refuse the message) and decodes those subscribed. An EndpointState
+    body (xds.engine_report's compiled decoder) is decoded where it lies in `raw`, given
+    the value `held` has under its name (the subscriber's Entries by type: what it
+    replaces) to take unchanged values from.
     """
     cdef Reader r
     cdef uint64_t number
@@ -355,6 +381,8 @@ def read_response(raw, interests, decoders, now):
     cdef bint wildcard = False
     names = None
     cdef dict changed
+    cdef PyObject *prev
+    table = None
     if _reference is None:
         raise RuntimeError("not bound: import xds.delta_response")
     if type(raw) is not bytes:
@@ -396,6 +424,10 @@ def read_response(raw, interests, decoders, now):
         decoder = decoders.get(t)
         wildcard = interest.wildcard
         names = interest.names
+        if held is not None and decoder is _report_decoder:
+            table = held.get(t)
+            if type(table) is not dict:
+                table = None
     r.p = <const unsigned char *>data
     while resources:
         _tag(&r, &number, &wire)  # well formed: pass 1 read it
@@ -419,18 +451,25 @@ def read_response(raw, interests, decoders, now):
             or memcmp(type_url.p, res.any_type.p, type_url.n) != 0
         ):
             return _reference(raw, interests, decoders, now)  # refused: its message
+        if decoder is _report_decoder:
+            previous = None
+            if table is not None:
+                prev = PyDict_GetItem(table, name)
+                if prev != NULL:
+                    previous = _held_value(<object>prev)
+            try:
+                body = _report_span(res.value.p, res.value.n, previous)
+            except Exception:
+                return _reference(raw, interests, decoders, now)  # refused: its message
+            changed[name] = _new_entry(name, _version(&res.version), body, now)
+            continue
         body = PyBytes_FromStringAndSize(<const char *>res.value.p, res.value.n)
         if decoder is not None:
             try:
                 body = decoder(body)
             except Exception:
                 return _reference(raw, interests, decoders, now)  # refused: its message
-        version = (
-            PyUnicode_DecodeUTF8(<const char *>res.version.p, res.version.n, NULL)
-            if res.version.seen
-            else ""
-        )
-        changed[name] = _new_entry(name, version, body, now)
+        changed[name] = _new_entry(name, _version(&res.version), body, now)
     nonce_str = (
         PyUnicode_DecodeUTF8(<const char *>nonce.p, nonce.n, NULL) if nonce.seen else ""
     )

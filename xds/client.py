@@ -432,7 +432,7 @@ class Subscriber:
         self._last_update_at = now
         self.stats.responses += 1
         t0 = time.thread_time()
-        resp = read_response(raw, self._interest, self._decoders, now)
+        resp = read_response(raw, self._interest, self._decoders, now, self._state)
         self.stats.read_cpu_s += time.thread_time() - t0
         t, changed = resp.type_url, resp.changed
         self._response_type = t

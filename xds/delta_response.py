@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from envoy.service.discovery.v3 import discovery_pb2 as pb
 
@@ -87,10 +87,16 @@ Decoders = Mapping[str, Callable[[bytes], Any]]
 
 
 def reference_read(
-    raw: bytes, interests: Mapping[str, Interest], decoders: Decoders, now: float
+    raw: bytes,
+    interests: Mapping[str, Interest],
+    decoders: Decoders,
+    now: float,
+    held: Mapping[str, Mapping[str, Entry]] | None = None,
 ) -> DeltaResponse:
     """The reference: protobuf's parse (a malformed message raises its DecodeError), then
-    the subscribed resources decoded in order; the first failure is the error."""
+    the subscribed resources decoded in order; the first failure is the error. `held`
+    (the subscriber's Entries, by type) changes no answer: the compiled reader takes
+    unchanged values from it instead of building them again."""
     resp = pb.DeltaDiscoveryResponse.FromString(raw)
     t, nonce = resp.type_url, resp.nonce
     interest = interests.get(t)
@@ -117,9 +123,21 @@ def reference_read(
     return DeltaResponse(t, nonce, changed, tuple(resp.removed_resources), None)
 
 
-read_response: Callable[[bytes, Mapping[str, Interest], Decoders, float], DeltaResponse] = (
-    reference_read
-)
+class ResponseReader(Protocol):
+    """reference_read's signature (the compiled twin's too)."""
+
+    def __call__(
+        self,
+        raw: bytes,
+        interests: Mapping[str, Interest],
+        decoders: Decoders,
+        now: float,
+        held: Mapping[str, Mapping[str, Entry]] | None = None,
+        /,
+    ) -> DeltaResponse: ...
+
+
+read_response: ResponseReader = reference_read
 IMPLEMENTATION = "python (forced by MESHD_PURE_PYTHON)"
 if not os.environ.get("MESHD_PURE_PYTHON"):
     try:

@@ -12,13 +12,19 @@ checks that the two agree on arbitrary bodies.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from filters.endpoint_state import ReportedState
 from xds.resources import decode_endpoint_state
 
-__all__ = ["IMPLEMENTATION", "EngineReport", "decode_engine_report", "reference_decode"]
+__all__ = [
+    "IMPLEMENTATION",
+    "EngineReport",
+    "ReportDecoder",
+    "decode_engine_report",
+    "reference_decode",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,13 +35,21 @@ class EngineReport:
     state: ReportedState
 
 
-def reference_decode(body: bytes) -> EngineReport:
-    """The reference: decode_endpoint_state, then EndpointState.to_reported."""
+def reference_decode(body: bytes, previous: EngineReport | None = None) -> EngineReport:
+    """The reference: decode_endpoint_state, then EndpointState.to_reported. `previous`
+    (the report this one replaces) changes no answer: the compiled decoder takes the
+    values equal to its from it instead of building them again."""
     s = decode_endpoint_state(body)
     return EngineReport(s.address, s.to_reported())
 
 
-decode_engine_report: Callable[[bytes], EngineReport] = reference_decode
+class ReportDecoder(Protocol):
+    """reference_decode's signature (the compiled twin's too)."""
+
+    def __call__(self, body: bytes, previous: EngineReport | None = None, /) -> EngineReport: ...
+
+
+decode_engine_report: ReportDecoder = reference_decode
 IMPLEMENTATION = "python (forced by MESHD_PURE_PYTHON)"
 if not os.environ.get("MESHD_PURE_PYTHON"):
     try:
