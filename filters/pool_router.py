@@ -585,6 +585,21 @@ class PickerRouter:
         if s is None:
             return False
         before = s.reported
+        if (
+            state is before
+            and state is not None
+            and ttl_s == s.report_ttl_s
+            and s.reported_at <= now
+            and now - s.reported_at < ttl_s
+        ):
+            # The report it holds, renewed while fresh (the control feed's refresh each
+            # second, an engine's unchanged state pushed again): only its freshness moves.
+            # The picker's view of the endpoint stays as it is, nothing in it changed but
+            # its deadline (the old staleness), which is rebuilt at the latest when that
+            # passes; a report stored anew would send every endpoint's view (and the
+            # kv_capacities answer) to be rebuilt once a second.
+            s.reported_at = now
+            return True
         if state is None or before is None:
             changed = state is not before
         else:

@@ -455,16 +455,22 @@ class ControlFeed:
         while True:
             await asyncio.sleep(self.refresh_s)
             live = {k for k, sub in enumerate(self._subs) if sub.connected}
-            if not live:
-                continue
-            now = self._clock()
-            sharded = len(self._subs) > 1
-            for name, reported in self._reports.items():
-                if sharded and not self._holders.get(name, set()) & live:
-                    continue  # its shard is away: its state is going stale
-                for _, url, tell in self._engines.get(name, ()):
-                    tell(url, reported, now, ttl_s=self.stale_after_s)
-            self.stats.refreshes += 1
+            if live:
+                self.refresh(self._clock(), live)
+
+    def refresh(self, now: float, live: set[int]) -> None:
+        """Renew the reports of the engines held by a connected shard (`live`: their
+        indices). Each goes to its routers as the report they hold: a router renews its
+        freshness alone (the picker's views of the endpoints stay valid)."""
+        sharded = len(self._subs) > 1
+        ttl_s = self.stale_after_s
+        engines, holders = self._engines, self._holders
+        for name, reported in self._reports.items():
+            if sharded and not holders.get(name, set()) & live:
+                continue  # its shard is away: its state is going stale
+            for _, url, tell in engines.get(name, ()):
+                tell(url, reported, now, ttl_s=ttl_s)
+        self.stats.refreshes += 1
 
 
 def _family(
