@@ -14,22 +14,26 @@ read as busy time, and a vLLM alone leaves the ledger on its batch model.
 
 The rule. Time is cut into windows at the engine's readings; a window holds the engine's
 busy seconds and tokens (prompt + generation counters) in it, and the sidecar's own work in
-it: each finished attempt's modelled GPU-seconds and tokens, spread evenly over the attempt's
-life. A window is settled once no attempt that began before its end is still running (the
-sidecar says when attempts start), so its work is complete. (An attempt's modelled prefill
-is spread from its start to its first token, its decode from there to its end: the engine's
-busy time and prompt tokens come early in a request, and a window's share should too.) Over
-the settled windows of the last `horizon_s`:
+it: each finished attempt's modelled GPU-seconds and tokens, spread over the attempt's life
+(its modelled prefill from its start to its first token, its decode from there to its end:
+an engine's busy time and prompt tokens come early in a request, and a window's share should
+too). A window is settled once no attempt that began before its end is still running (the
+sidecar says when attempts start), so its work is complete. Then each attempt that worked in
+it gets its part of the window's busy time:
 
-    factor = busy x share / modelled,  share = min(1, own tokens / the engine's tokens)
+    charge = sum over its windows of  busy x share x its modelled part / all modelled
+    share  = min(1, own tokens / the engine's tokens), over the settled windows of `horizon_s`
 
-and an attempt costs its modelled GPU-seconds x its endpoint's factor. `share` gives the
-sidecar the part of the busy time its tokens were (other sidecars send the same engine work);
-an engine whose page has no token counters is taken to be this sidecar's alone. Within one
-sidecar's work the busy time is split in proportion to the model, so the model's batch guess
-stops mattering and only its ratio of one request to another remains. No settled window, no
-busy seconds in them, a counter that went back (a restart: its windows are dropped): no
-factor, and the ledger keeps its batch model for that attempt.
+(`work` returns the attempt's BusyTicket, `charge` prices it once `ready`). So an engine's
+busy time is split among the attempts that ran while it was spent, in proportion to the
+model: the model's batch guess stops mattering, only its ratio of one request to another at
+the same moment remains, and the charges of a window add up to its busy time. `share` gives
+the sidecar the part of the busy time its tokens were (other sidecars send the same engine
+work); an engine whose page has no token counters is taken to be this sidecar's alone.
+`factor` is the same over all the settled windows of the horizon at once: busy x share /
+modelled, for an attempt that cannot wait for its own windows. A counter that went back (a
+restart) voids the windows not yet settled: their attempts get no charge, and the ledger
+keeps its batch model for them, as for an engine that gave no reading.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = [
     "MAX_BUSY_ENDPOINTS",
     "MAX_BUSY_WINDOWS",
     "BusyApportioner",
+    "BusyTicket",
 ]
 
 # Settled windows a factor is taken over: long enough to hold many requests of minutes-long
@@ -63,6 +68,17 @@ class _Window:
     engine_tokens: float | None  # None: the engine gave no token counters
     modelled_s: float = 0.0
     own_tokens: float = 0.0
+    settled: bool = False
+    void: bool = False  # its engine restarted before it settled
+
+
+@dataclass(slots=True)
+class BusyTicket:
+    """One attempt's modelled work as it lies in its engine's windows: (window, modelled
+    seconds) parts."""
+
+    endpoint: str
+    parts: list[tuple[_Window, float]]
 
 
 @dataclass(slots=True)
@@ -78,9 +94,8 @@ class _Engine:
     own_tokens: float = 0.0
     engine_tokens: float = 0.0
     untokened: int = 0  # of them, windows without the engine's token counters
-    # Work past the last reading: it lands in the window the next reading closes.
-    open_modelled_s: float = 0.0
-    open_tokens: float = 0.0
+    # Past the last reading: the window the next reading closes (t1 inf until then).
+    open: _Window = field(default_factory=lambda: _open(0.0))
     # Starts of the attempts still running (a multiset, its least by the heap).
     running: Counter[float] = field(default_factory=Counter)
     starts: list[float] = field(default_factory=list)
@@ -130,7 +145,7 @@ class BusyApportioner:
             if len(self._engines) >= self.max_endpoints:
                 self.ignored_readings += 1
                 return
-            self._engines[endpoint] = _Engine(now, busy_s, tokens)
+            self._engines[endpoint] = _Engine(now, busy_s, tokens, open=_open(now))
             return
         if now <= e.last_t:
             return
@@ -139,16 +154,19 @@ class BusyApportioner:
         )
         if went_back:
             self.resets += 1
+            e.open.void = True
+            for w in list(e.windows)[e.settled :]:
+                w.void = True
             running, starts = e.running, e.starts
-            e = self._engines[endpoint] = _Engine(now, busy_s, tokens)
+            e = self._engines[endpoint] = _Engine(now, busy_s, tokens, open=_open(now))
             e.running, e.starts = running, starts
             return
-        d_tokens = None
+        w = e.open
+        w.t1, w.busy_s = now, busy_s - e.last_busy
         if tokens is not None and e.last_tokens is not None:
-            d_tokens = tokens - e.last_tokens
-        w = _Window(e.last_t, now, busy_s - e.last_busy, d_tokens, e.open_modelled_s, e.open_tokens)
-        e.open_modelled_s = e.open_tokens = 0.0
+            w.engine_tokens = tokens - e.last_tokens
         e.windows.append(w)
+        e.open = _open(now)
         e.last_t, e.last_busy, e.last_tokens = now, busy_s, tokens
         self._advance(e, now)
 
@@ -172,14 +190,15 @@ class BusyApportioner:
         output_tokens: float = 0.0,
         first_token: float | None = None,
         tracked: bool = True,
-    ) -> None:
+    ) -> BusyTicket | None:
         """An attempt on `endpoint` that ran from `start` to `end` is over: its modelled
         GPU-seconds and tokens, the prefill's spread from its start to its first token and
         the decode's from there to its end, as an engine spends them (both over its whole
-        life when `first_token` is None). `tracked`: `started(endpoint, start)` was said for it."""
+        life when `first_token` is None). `tracked`: `started(endpoint, start)` was said for it.
+        Its ticket, None when the engine gave no reading."""
         e = self._engines.get(endpoint)
         if e is None:
-            return
+            return None
         if tracked and e.running.get(start):
             e.running[start] -= 1
             if not e.running[start]:
@@ -189,13 +208,33 @@ class BusyApportioner:
             first, after = end, start
         else:
             first = after = min(end, max(start, first_token))
+        parts: dict[int, tuple[_Window, float]] = {}
         if prefill_s > 0 or prompt_tokens > 0:
-            self._spread(e, start, first, max(0.0, prefill_s), max(0.0, prompt_tokens))
+            self._spread(e, start, first, max(0.0, prefill_s), max(0.0, prompt_tokens), parts)
         if decode_s > 0 or output_tokens > 0:
-            self._spread(e, after, end, max(0.0, decode_s), max(0.0, output_tokens))
+            self._spread(e, after, end, max(0.0, decode_s), max(0.0, output_tokens), parts)
         self._advance(e, max(end, e.last_t))
+        return BusyTicket(endpoint, [p for p in parts.values() if p[1] > 0])
 
     # -- reading ----------------------------------------------------------------------
+
+    def ready(self, ticket: BusyTicket) -> bool:
+        """Every window the attempt worked in is settled (or void: its engine restarted)."""
+        return all(w.settled or w.void for w, _ in ticket.parts)
+
+    def charge(self, ticket: BusyTicket) -> float | None:
+        """The attempt's part of its windows' busy time, once `ready`; None before, or when
+        a window was void or the engine is no longer followed (the ledger then keeps its
+        model). An attempt that did no modelled work is charged 0."""
+        e = self._engines.get(ticket.endpoint)
+        if e is None or not self.ready(ticket):
+            return None
+        total = 0.0
+        for w, m in ticket.parts:
+            if w.void or w.modelled_s <= 0:
+                return None
+            total += w.busy_s * m / w.modelled_s
+        return total * self._share(e)
 
     def factor(self, endpoint: str) -> float | None:
         """Busy GPU-seconds the engine spent per modelled GPU-second of this sidecar's work,
@@ -203,26 +242,43 @@ class BusyApportioner:
         e = self._engines.get(endpoint)
         if e is None or e.modelled_s <= 0 or e.busy_s <= 0:
             return None
-        share = 1.0
-        if not e.untokened and e.engine_tokens > 0:
-            share = min(1.0, e.own_tokens / e.engine_tokens)
-        return e.busy_s * share / e.modelled_s
+        return e.busy_s * self._share(e) / e.modelled_s
 
     # -- internals --------------------------------------------------------------------
 
-    def _spread(self, e: _Engine, start: float, end: float, modelled: float, tokens: float) -> None:
+    @staticmethod
+    def _share(e: _Engine) -> float:
+        if not e.untokened and e.engine_tokens > 0:
+            return min(1.0, e.own_tokens / e.engine_tokens)
+        return 1.0
+
+    def _spread(
+        self,
+        e: _Engine,
+        start: float,
+        end: float,
+        modelled: float,
+        tokens: float,
+        parts: dict[int, tuple[_Window, float]],
+    ) -> None:
         """Add work done evenly over [start, end] to the windows it overlaps (an instant's
-        to the window holding it); what lies past the last reading waits for the next."""
+        to the window holding it); what lies past the last reading goes to the open window,
+        which the next reading closes. Each window's modelled part adds to `parts`."""
+
+        def add(w: _Window, m: float, n: float) -> None:
+            w.modelled_s += m
+            w.own_tokens += n
+            had = parts.get(id(w))
+            parts[id(w)] = (w, m + (had[1] if had is not None else 0.0))
+
         span = end - start
         if span <= 0:
             if start >= e.last_t:
-                e.open_modelled_s += modelled
-                e.open_tokens += tokens
+                add(e.open, modelled, tokens)
                 return
         elif end > e.last_t:
             frac = (end - max(start, e.last_t)) / span
-            e.open_modelled_s += modelled * frac
-            e.open_tokens += tokens * frac
+            add(e.open, modelled * frac, tokens * frac)
             if start >= e.last_t:
                 return
         windows = e.windows
@@ -241,8 +297,7 @@ class BusyApportioner:
                 if frac <= 0:
                     continue
             m, n = modelled * frac, tokens * frac
-            w.modelled_s += m
-            w.own_tokens += n
+            add(w, m, n)
             if i < e.settled:  # work for a settled window (an untracked attempt)
                 e.modelled_s += m
                 e.own_tokens += n
@@ -261,6 +316,7 @@ class BusyApportioner:
         windows = e.windows
         while e.settled < len(windows) and windows[e.settled].t1 <= boundary:
             w = windows[e.settled]
+            w.settled = True
             e.settled += 1
             e.busy_s += w.busy_s
             e.modelled_s += w.modelled_s
@@ -282,3 +338,7 @@ class BusyApportioner:
                     e.engine_tokens -= w.engine_tokens
         if e.settled == 0:  # no float residue from the sums' subtractions
             e.busy_s = e.modelled_s = e.own_tokens = e.engine_tokens = 0.0
+
+
+def _open(t0: float) -> _Window:
+    return _Window(t0, math.inf, 0.0, None)

@@ -51,7 +51,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from filters.busy_time import BusyApportioner
+from filters.busy_time import BusyApportioner, BusyTicket
 from filters.gpu import GPUS, UNKNOWN, GpuTable, normalise_gpu_name
 
 __all__ = [
@@ -505,8 +505,10 @@ class CostLedger:
     for an empty fleet or a GPU count < 1.
 
     `busy`: the engines' measured busy time (filters/busy_time.py), fed by the caller's
-    readings; an attempt on an endpoint it has a factor for is charged MEASURED. The ledger
-    tells it each attempt's work as records arrive (a live ledger: records in time order)."""
+    readings. `record` tells it each attempt's work and charges an attempt on an engine it
+    has a factor for MEASURED by the horizon's factor; a live caller does better: `track`
+    the request's work as it finishes, wait until `settle` gives each attempt the busy time
+    of the windows it ran in, then `record(..., tracked=True)` (meshd/observe.py)."""
 
     def __init__(
         self,
@@ -613,10 +615,15 @@ class CostLedger:
     # -- feeding ----------------------------------------------------------------------
 
     def record(
-        self, record: RecordLike, costs: list[AttemptCost] | None = None
+        self,
+        record: RecordLike,
+        costs: list[AttemptCost] | None = None,
+        *,
+        tracked: bool = False,
     ) -> list[TaskResult]:
         """Account one request; returns the tasks this closed (its own, idle or evicted).
-        `costs`: the record's `attempt_costs`, when the caller has computed them already."""
+        `costs`: the record's `attempt_costs` (or `settle`'s), when the caller has them
+        already. `tracked`: the caller gave its work to the busy apportioner (`track`)."""
         closed = self.close_idle(record.ts) if self._open else []
         ts = record.ts
         if ts > self._now:
@@ -652,8 +659,8 @@ class CostLedger:
             tally[3] += c.modelled_usd
         if estimated:
             self._estimated += 1
-        if self.busy is not None:
-            self._busy_work(record, costs, end)
+        if self.busy is not None and not tracked:
+            self.track(record, costs)
         outcome = record.outcome
         ok = outcome == OK_OUTCOME
         # The answer's cost: its final attempt, and a prefill step that served it.
@@ -802,34 +809,78 @@ class CostLedger:
 
     # -- internals --------------------------------------------------------------------
 
-    def _busy_work(self, record: RecordLike, costs: list[AttemptCost], end: float) -> None:
-        """Tell the busy apportioner what work each attempt was, over its life."""
+    def track(self, record: RecordLike, costs: list[AttemptCost]) -> list[BusyTicket | None] | None:
+        """Tell the busy apportioner what work each attempt of a finished request was, over
+        its life; each attempt's ticket (None: its engine gave no reading), None without an
+        apportioner. A live caller that wants each attempt's own windows' busy time waits
+        for them (`settle`) before it records the request (`record(..., tracked=True)`)."""
         busy = self.busy
-        assert busy is not None
+        if busy is None:
+            return None
+        end = record.ts + max(0.0, record.e2e_s or 0.0)
         attempts = record.attempts
         if not attempts:
             c = costs[0]
-            if record.endpoint and c.reading != NO_WORK:
+            if not record.endpoint or c.reading == NO_WORK:
+                return [None]
+            return [
                 busy.work(
                     record.endpoint, record.ts, end,
                     prefill_s=c.prefill_s, decode_s=c.modelled_s - c.prefill_s,
                     prompt_tokens=c.prompt_tokens, output_tokens=c.output_tokens,
                     tracked=False,
-                )  # fmt: skip
-            return
+                )
+            ]  # fmt: skip
+        out: list[BusyTicket | None] = []
         for a, c in zip(attempts, costs, strict=True):
             start, stop = a.started_ts, a.ended_ts
-            busy.work(
-                a.endpoint,
-                record.ts if start is None else start,
-                end if stop is None else stop,
-                prefill_s=c.prefill_s,
-                decode_s=c.modelled_s - c.prefill_s,
-                prompt_tokens=c.prompt_tokens,
-                output_tokens=c.output_tokens,
-                first_token=a.first_token_ts,
-                tracked=start is not None,
+            out.append(
+                busy.work(
+                    a.endpoint,
+                    record.ts if start is None else start,
+                    end if stop is None else stop,
+                    prefill_s=c.prefill_s,
+                    decode_s=c.modelled_s - c.prefill_s,
+                    prompt_tokens=c.prompt_tokens,
+                    output_tokens=c.output_tokens,
+                    first_token=a.first_token_ts,
+                    tracked=start is not None,
+                )
             )
+        return out
+
+    def settle(
+        self,
+        record: RecordLike,
+        costs: list[AttemptCost],
+        tickets: list[BusyTicket | None],
+        *,
+        force: bool = False,
+    ) -> list[AttemptCost] | None:
+        """`costs` with each tracked attempt's own share of its windows' busy time (MEASURED),
+        once every ticket is ready; None while one is not. `force`: now, the attempts whose
+        windows have not settled keep the costs given (the horizon's factor, or the model).
+        An attempt with an engine-reported figure keeps it."""
+        busy = self.busy
+        if busy is None:
+            return costs
+        if not force and not all(t is None or busy.ready(t) for t in tickets):
+            return None
+        out = list(costs)
+        attempts = record.attempts
+        for i, t in enumerate(tickets):
+            c = costs[i]
+            if t is None or c.reading in (REPORTED, NO_WORK):
+                continue
+            if attempts and attempts[i].gpu_seconds is not None:
+                continue
+            seconds = busy.charge(t)
+            if seconds is None:
+                continue
+            gpu = (attempts[i].gpu if attempts else None) or record.gpu
+            price = self.prices.per_second(gpu)
+            out[i] = c._replace(seconds=seconds, usd=seconds * price, reading=MEASURED)
+        return out
 
     def _see_endpoints(self, record: RecordLike) -> None:
         seen: list[tuple[str | None, str | None]]

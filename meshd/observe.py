@@ -28,15 +28,17 @@ finished trace adds to the metrics and the cost ledger.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from filters.autoscale import DemandBoard
-from filters.busy_time import BusyApportioner
+from filters.busy_time import BusyApportioner, BusyTicket
 from filters.cost_ledger import (
     ABANDONED_OUTCOMES,
     NO_WORK_OUTCOMES,
@@ -81,6 +83,23 @@ DEFAULT_MAX_TENANT_LABELS = 16
 DEFAULT_MAX_MODEL_LABELS = 32
 NO_VALUE = "none"
 OVERFLOW = "other"
+# A finished request waits this long at most for the engines' busy time it ran in to settle
+# (filters/busy_time.py: until every attempt begun before its windows' ends is over, about a
+# request's length); then it is priced by the horizon's factor, or the model, as they stand.
+SETTLE_TIMEOUT_S = 120.0
+# Finished requests waiting at once; past it the oldest is priced at once, as on a timeout.
+MAX_UNSETTLED = 100_000
+
+log = logging.getLogger("meshd.sidecar")
+
+
+class _Unsettled(NamedTuple):
+    req: RequestTrace
+    costs: list[AttemptCost]
+    tickets: list[BusyTicket | None]
+    finish_reasons: list[str | None]
+    response_model: str | None
+    now: float
 
 
 class BoundedLabels:
@@ -161,8 +180,10 @@ class RequestObserver:
         )
         self.access_log = access_log
         # The engines' busy time, where their /metrics count it (engine_busy), priced to
-        # the requests in place of the timing model's batch guess.
+        # the requests in place of the timing model's batch guess: a finished request whose
+        # engine measures waits here until the windows it ran in settle (`tick`).
         self.ledger = CostLedger(prices, timing, busy=BusyApportioner())
+        self._unsettled: deque[_Unsettled] = deque()
         self.tenant_label = BoundedLabels(max_tenant_labels, tenants)
         self.model_label = BoundedLabels(max_model_labels, (m for m in models if m != "*"))
         self.gpus = dict(gpus or {})
@@ -284,12 +305,48 @@ class RequestObserver:
     def tick(self, now: float) -> None:
         """Close tasks idle for the ledger's idle timeout (call it now and then, e.g. from
         the reaper: a task whose client went quiet is otherwise judged only when the next
-        request arrives), and re-read the wall clock offset."""
+        request arrives), settle the requests whose engines' busy time has settled, and
+        re-read the wall clock offset."""
+        if self._unsettled:
+            self._settle(now)
         self._wall_offset = time.time() - time.monotonic()
         self._tasks_closed(self.ledger.close_idle(self.wall(now)))
 
     def wall(self, now: float) -> float:
         return now + self._wall_offset
+
+    def unsettled(
+        self,
+        req: RequestTrace,
+        costs: list[AttemptCost],
+        tickets: list[BusyTicket | None],
+        finish_reasons: list[str | None],
+        response_model: str | None,
+        now: float,
+    ) -> None:
+        """A finished request whose cost waits for its engines' busy time (`tick` settles
+        it; after SETTLE_TIMEOUT_S, or past MAX_UNSETTLED waiting, it is priced by the
+        horizon's factor or the model as it stands)."""
+        self._unsettled.append(_Unsettled(req, costs, tickets, finish_reasons, response_model, now))
+        while len(self._unsettled) > MAX_UNSETTLED:
+            self._settle_one(self._unsettled.popleft(), force=True)
+
+    def _settle(self, now: float, *, force: bool = False) -> None:
+        waiting: deque[_Unsettled] = deque()
+        for u in self._unsettled:
+            if not self._settle_one(u, force=force or now - u.now >= SETTLE_TIMEOUT_S):
+                waiting.append(u)
+        self._unsettled = waiting
+
+    def _settle_one(self, u: _Unsettled, *, force: bool) -> bool:
+        costs = self.ledger.settle(u.req, u.costs, u.tickets, force=force)
+        if costs is None:
+            return False
+        try:
+            u.req.settled(costs, u.finish_reasons, u.response_model, u.now)
+        except Exception:  # one bad record must not lose the others
+            log.exception("settling the cost of request %s failed", u.req.request_id)
+        return True
 
     def engine_busy(self, url: str, now: float, busy_s: float, tokens: float | None) -> None:
         """An engine's cumulative busy GPU-seconds (and prompt + generation tokens) read at
@@ -308,13 +365,18 @@ class RequestObserver:
         if self._closed:
             return
         self._closed = True
+        if self._unsettled:  # the engines' busy time as it stands
+            self._settle(0.0, force=True)
         if self.tracer_provider is not None:
             self.tracer_provider.shutdown()
         if self.access_log is not None:
             self.access_log.close()
 
     async def aclose(self) -> None:
-        """`close()` off the event loop."""
+        """`close()` off the event loop (the requests still waiting for their engines'
+        busy time settled first, on it)."""
+        if self._unsettled and not self._closed:
+            self._settle(0.0, force=True)
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
     # -- internals ------------------------------------------------------------------------

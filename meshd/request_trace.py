@@ -383,8 +383,34 @@ class RequestTrace:
         model = obs.model_label(self.model)
         tenant = obs.tenant_label(self.tenant)
         obs._record_metrics(self, model, tenant)
+        ledger = obs.ledger
         if attempts:
-            costs = obs.ledger.attempt_costs(self)
+            costs = ledger.attempt_costs(self)
+            tickets = ledger.track(self, costs)
+        else:
+            costs = [AttemptCost(0.0, 0.0, NO_WORK, 0.0, 0.0)]  # nothing reached an engine
+            tickets = None
+        reasons = list(finish_reasons)
+        if tickets is not None and any(t is not None for t in tickets):
+            # An engine measures its busy time: the cost waits for the windows this
+            # request's attempts ran in to settle (meshd/observe.py settles it).
+            obs.unsettled(self, costs, tickets, reasons, response_model, now)
+            return
+        self.settled(costs, reasons, response_model, now)
+
+    def settled(
+        self,
+        costs: list[AttemptCost],
+        finish_reasons: Iterable[str | None],
+        response_model: str | None,
+        now: float,
+    ) -> None:
+        """The request's cost is known (`finish`, or its observer once the engines' busy
+        time it ran in settled): the ledger, the cost metrics, the span's end and the
+        access-log line. `now` is when it finished."""
+        obs = self.observer
+        attempts = self._attempts
+        if attempts:
             seconds = usd = 0.0
             readings = set()
             for a, c in zip(attempts, costs, strict=True):
@@ -400,11 +426,10 @@ class RequestTrace:
             )
             self.cost_usd = usd
         else:
-            costs = [AttemptCost(0.0, 0.0, NO_WORK, 0.0, 0.0)]  # nothing reached an engine
             self.gpu_seconds, self.gpu_seconds_source = 0.0, "none"
             self.cost_usd = 0.0
         obs._record_cost(self, costs)
-        obs._tasks_closed(obs.ledger.record(self, costs))
+        obs._tasks_closed(obs.ledger.record(self, costs, tracked=True))
 
         span = self.span
         if span is not None:

@@ -167,33 +167,71 @@ def test_the_simulators_busy_counter_is_read_from_its_page() -> None:
     assert parse_vllm(bare).busy_seconds is None  # a vLLM's page: no busy reading
 
 
-def test_the_sidecars_ledger_logs_each_attempts_reading(tmp_path: Path) -> None:
+def test_the_sidecar_prices_a_request_once_its_windows_settle_and_logs_the_reading(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "access.jsonl"
     observer = RequestObserver(DataPlaneMetrics(), access_log=AccessLogWriter(path))
     body = b'{"model":"m","stream":true,"max_tokens":64,"prompt":"hello"}'
     t0 = time.monotonic()
 
-    def request(rid: str, at: float) -> None:
+    def request(rid: str, at: float, engine: str = A) -> None:
         req = observer.begin("completion", "default", parse_inference_request("completion", body),
                              None, rid, at)  # fmt: skip
-        a = req.attempt(A, "H100", at)
+        a = req.attempt(engine, "H100", at)
         a.first_token(at + 0.1)
         a.end("ok", 200, 0, 600, 64, at + 0.4)
         req.finish("ok", {"prompt_tokens": 600, "completion_tokens": 64}, at + 0.4, status=200)
 
+    request("r0", t0 - 1.0, "http://no-reading")  # an engine that gave none: the model's
     observer.engine_busy(A, t0, 0.0, 0.0)
     request("r1", t0 + 0.1)
+    observer.tick(t0 + 0.5)
+    assert observer.ledger.summary().total.requests == 1  # r1 waits for its window
     observer.engine_busy(A, t0 + 1.0, 2.0, 664.0)
+    observer.tick(t0 + 1.05)  # [t0, t0 + 1] settled: r1 gets its busy time
     request("r2", t0 + 1.1)
-    observer.close()
-    first, second = read_access_log(path)
-    assert first.gpu_seconds_source == ESTIMATED and first.attempts[0].gpu_seconds is None
+    observer.close()  # r2's window never closed: the horizon's factor, at the close
+    zero, first, second = read_access_log(path)
+    assert zero.gpu_seconds_source == ESTIMATED and zero.attempts[0].gpu_seconds is None
+    assert first.gpu_seconds_source == MEASURED == first.attempts[0].gpu_seconds_source
+    assert first.attempts[0].gpu_seconds == pytest.approx(2.0)  # all of [t0, t0 + 1]
     assert second.gpu_seconds_source == MEASURED
-    assert second.attempts[0].gpu_seconds_source == MEASURED
-    assert second.attempts[0].gpu_seconds == pytest.approx(2.0)  # r1's share of [t0, t0 + 1]
+    assert second.attempts[0].gpu_seconds == pytest.approx(2.0)  # r1's ratio, r2's model
     replay = CostLedger()
-    replay.record_all([first, second])
-    assert replay.summary().total.cost_usd == pytest.approx(first.cost_usd + second.cost_usd)
+    replay.record_all([zero, first, second])
+    total = zero.cost_usd + first.cost_usd + second.cost_usd
+    assert replay.summary().total.cost_usd == pytest.approx(total)
+
+
+def test_each_attempt_gets_the_busy_time_of_its_own_windows() -> None:
+    b = BusyApportioner()
+    b.reading(A, 0.0, 0.0)
+    b.started(A, 0.1)
+    b.started(A, 0.2)
+    b.started(A, 1.1)
+    b.reading(A, 1.0, 3.0)  # [0, 1]: 3 busy s
+    early = b.work(A, 0.1, 0.9, decode_s=1.0)
+    small = b.work(A, 0.2, 0.9, decode_s=0.5)
+    b.reading(A, 2.0, 3.5)  # [1, 2]: 0.5 busy s
+    late = b.work(A, 1.1, 1.9, decode_s=1.0)
+    assert early is not None and small is not None and late is not None
+    assert b.ready(early) and b.ready(late)
+    # [0, 1]'s 3 s split 1 : 0.5; [1, 2]'s 0.5 s all the late one's: not one ratio for all.
+    assert b.charge(early) == pytest.approx(2.0) and b.charge(small) == pytest.approx(1.0)
+    assert b.charge(late) == pytest.approx(0.5)
+    assert b.factor(A) == pytest.approx(3.5 / 2.5)
+    b.started(A, 2.5)
+    waiting = b.work(A, 2.1, 2.9, decode_s=1.0)  # past the last reading: the open window
+    assert waiting is not None and not b.ready(waiting) and b.charge(waiting) is None
+    b.reading(A, 3.0, 4.5)
+    assert not b.ready(waiting)  # the attempt begun at 2.5 still runs
+    b.work(A, 2.5, 2.6, decode_s=0.0)
+    assert b.ready(waiting) and b.charge(waiting) == pytest.approx(1.0)
+    b.started(A, 3.1)
+    lost = b.work(A, 3.05, 3.5, decode_s=1.0)
+    b.reading(A, 4.0, 0.5)  # the engine restarted: the open window is void
+    assert lost is not None and b.ready(lost) and b.charge(lost) is None
 
 
 def test_an_attempt_is_found_again_when_the_wall_clock_offset_moves() -> None:
