@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 from filters.admission import (
     ADMIT,
@@ -77,6 +77,11 @@ REFUSALS_AS_FAILURE = 5
 # A ramping endpoint's weight is re-published when it moved this much (or reached 1):
 # each publication makes the picker rebuild that endpoint's view.
 RAMP_STEP = 0.02
+_new_tuple = tuple.__new__
+# EndpointFlags' fields for a healthy endpoint (EndpointFlags(url)'s defaults): an attempt's
+# end marks its endpoint for publishing, and most are healthy and were published so
+# (two EndpointFlags built and compared per request, ~20 us each with cold caches).
+_HEALTHY = (False, None, 1.0)
 # The pool's typical seconds per expected token: a streaming median estimate (relative
 # step per sample), trusted after this many successful attempts.
 PACE_STEP = 0.05
@@ -148,12 +153,13 @@ class Throttled:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class Screened(Generic[R]):
+class Screened(NamedTuple, Generic[R]):
     """The routes that may be tried now, in the router's order, and why the others may
     not. `full`: nothing left because every remaining endpoint is at its in-flight
     limits (wait for capacity); otherwise an empty `routes` means every endpoint is
-    open or ejected."""
+    open or ejected. A NamedTuple, built by `screen` with tuple.__new__: one a request
+    on the way to the upstream send, ~9 us with cold caches against ~24 us for the
+    frozen dataclass it was (loadtest/admission_bench.py)."""
 
     routes: list[R]
     skipped: list[tuple[str, str]]  # (url, reason)
@@ -287,10 +293,14 @@ class PoolGuard:
         now: float,
         *,
         continuation: bool = False,
+        limit: int | None = None,
     ) -> Screened[R]:
         """`continuation`: the attempt resumes a stream that already sent tokens (sunk
         cost, and a client waiting mid-answer): in-flight limits do not hold it back, only
-        an open, half-open or ejected endpoint does."""
+        an open, half-open or ejected endpoint does. `limit`: stop once that many routes
+        are kept (a driver that tries only the first asks nothing of the rest: ~13 us a
+        route with cold caches, loadtest/admission_bench.py); the routes after them are
+        neither kept nor skipped."""
         kept: list[R] = []
         skipped: list[tuple[str, str]] = []
         full = False
@@ -305,6 +315,8 @@ class PoolGuard:
                 d = self.breaker.admit(url, tokens, priority, now, scale=scale)
                 if continuation and d.reason.startswith(("endpoint-", "pool-")):
                     kept.append(r)
+                    if len(kept) == limit:
+                        break
                     continue
                 if d.verdict == "queue":
                     # The pool as a whole is at its limits: no route will do better.
@@ -314,9 +326,11 @@ class PoolGuard:
                     full = full or d.reason.startswith("endpoint-")
                     continue
             kept.append(r)
+            if len(kept) == limit:
+                break
         # Full only when nothing is kept and at least one endpoint is merely busy: a
         # busy endpoint frees up; a pool whose every endpoint is open or ejected does not.
-        return Screened(kept, skipped, full=not kept and full)
+        return _new_tuple(Screened, (kept, skipped, not kept and full))
 
     # -- attempts ----------------------------------------------------------------------------
 
@@ -471,6 +485,10 @@ class PoolGuard:
 
     def flags(self, url: str, now: float) -> EndpointFlags:
         """The guard's view of `url` now (see EndpointFlags)."""
+        return EndpointFlags(url, *self._view(url, now))
+
+    def _view(self, url: str, now: float) -> tuple[bool, float | None, float]:
+        """flags' fields: (breaker open, ejected until, ramp)."""
         state = self.breaker.state(url, now) if self.breaker is not None else "closed"
         until = None
         if self.outlier is not None and self.outlier.ejected(url, now):
@@ -484,7 +502,7 @@ class PoolGuard:
                 # Open, half-open or ejected: the weight it will come back at, so that the
                 # router has it from the first moment (an ejection ends by the clock).
                 ramp = ramps.config.min_weight_percent / 100.0 or RAMP_STEP
-        return EndpointFlags(url, state == "open", until, ramp)
+        return state == "open", until, ramp
 
     def _publish(self, urls: Iterable[str], now: float) -> list[EndpointFlags]:
         """The flags of `urls` that differ from what was last published (a ramp's weight
@@ -495,8 +513,13 @@ class PoolGuard:
         for url in urls:
             if ramps is not None:
                 self._observe(url, ramps, now)
-            new = self.flags(url, now)
-            old = self._published.get(url) or EndpointFlags(url)
+            view = self._view(url, now)
+            old = self._published.get(url)
+            if old is None:
+                if view == _HEALTHY:
+                    continue  # healthy, and last published so: nothing to build or send
+                old = EndpointFlags(url)
+            new = EndpointFlags(url, *view)
             if new == old:
                 continue
             if (

@@ -205,6 +205,8 @@ class OutlierDetector:
     # -- queries --------------------------------------------------------------------------
 
     def ejected(self, endpoint: str, now: float) -> bool:
+        if not self._n_ejected:
+            return False  # (the guard asks per route per request: the common case first)
         self._expire(now)
         h = self._hosts.get(endpoint)
         return h is not None and h.ejected_until is not None

@@ -107,13 +107,20 @@ class WindowedSum:
                 self._buckets[self._index] = 0
         self._start = start + steps * self._slot_s
 
+    # add and total ask _advance only when `now` may be past the current bucket: most calls
+    # fall in it, and a call costs ~5 us with cold caches (several a request, on the way to
+    # the upstream send: the throttle's allow, the retry budget's deposit).
     def add(self, now: float, amount: int) -> None:
-        self._advance(now)
+        start = self._start
+        if start is None or not now < start + self._slot_s:
+            self._advance(now)
         self._buckets[self._index] += amount
         self._sum += amount
 
     def total(self, now: float) -> int:
-        self._advance(now)
+        start = self._start
+        if start is None or not now < start + self._slot_s:
+            self._advance(now)
         return self._sum
 
 

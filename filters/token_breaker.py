@@ -287,18 +287,26 @@ class TokenBreaker:
         """May a request of `tokens` (expected_tokens) at `priority` go to `endpoint` now?
         `scale` shrinks the endpoint's limits (a slow-start weight). Pure: nothing is
         reserved until `start`."""
-        ep = self._endpoint(endpoint)
-        self._refresh(endpoint, ep, now)
-        if ep.state == "open":
-            return self._elsewhere("breaker-open")
-        if ep.state == "half-open" and ep.probes >= self.config.half_open_probes:
-            return self._elsewhere("breaker-half-open")
+        ep = self._endpoints.get(endpoint)
+        if ep is None:
+            ep = self._endpoint(endpoint)
+        if ep.state != "closed":
+            self._refresh(endpoint, ep, now)
+            if ep.state == "open":
+                return self._elsewhere("breaker-open")
+            if ep.state == "half-open" and ep.probes >= self.config.half_open_probes:
+                return self._elsewhere("breaker-half-open")
+        # An idle pool and endpoint take anything (_over): no share to look up, no call
+        # (each costs ~5 us with cold caches on the way to the upstream send).
+        pool, usage = self._pool, ep.usage
+        if pool.requests == 0 and usage.requests == 0:
+            return OK
         share = self.share(priority)
-        over = _over(self._pool, self.config.pool_limits, tokens, share)
+        over = _over(pool, self.config.pool_limits, tokens, share)
         if over is not None:
             self.rejected_queue += 1
             return Decision("queue", f"pool-{over}")
-        over = _over(ep.usage, ep.limits, tokens, share * scale)
+        over = _over(usage, ep.limits, tokens, share * scale)
         if over is not None:
             return self._elsewhere(f"endpoint-{over}")
         return OK

@@ -200,7 +200,7 @@ class Attempts:
             return _STOP
         if ctx.inference is None:
             return candidates[0]
-        screened = self.screen(ctx, candidates)
+        screened = self.screen(ctx, candidates, limit=1)
         if screened.full and self.plane.guards[ctx.pool].admission is None:
             return self.acct.refuse(
                 ctx,
@@ -571,15 +571,22 @@ class Attempts:
         *,
         continuation: bool = False,
         pool: str | None = None,
+        limit: int | None = None,
     ) -> Screened[Route]:
         """The routes the guard lets through now (`continuation`: a resumed stream, which
-        in-flight limits do not hold back; `pool`: another pool's routes, a prefill step's);
-        the skipped ones are counted."""
+        in-flight limits do not hold back; `pool`: another pool's routes, a prefill step's;
+        `limit`: no more than this many, the rest not asked about); the skipped ones are
+        counted."""
         pool = pool or ctx.pool
         guard = self.plane.guards[pool]
         assert ctx.pick is not None
         screened = guard.screen(
-            routes, ctx.tokens, ctx.pick.priority, time.monotonic(), continuation=continuation
+            routes,
+            ctx.tokens,
+            ctx.pick.priority,
+            time.monotonic(),
+            continuation=continuation,
+            limit=limit,
         )
         for _, why in screened.skipped:
             self.plane.metrics.breaker_rejections.labels(pool, why).inc()
