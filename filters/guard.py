@@ -59,7 +59,13 @@ from filters.outlier import OutlierConfig, OutlierDetector, OutlierEvent
 from filters.retry_budget import RandomSource
 from filters.slow_start import SlowStart, SlowStartConfig
 from filters.throttle import AdaptiveThrottle, AdaptiveThrottleConfig
-from filters.token_breaker import BreakerTransition, Limits, TokenBreaker, TokenBreakerConfig
+from filters.token_breaker import (
+    BreakerState,
+    BreakerTransition,
+    Limits,
+    TokenBreaker,
+    TokenBreakerConfig,
+)
 
 __all__ = [
     "EndpointFlags",
@@ -487,11 +493,21 @@ class PoolGuard:
         """The guard's view of `url` now (see EndpointFlags)."""
         return EndpointFlags(url, *self._view(url, now))
 
-    def _view(self, url: str, now: float) -> tuple[bool, float | None, float]:
-        """flags' fields: (breaker open, ejected until, ramp)."""
-        state = self.breaker.state(url, now) if self.breaker is not None else "closed"
+    def _view(
+        self,
+        url: str,
+        now: float,
+        state: BreakerState | None = None,
+        ejected: bool | None = None,
+    ) -> tuple[bool, float | None, float]:
+        """flags' fields: (breaker open, ejected until, ramp); `state` and `ejected`: the
+        breaker's state and the ejection now, when the caller has asked already."""
+        if state is None:
+            state = self.breaker.state(url, now) if self.breaker is not None else "closed"
+        if ejected is None:
+            ejected = self.outlier is not None and self.outlier.ejected(url, now)
         until = None
-        if self.outlier is not None and self.outlier.ejected(url, now):
+        if ejected and self.outlier is not None:
             until = self.outlier.ejected_until(url)
         ramps = self.slow_start
         ramp = 1.0
@@ -509,11 +525,15 @@ class PoolGuard:
         only once it moved by RAMP_STEP). An endpoint seen open, half-open or ejected
         loses its ramp; seen healthy after that, it starts one."""
         out: list[EndpointFlags] = []
-        ramps = self.slow_start
+        ramps, breaker, outlier = self.slow_start, self.breaker, self.outlier
         for url in urls:
+            # Each asked once here, for the ramp and the view both (~5 us a call with cold
+            # caches, once per attempt's end).
+            ejected = outlier is not None and outlier.ejected(url, now)
+            state = breaker.state(url, now) if breaker is not None else "closed"
             if ramps is not None:
-                self._observe(url, ramps, now)
-            view = self._view(url, now)
+                self._observe(url, ramps, now, ejected or state != "closed")
+            view = self._view(url, now, state, ejected)
             old = self._published.get(url)
             if old is None:
                 if view == _HEALTHY:
@@ -536,10 +556,8 @@ class PoolGuard:
                 self._published[url] = new
         return out
 
-    def _observe(self, url: str, ramps: SlowStart, now: float) -> None:
-        sick = self.outlier is not None and self.outlier.ejected(url, now)
-        if not sick and self.breaker is not None:
-            sick = self.breaker.state(url, now) != "closed"
+    def _observe(self, url: str, ramps: SlowStart, now: float, sick: bool) -> None:
+        """`sick`: ejected, or its breaker not closed."""
         if sick:
             ramps.forget(url)
             self._sick.add(url)

@@ -389,12 +389,16 @@ class TokenBreaker:
         if f is None:
             return
         ep = self._endpoints.get(f.endpoint)
-        usages = [self._pool] if ep is None else [self._pool, ep.usage]
-        for u in usages:
+        pending = 1 if f.pending else 0
+        u = self._pool
+        u.tokens -= f.tokens
+        u.requests -= 1
+        u.pending -= pending
+        if ep is not None:
+            u = ep.usage
             u.tokens -= f.tokens
             u.requests -= 1
-            if f.pending:
-                u.pending -= 1
+            u.pending -= pending
         if ok and completion_tokens is not None and f.model is not None:
             self.observe_output(f.model, completion_tokens)
         if ep is None:
@@ -409,7 +413,8 @@ class TokenBreaker:
     def _outcome(
         self, name: str, ep: _Endpoint, f: _Flight, ok: bool, now: float, why: str
     ) -> None:
-        self._refresh(name, ep, now)
+        if ep.state == "open":  # (_refresh moves only an open breaker: no call otherwise)
+            self._refresh(name, ep, now)
         cfg = self.config
         if ep.state == "half-open":
             if not f.probe:
