@@ -49,8 +49,8 @@ _MIN_PERIOD_S = 1.0
 class CapacityTally:
     """A pool's endpoints' replica capacities (filters/autoscale.py replica_capacity) and
     their sums, each endpoint's kept while nothing it depends on changed, so a second's
-    evaluation does not rebuild 1,000 of them (8.5 ms a walk; the walk is the reference,
-    and tests/test_autoscale_tally.py holds the two equal).
+    evaluation does not rebuild 1,000 of them (6.6-8.5 ms a walk; the walk is the
+    reference, and tests/test_autoscale_tally.py holds the two equal).
 
     An endpoint's capacity depends on its `version` (moved by every change of an
     EndpointState: reports, local counters, flags, calibrations), whether its report is
@@ -58,7 +58,8 @@ class CapacityTally:
     one of those moved. What depends on the GPU, the calibrations and the KV capacity (its
     prefill and decode rates) is kept while those are the same (at 10 Hz of reports every
     endpoint's version moves, its GPU and speed seldom); its KV in use, queue and
-    eligibility are taken anew."""
+    eligibility are taken anew. It relies on EndpointState's contract that every change
+    moves `version` (a field assigned directly is followed by touch())."""
 
     __slots__ = (
         "_keys",
@@ -70,10 +71,10 @@ class CapacityTally:
         "kv_used",
         "prefill",
         "queued",
-    )  # fmt: skip
+    )
 
     def __init__(self) -> None:
-        self._states: list[EndpointState] = []
+        self._states: list[EndpointState | None] = []
         # Per endpoint, in the pool's order: (version, fresh report, ejected) when its
         # figures were taken, and (GPU name, GPUs, speed, calibrations, KV capacity) with
         # the rates they give.
@@ -90,7 +91,7 @@ class CapacityTally:
         """Bring every endpoint's figures to `now`."""
         n = len(states)
         if n != len(self._states):
-            self._states = [None] * n  # type: ignore[list-item]  # none known: all taken
+            self._states = [None] * n  # none known: every endpoint's figures taken
             self._keys = [(-1, None, False)] * n
             self._rates = [((), 0.0, 0.0, 0.0)] * n
             self.queued, self.kv_used, self.eligible = [0] * n, [0.0] * n, [False] * n
