@@ -429,6 +429,10 @@ OVERDUE_STEP_S = 0.5
 # The weight of one pick in a prefix group's share of picks that continue a session
 # (_Group.follow: an EWMA over about ten picks).
 FOLLOW_ALPHA = 0.1
+# After FOLLOW_MIN_PICKS picks a group whose follow share is under FOLLOW_NONE has shown
+# that its tasks do not go on: a new task id there no longer starts a session at a hub.
+FOLLOW_MIN_PICKS = 20
+FOLLOW_NONE = 0.1
 # A fixed fleet's cost weight in J (PickerConfig.elastic false): its GPUs are paid for
 # whether busy or idle, so a dollar of GPU time counts this much against latency.
 FIXED_COST_WEIGHT = 0.1
@@ -963,6 +967,7 @@ class _Group:
     # The share of its picks that continued a session (a follow-up step: Picker.pick), an
     # EWMA over picks (FOLLOW_ALPHA).
     follow: float = 0.0
+    picks: int = 0  # picks in the group (its follow share means something after a few)
 
 
 @dataclass(slots=True)
@@ -1168,9 +1173,19 @@ class Picker:
                 if fan >= len(cands):
                     holders = []
                     g = self._groups.get(group_key) if group_key is not None else None
-                    if (req.context_key is not None and task is None) or (
-                        g is not None and g.follow >= c.session_share
-                    ):
+                    if g is None:
+                        starts = req.context_key is not None and task is None
+                    elif g.follow >= c.session_share:
+                        starts = True
+                    else:
+                        # A new task id, unless the group has shown that its tasks do not
+                        # go on (one-step tasks, each with an id of its own).
+                        starts = (
+                            req.context_key is not None
+                            and task is None
+                            and (g.picks < FOLLOW_MIN_PICKS or g.follow >= FOLLOW_NONE)
+                        )
+                    if starts:
                         # A session starts here (a new task id, or a pool whose picks
                         # mostly continue sessions): its later steps stay where it
                         # starts, and every engine will hold the hub, so the hub does
@@ -2046,6 +2061,7 @@ class Picker:
             g.at = now
         g.rate += work / tau
         g.follow += FOLLOW_ALPHA * ((1.0 if follow_up else 0.0) - g.follow)
+        g.picks += 1
         return g.rate
 
     def _replica_target(

@@ -9,6 +9,7 @@ import pytest
 from filters.endpoint_state import EndpointState, ReportedState
 from filters.hotpath import block_hashes
 from filters.picker import (
+    FOLLOW_MIN_PICKS,
     INDEX_CAPACITY_UNKNOWN_START,
     Picker,
     PickerConfig,
@@ -374,3 +375,17 @@ def test_without_headers_a_group_whose_prompts_continue_starts_sessions_by_load(
         assert p.pick(step, eps, now)[0].reason == "prefix-affinity"
         now += 0.1
     assert p.pick(req(prompt), eps, now, record=False)[0].endpoint != "e0"
+
+
+def test_one_step_tasks_each_with_an_id_stop_spreading_once_the_group_shows_it():
+    """A client that gives every request a task id of its own, behind a shared system
+    prompt, starts no sessions: once its group has FOLLOW_MIN_PICKS picks and almost none
+    continued, a new id no longer moves a question off the engine holding the prompt."""
+    eps, p, header = _hub_fleet()
+    now = 1.0
+    for i in range(FOLLOW_MIN_PICKS):  # questions, each its own task, none going on
+        question = req(header + f" question {i}: " + "which part? " * 20, context_key=f"q{i}")
+        p.pick(question, eps, now, record=False)
+        now += 0.1
+    late = req(header + " question 99: " + "this one? " * 20, context_key="q99")
+    assert p.pick(late, eps, now, record=False)[0].endpoint == "e0"
