@@ -47,7 +47,7 @@ the pool is elastic:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -170,6 +170,18 @@ PREFILL_REASON = "prefill"
 
 def _prefill_step(a: AttemptLike) -> bool:
     return a.reason == PREFILL_REASON
+
+
+def answer_usd(attempts: Sequence[AttemptLike], costs: Sequence[AttemptCost]) -> float:
+    """What the answer cost of a request that ended ok: its final attempt, and a prefill
+    step that served it (the rest of `costs` is retries)."""
+    if len(costs) == 1 and len(attempts) <= 1:
+        return costs[0].usd + 0
+    return costs[-1].usd + sum(
+        c.usd
+        for a, c in zip(attempts[:-1], costs[:-1], strict=True)
+        if _prefill_step(a) and a.outcome == OK_OUTCOME
+    )
 
 
 class RecordLike(Protocol):
@@ -664,15 +676,7 @@ class CostLedger:
         outcome = record.outcome
         ok = outcome == OK_OUTCOME
         # The answer's cost: its final attempt, and a prefill step that served it.
-        attempts = record.attempts
-        if len(costs) == 1 and len(attempts) <= 1:
-            final_usd = costs[0].usd + 0
-        else:
-            final_usd = costs[-1].usd + sum(
-                c.usd
-                for a, c in zip(attempts[:-1], costs[:-1], strict=True)
-                if _prefill_step(a) and a.outcome == OK_OUTCOME
-            )
+        final_usd = answer_usd(record.attempts, costs)
         # Buckets decided now: the request's fate is known; only ok work waits for its task.
         prompt_tokens = record.prompt_tokens or 0
         completion_tokens = record.completion_tokens or 0

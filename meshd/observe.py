@@ -48,6 +48,7 @@ from filters.cost_ledger import (
     PriceTable,
     TaskResult,
     TimingModel,
+    answer_usd,
 )
 from filters.gpu import normalise_gpu_name
 from filters.request import InferenceRequest
@@ -452,7 +453,9 @@ class RequestObserver:
         usd = req.cost_usd
         self.spent_usd += usd
         if req.outcome == OK_OUTCOME:
-            self._add_waste(pool, "retries", usd - costs[-1][1])
+            # The answer's own attempts (the last, and a prefill step that served it) are
+            # not retries.
+            self._add_waste(pool, "retries", usd - answer_usd(req._attempts, costs))
         elif req.outcome in ABANDONED_OUTCOMES:
             self._add_waste(pool, "abandoned_streams", usd)
         else:

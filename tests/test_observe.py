@@ -268,6 +268,30 @@ def test_access_log_read_by_meshd_cost_gives_cost_per_successful_task(tmp_path: 
     assert cells["failed tasks"] == f"${1.0 * H100_PER_S:.6f}"
 
 
+def test_a_split_requests_prefill_step_is_part_of_its_answer_not_a_retry() -> None:
+    """A prefill/decode request: its prefill step (reason "prefill", ok) and its decode
+    step are the answer; only a failed try before them is retry waste, in the live
+    metric as in the ledger."""
+    metrics = DataPlaneMetrics()
+    observer = RequestObserver(metrics)
+    inf = parse_inference_request("chat", body())
+    t0 = time.monotonic()
+    req = observer.begin("chat", "default", inf, routing(), "pd-1", t0)
+    assert hasattr(req, "attempt")
+    lost = req.attempt(A, "H100", t0, reason="prefill")
+    lost.end("connect_error", 0, None, None, None, t0 + 0.01, gpu_seconds=0.25)
+    pre = req.attempt(B, "H100", t0 + 0.01, reason="prefill")
+    pre.first_token(t0 + 0.1)
+    pre.end("ok", 200, 0, 600, 1, t0 + 0.1, gpu_seconds=1.0)
+    dec = req.attempt(A, "H100", t0 + 0.1, reason="decode")
+    dec.first_token(t0 + 0.2)
+    dec.end("ok", 200, 0, 600, 64, t0 + 1.0, gpu_seconds=2.0)
+    req.finish("ok", None, t0 + 1.0, status=200)
+    observer.close()
+    retries = value(metrics, "meshd_waste_usd_total", pool="default", kind="retries")
+    assert retries == pytest.approx(0.25 * H100_PER_S)
+
+
 def test_full_queue_drops_and_counts(tmp_path: Path) -> None:
     metrics = DataPlaneMetrics()
     writer = AccessLogWriter(tmp_path / "a.jsonl", queue_size=1, start=False)
