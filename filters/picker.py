@@ -195,11 +195,23 @@ Decision
    took next turns kept 0.80 -> 0.92 and makespan p50 1.14x -> 0.97x cache_aware's).
 3. Bounded load (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded Loads",
    SODA 2018, arXiv:1608.01350): with loads L (requests or tokens in flight), capacity
-   weights w_e = nominal prefill tok/s x ramp_e (the slow-start weight in (0, 1] of a
-   newly healthy endpoint, EndpointState.ramp) and this request's load x, e may be primary
+   weights w_e = the requests e turns over, which its decode speed sets (the reference
+   H100's prefill tok/s x the GPUs' decode step at a batch of 64 relative to the H100's:
+   an A100 0.64) x ramp_e (the slow-start weight in (0, 1] of a newly healthy endpoint,
+   EndpointState.ramp), and this request's load x, e may be primary
    only if L_e + x <= (1 + epsilon) * (1 + cached_headroom * C_e / P) * w_e * (sum L + x)
-   / sum w, or L_e <= load_floor * w_e / w_H100 (below the floor an engine just batches
-   one more). If none may, the bound is ignored. An endpoint holding C_e of the prompt's P
+   / sum w, or L_e <= load_floor * its nominal prefill tok/s x ramp_e / the H100's (below
+   the floor an engine just batches one more). If none may, the bound is ignored. The
+   weights were the prefill datasheet's (an A100 0.32): told a mixed fleet, meshd held the
+   A100s to a third of the H100s' requests (53 against ~197 each on Azure's conversations)
+   while the H100s queued, though a request's time there is mostly decode, 1.7x faster on
+   an H100, not 3x. Virtual clock, 2026-12-07, meshd told each GPU / the best peer, 4 H100
+   + 4 A100, before -> after: Azure conversations TTFT p90 1.87 -> 1.27, p99 1.33 -> 0.97,
+   E2E p50 0.97 -> 1.00; Mooncake p99 0.40 -> 0.37, E2E 0.75 -> 0.73, hit rate 0.65 ->
+   0.57; sessions E2E 0.59 -> 0.56, makespan 0.31 -> 0.29, wasted 0.34 -> 0.30, TTFT p90
+   0.09 -> 0.10; shared-prefix max/mean 2.31 -> 2.00; agentic unchanged. Fleets of one
+   GPU class (and fleets nobody described) route as before: a weight common to all
+   cancels. An endpoint holding C_e of the prompt's P
    tokens has that much more headroom (cached_headroom 1): the work a request brings there
    is only its uncached part, and sending it elsewhere recomputes the prefix and copies it
    into another cache. On the matrix's shared-prefix cells (16 system prompts of 1,024
@@ -384,7 +396,8 @@ _M64 = 0xFFFFFFFFFFFFFFFF
 _REF = GPUS["H100"]
 # Decode is priced at this batch size: a healthy engine's steady state.
 DECODE_REF_BATCH = 64
-_REF_DECODE_TOKEN_S = _REF.decode_step_s(DECODE_REF_BATCH) / DECODE_REF_BATCH
+_REF_DECODE_64 = _REF.decode_step_s(DECODE_REF_BATCH)
+_REF_DECODE_TOKEN_S = _REF_DECODE_64 / DECODE_REF_BATCH
 # A request's best case first token: one step of an idle reference GPU, plus its prompt
 # at the reference prefill speed (lambda_knee_s).
 _REF_STEP_S = _REF.decode_step_s(1)
@@ -664,6 +677,7 @@ class _View:
         "decode_span",
         "floor_load",
         "free_kv",
+        "full_weight",
         "inv",
         "inv_nominal",
         "kc",
@@ -733,7 +747,8 @@ class _View:
     decode_span: float  # output tokens that batch lasts (inf: for all of ours)
     decode_extra: float  # per output token beyond decode_span: alone, less the share
     version: int
-    weight: float  # nominal prefill tok/s x slow-start ramp: the capacity weight
+    weight: float  # full_weight x slow-start ramp: the capacity weight
+    full_weight: float  # the reference's prefill tok/s x this GPU's decode speed vs its
     cal_key: str  # GPU class for calibration pooling
     cal: float  # the calibration the load part used
     # (samples, ttft_ratio, class, class's pushed prior) it was computed from, or None.
@@ -1241,12 +1256,12 @@ class Picker:
                     top = cap * (1.0 + headroom * held)
             if v.load <= v.floor_load or v.load + x <= top * v.weight:
                 return True
-            if yield_q is None or v.weight >= v.tps0 or v.load + x > cap * v.tps0:
+            if yield_q is None or v.weight >= v.full_weight or v.load + x > cap * v.full_weight:
                 return False
             if not pool_q:
                 pool_q.append(
                     min(
-                        (_queue_now(u[2], now) for u in cands if u[2].weight >= u[2].tps0),
+                        (_queue_now(u[2], now) for u in cands if u[2].weight >= u[2].full_weight),
                         default=_INF,
                     )
                 )
@@ -1852,8 +1867,20 @@ class Picker:
         v.kv_cap = float(cap)
         # Slow start: a newly healthy endpoint takes its share of load gradually.
         ramp = getattr(e, "ramp", 1.0)
-        v.weight = v.tps0 * (ramp if 0.0 < ramp < 1.0 else 1.0)
-        v.floor_load = self._floor * v.weight / _REF.prefill_tokens_per_s
+        if not 0.0 < ramp < 1.0:
+            ramp = 1.0
+        # The capacity weight: the requests it turns over, which its decode speed sets (a
+        # request spends most of its time there decoding), in the reference GPU's prefill
+        # tok/s (Decision 3); the load floor stays its prefill's share of the reference's.
+        v.full_weight = (
+            _REF.prefill_tokens_per_s
+            * n
+            * max(1e-6, e.speed_scale)
+            * _REF_DECODE_64
+            / gpu.decode_step_s(DECODE_REF_BATCH)
+        )
+        v.weight = v.full_weight * ramp
+        v.floor_load = self._floor * v.tps0 * ramp / _REF.prefill_tokens_per_s
         v.r_running = r.requests_running if r is not None else 0
         v.r_waiting = r.requests_waiting if r is not None else 0
         v.r_requests = v.r_running + v.r_waiting

@@ -389,3 +389,20 @@ def test_one_step_tasks_each_with_an_id_stop_spreading_once_the_group_shows_it()
         now += 0.1
     late = req(header + " question 99: " + "this one? " * 20, context_key="q99")
     assert p.pick(late, eps, now, record=False)[0].endpoint == "e0"
+
+
+def test_capacity_weights_follow_decode_speed_on_a_told_mixed_fleet():
+    """Bounded load's weights are the requests an engine turns over, which its decode
+    speed sets (an A100 0.64 of an H100), not its prefill (0.32): an H100 carrying six
+    requests against an A100's two is over its share, and a new prompt goes to the A100."""
+    eps = [
+        EndpointState("e0", url="http://e0", gpu="H100"),
+        EndpointState("e1", url="http://e1", gpu="A100"),
+    ]
+    p = Picker(PickerConfig(load_floor=0.0))
+    busy(eps[0], 6, 0.5)
+    busy(eps[1], 2, 0.5)
+    out = p.pick(req("a question nobody asked before " * 20), eps, 1.0, record=False)
+    assert out[0].endpoint == "e1"
+    assert out[0].reason in ("least-cost", "cold-hash")
+    assert [c.endpoint for c in out] == ["e1", "e0"]  # the H100 stays the fallback
