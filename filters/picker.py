@@ -210,8 +210,9 @@ Decision
    E2E p50 0.97 -> 1.00; Mooncake p99 0.40 -> 0.37, E2E 0.75 -> 0.73, hit rate 0.65 ->
    0.57; sessions E2E 0.59 -> 0.56, makespan 0.31 -> 0.29, wasted 0.34 -> 0.30, TTFT p90
    0.09 -> 0.10; shared-prefix max/mean 2.31 -> 2.00; agentic unchanged. Fleets of one
-   GPU class (and fleets nobody described) route as before: a weight common to all
-   cancels. An endpoint holding C_e of the prompt's P
+   GPU class (and fleets nobody described) route as before, a weight common to all
+   cancelling, up to a tie at the bound's edge (Azure on the mixed fleet not told: p99
+   0.94 -> 0.88, the rest the same). An endpoint holding C_e of the prompt's P
    tokens has that much more headroom (cached_headroom 1): the work a request brings there
    is only its uncached part, and sending it elsewhere recomputes the prefix and copies it
    into another cache. On the matrix's shared-prefix cells (16 system prompts of 1,024
