@@ -273,23 +273,24 @@ had gathered behind the 2,048-token tool prompt on the engines that saw it first
 H100s served 273 / 266 / 53 / 12 requests; A/B, meshd / best peer, TTFT p99 1.32 ->
 0.85, E2E p50 1.02 -> 0.93, max/mean 2.45 -> 1.19; shared-prefix p99 0.99 -> 1.13; the
 Mooncake and sessions cells unchanged. Without the fan-out bound, every branch point
-dropped the holder and Mooncake's hit rate fell 0.92 -> 0.28x). Sessions start at a hub:
-a new session's first step behind a hub (a task id the picker has not seen, or, with no
+dropped the holder and Mooncake's hit rate fell 0.92 -> 0.28x). Sessions start at a hub: a
+new session's first step behind a hub (a task id the picker has not seen, or, with no
 header, a prefix group whose picks mostly continue an earlier prompt from where it ended:
 _Group.follow >= session_share, 0.5) is priced as if every candidate held the hub. Its
 later steps stay where it starts and every engine will hold the hub anyway, so the engine
-that saw the tool prompt first must not win every new task: load, homes and the
-rendezvous hash choose (the prediction and the calibration keep what each engine holds).
-A standalone question behind a shared system prompt (nothing in its group continues) still
-goes where the prompt is. Found on the matrix's agentic tasks on 4 H100s: every task went
-to the two engines that first held the tool prompt (308 and 296 requests, two engines
-idle; E2E p50 1.03x round robin's). Virtual clock, 2026-12-07, meshd given URLs only /
-the best peer, before -> after: agentic 4 H100 E2E p50 1.03 -> 0.94, makespan p50 1.01 ->
-0.95, max/mean 2.04 -> 1.38, TTFT p90 0.87 -> 0.82; 8 H100 E2E 0.98 -> 0.92, makespan 0.95
--> 0.92, max/mean 2.38 -> 1.80; 16 H100 E2E 0.89 -> 0.84; 4 H100 + 4 A100 nobody described
-E2E 0.99 -> 0.89, makespan 0.86 -> 0.77, TTFT p99 0.93 -> 0.77, max/mean 2.89 -> 1.89; at
-load 0.5 makespan 1.00 -> 0.91, at 1.5 E2E 0.98 -> 0.92; the sessions, Mooncake and
-shared-prefix cells unchanged. Among
+that saw the tool prompt first must not win every new task: load, homes and the rendezvous
+hash choose (the prediction and the calibration keep what each engine holds). A standalone
+question behind a shared system prompt (nothing in its group continues) still goes where
+the prompt is, even with a task id of its own once its group has shown that its tasks do
+not go on (FOLLOW_MIN_PICKS picks, a follow share under FOLLOW_NONE). Found on the
+matrix's agentic tasks on 4 H100s: every task went to the two engines that first held the
+tool prompt (308 and 296 requests, two engines idle; E2E p50 1.03x round robin's). Virtual
+clock, 2026-12-07, meshd given URLs only / the best peer, before -> after: agentic 4 H100
+E2E p50 1.03 -> 0.94, makespan p50 1.01 -> 0.95, max/mean 2.04 -> 1.38, TTFT p90 0.87 ->
+0.82; 8 H100 E2E 0.98 -> 0.92, makespan 0.95 -> 0.92, max/mean 2.38 -> 1.80; 16 H100 E2E
+0.89 -> 0.84; 4 H100 + 4 A100 nobody described E2E 0.99 -> 0.89, makespan 0.86 -> 0.77,
+TTFT p99 0.93 -> 0.77, max/mean 2.89 -> 1.89; at load 0.5 makespan 1.00 -> 0.91, at 1.5
+E2E 0.98 -> 0.92; the sessions, Mooncake and shared-prefix cells unchanged. Among
 endpoints holding it equally, one within the bounded-load rule, then the lowest J. The
 holder departs when, in order: a hot group replicates (the demand rule below); it misses
 the deadline ("deadline"); its load exceeds affinity_imbalance (3.0) x its share of the
