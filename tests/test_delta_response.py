@@ -154,14 +154,14 @@ def same(raw: bytes, wanted: dict[str, Interest]) -> None:
 
 
 @compiled
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(response(), interests)
 def test_responses_read_as_the_reference(raw: bytes, wanted: dict[str, Interest]) -> None:
     same(raw, wanted)
 
 
 @compiled
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(damaged(), interests)
 def test_damaged_responses_read_or_fail_as_the_reference(
     raw: bytes, wanted: dict[str, Interest]
