@@ -162,10 +162,19 @@ async def test_virtual_clock_agrees_with_real_time() -> None:
             got, want = real[r.request_id], virtual[r.request_id]
             assert got["text"] == run.texts[r.request_id], r.request_id
             assert got["tokens"] == want.output_tokens == r.max_tokens
-            assert got["cached"] == want.cached_tokens, r.request_id
-        # Round robin is deterministic: the same requests met the same caches.
-        assert real_hits == virtual_hits
-        problems = _timing_problems(requests, real, spans, result, virtual)
+        # Round robin is deterministic: the same requests met the same caches, unless a
+        # stall of the real run held a prefill past the arrival of the next prompt behind
+        # the same prefix (seen once in CI: a question found nothing cached where the
+        # virtual run had 1,200 tokens), which is timing too and gets the retry.
+        problems = [
+            f"{r.request_id}: cached real {real[r.request_id]['cached']}, "
+            f"virtual {virtual[r.request_id].cached_tokens}"
+            for r in requests
+            if real[r.request_id]["cached"] != virtual[r.request_id].cached_tokens
+        ]
+        if real_hits != virtual_hits:
+            problems.append(f"prefix cache counters real {real_hits}, virtual {virtual_hits}")
+        problems += _timing_problems(requests, real, spans, result, virtual)
         if not problems:
             break
     assert not problems, problems
