@@ -12,15 +12,18 @@ the same run.
 
 (b) one real sidecar process (`meshd sidecar`, control_plane.addresses set, pools naming
 the E engines) following a real control plane (xds/server.py's ControlPlane, its own
-process) while publisher processes write `--rate` updates/s into it through
-xds.client.Publisher, `--batch` engines a publish; the sidecar's CPU share from /proc
-(loadtest/procstats.py) over the window, against the updates it applied (its
+process, with its frames port) while publisher processes write `--rate` updates/s into it
+through xds.client.Publisher, `--batch` engines a publish; the sidecar's CPU share from
+/proc (loadtest/procstats.py) over the window, against the updates it applied (its
 meshd_control_plane_updates_total), and its share idle (the same sidecar, nothing
-published) just before.
+published) just before. `--transports grpc,frames` runs it once per transport the sidecar
+follows over (grpc: control_plane.frames off; frames: the default), `--process-rounds N`
+times, alternated, each run a fresh set of processes.
 
 Run: .venv/bin/python -m loadtest.xds_apply_bench [--engines 1000] [--updates 20000]
      [--per-response 1,10,100] [--rounds 5] [--rate 10000] [--duration 10] [--batch 50]
-     [--ack-pace-ms MS] [--no-process] [--json PATH]
+     [--ack-pace-ms MS] [--transports grpc,frames] [--process-rounds N] [--no-process]
+     [--json PATH]
 
 --json PATH writes every figure: `engines`; `apply` (per resources-per-response K, as a
 string key): {"before_us", "now_us", "now_over_before", "before_cold_us", "now_cold_us",
@@ -35,7 +38,10 @@ resource decoded; the rest is the routers' part), "sidecar_idle_share",
 "sidecar_share_at_10hz" (the share the measured us/update gives 1,000 engines at 10 Hz),
 "control_plane_cpu_share", "publishers_cpu_share", "engines_followed",
 "updates_per_response" (what the control plane's pushes to the sidecar carried),
-"ack_pace_ms" (the sidecar's ACK pace: control_plane.ack_pace_s, or --ack-pace-ms)}.
+"ack_pace_ms" (the sidecar's ACK pace: control_plane.ack_pace_s, or --ack-pace-ms),
+"transport" (what the sidecar followed over: grpc or frames)}, the median run (by
+us/update) of the first transport in --transports; `process_runs`: {transport: [every
+run's figures, as `process`]}.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -98,10 +105,12 @@ def sidecar_config(
     *,
     named: bool = True,
     ack_pace_s: float | None = None,
+    frames: bool = True,
 ) -> dict[str, Any]:
     """A sidecar routing to every engine, in POOLS pools (the `meshd` policy); `named`:
     each endpoint names its engine, so the sidecar subscribes by name (pool-scoped), else
-    it takes the wildcard. `ack_pace_s`: control_plane.ack_pace_s (None: the default)."""
+    it takes the wildcard. `ack_pace_s`: control_plane.ack_pace_s (None: the default).
+    `frames`: control_plane.frames (False: the sidecar follows over gRPC only)."""
 
     def endpoint(i: int) -> dict[str, str]:
         url = f"http://{engine_address(i)}"
@@ -122,6 +131,7 @@ def sidecar_config(
         "routing": {"policy": "meshd"},
         "control_plane": {
             "addresses": [control_plane],
+            "frames": frames,
             **({} if ack_pace_s is None else {"ack_pace_s": ack_pace_s}),
         },
         "drain": {"grace_period_s": 0},
@@ -354,7 +364,9 @@ def _control_plane(conn: Connection) -> None:
 
     async def main() -> None:
         cp = ControlPlane()
-        port = await cp.start("127.0.0.1", 0)
+        # With its frames port, as `meshd control-plane` serves it (a sidecar follows there
+        # unless control_plane.frames is off).
+        port = await cp.start("127.0.0.1", 0, publish_port=0)
         conn.send(port)
         loop = asyncio.get_running_loop()
         while await loop.run_in_executor(None, conn.recv) == "responses":
@@ -407,6 +419,17 @@ _APPLY_CPU = re.compile(r"^meshd_control_plane_apply_cpu_seconds_total (\S+)$", 
 _READ_CPU = re.compile(r"^meshd_control_plane_read_cpu_seconds_total (\S+)$", re.M)
 
 
+def _transport(admin: str) -> str:
+    """What the sidecar follows the control plane over (its /readyz detail)."""
+    try:
+        with urllib.request.urlopen(f"http://{admin}/readyz?verbose", timeout=5) as r:
+            body = r.read().decode()
+    except urllib.error.HTTPError as exc:  # not ready yet: the detail is still there
+        body = exc.read().decode()
+    m = re.search(r'"transport":\s*"(\w+)"', body)
+    return m.group(1) if m else ""
+
+
 def _scrape(admin: str) -> tuple[float, float, float, float]:
     """(endpoint_state updates applied, engines followed, thread CPU seconds spent applying
     responses, of which reading them) from the sidecar's /metrics."""
@@ -425,7 +448,8 @@ def bench_process(
     publishers: int,
     named: bool = True,
     ack_pace_s: float | None = None,
-) -> dict[str, float]:
+    transport: str = "frames",
+) -> dict[str, Any]:
     from loadtest.overhead import start_child
 
     ctx = mp.get_context("spawn")
@@ -460,16 +484,23 @@ def bench_process(
                     raise RuntimeError("a publisher did not start")
             path = Path(tmp) / "sidecar.yaml"
             config = sidecar_config(
-                engines, f"127.0.0.1:{port}", named=named, ack_pace_s=ack_pace_s
+                engines,
+                f"127.0.0.1:{port}",
+                named=named,
+                ack_pace_s=ack_pace_s,
+                frames=transport == "frames",
             )
             path.write_text(yaml.safe_dump(config))
             cmd = [sys.executable, "-m", "meshd.cli", "sidecar", "--config", str(path)]
             sidecar = start_child("sidecar", cmd, Path(tmp), 60.0)
             admin = str(sidecar.ready["admin"])
             deadline = time.monotonic() + 60
-            while _scrape(admin)[1] < engines:
+            while _scrape(admin)[1] < engines or _transport(admin) != transport:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the sidecar follows {_scrape(admin)[1]:.0f} engines")
+                    raise RuntimeError(
+                        f"the sidecar follows {_scrape(admin)[1]:.0f} engines over "
+                        f"{_transport(admin)}; wanted {engines} over {transport}"
+                    )
                 time.sleep(0.1)
             pid = sidecar.proc.pid
             # Idle: the sidecar connected, nothing published.
@@ -512,6 +543,7 @@ def bench_process(
     cpu = s1.cpu_since(s0)
     us = cpu / max(1.0, applied) * 1e6
     return {
+        "transport": transport,
         "asked_per_s": rate,
         "published_per_s": published / duration_s,
         "applied_per_s": applied / window,
@@ -554,6 +586,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="(b)'s sidecar ACKs EndpointState responses at most this often (default: "
         "control_plane.ack_pace_s's)",
     )
+    ap.add_argument(
+        "--transports",
+        default="frames",
+        help="(b)'s sidecar follows over these, a run each, alternated (grpc: "
+        "control_plane.frames off; frames: the control plane's frames port, the default)",
+    )
+    ap.add_argument("--process-rounds", type=int, default=1, help="(b)'s runs of each transport")
     ap.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     args = ap.parse_args(argv)
     sizes = [int(k) for k in args.per_response.split(",")]
@@ -580,47 +619,77 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r['cold_now_over_before']:>14.2f}"
         )
     if not args.no_process:
-        r = bench_process(
-            args.engines,
-            args.rate,
-            args.duration,
-            args.batch,
-            args.publishers,
-            named=not args.wildcard,
-            ack_pace_s=None if args.ack_pace_ms is None else args.ack_pace_ms / 1e3,
-        )
-        out["process"] = r
         from meshd.config_schema import ControlPlane
 
         default_ms = ControlPlane().ack_pace_s * 1e3
         pace_ms = default_ms if args.ack_pace_ms is None else args.ack_pace_ms
-        r["ack_pace_ms"] = pace_ms
-        print(
-            f"\n(b) one sidecar process following {r['engines_followed']:.0f} engines, "
-            f"{args.rate:,.0f} updates/s asked for {r['window_s']:.1f} s "
-            f"({args.publishers} publishers, {args.batch} engines a publish; subscribed "
-            f"{'with the wildcard' if args.wildcard else 'by name'}; ACKs at most every "
-            f"{pace_ms:g} ms; {r['updates_per_response']:.1f} updates a response to the "
-            "sidecar)"
-        )
-        print(
-            f"{'published/s':>12}{'applied/s':>11}{'CPU share':>11}{'us/update':>11}"
-            f"{'applying':>10}{'reading':>9}{'idle share':>12}{'at 10 Hz':>10}{'CP share':>10}"
-            f"{'pub share':>11}"
-        )
-        print(
-            f"{r['published_per_s']:>12,.0f}{r['applied_per_s']:>11,.0f}"
-            f"{r['sidecar_cpu_share']:>11.1%}{r['sidecar_us_per_update']:>11.2f}"
-            f"{r['sidecar_apply_us_per_update']:>10.2f}{r['sidecar_read_us_per_update']:>9.2f}"
-            f"{r['sidecar_idle_share']:>12.2%}{r['sidecar_share_at_10hz']:>10.1%}"
-            f"{r['control_plane_cpu_share']:>10.0%}{r['publishers_cpu_share']:>11.0%}"
-        )
-        if r["published_per_s"] < 0.95 * args.rate:
-            print(
-                "  publishers reached under 95% of the asked rate: the machine (or the "
-                "control plane's ingest) is short; us/update holds, the share is at the "
-                "rate applied"
-            )
+        transports = [t for t in args.transports.split(",") if t]
+        runs: dict[str, list[dict[str, Any]]] = {t: [] for t in transports}
+        header = False
+        for k in range(args.process_rounds):
+            for transport in transports if k % 2 == 0 else transports[::-1]:
+                r = bench_process(
+                    args.engines,
+                    args.rate,
+                    args.duration,
+                    args.batch,
+                    args.publishers,
+                    named=not args.wildcard,
+                    ack_pace_s=None if args.ack_pace_ms is None else args.ack_pace_ms / 1e3,
+                    transport=transport,
+                )
+                r["ack_pace_ms"] = pace_ms
+                runs[transport].append(r)
+                if not header:
+                    header = True
+                    print(
+                        f"\n(b) one sidecar process following {r['engines_followed']:.0f} "
+                        f"engines, {args.rate:,.0f} updates/s asked for {r['window_s']:.1f} s "
+                        f"({args.publishers} publishers, {args.batch} engines a publish; "
+                        f"subscribed {'with the wildcard' if args.wildcard else 'by name'}; "
+                        f"ACKs at most every {pace_ms:g} ms; transports {', '.join(transports)}"
+                        f"{', alternated' if len(transports) > 1 else ''})"
+                    )
+                    print(
+                        f"{'transport':>10}{'published/s':>12}{'applied/s':>11}{'CPU share':>11}"
+                        f"{'us/update':>11}{'applying':>10}{'reading':>9}{'idle share':>12}"
+                        f"{'at 10 Hz':>10}{'CP share':>10}{'pub share':>11}{'upd/resp':>10}"
+                    )
+                print(
+                    f"{transport:>10}{r['published_per_s']:>12,.0f}{r['applied_per_s']:>11,.0f}"
+                    f"{r['sidecar_cpu_share']:>11.1%}{r['sidecar_us_per_update']:>11.2f}"
+                    f"{r['sidecar_apply_us_per_update']:>10.2f}"
+                    f"{r['sidecar_read_us_per_update']:>9.2f}"
+                    f"{r['sidecar_idle_share']:>12.2%}{r['sidecar_share_at_10hz']:>10.1%}"
+                    f"{r['control_plane_cpu_share']:>10.0%}{r['publishers_cpu_share']:>11.0%}"
+                    f"{r['updates_per_response']:>10.1f}"
+                )
+                if r["published_per_s"] < 0.95 * args.rate:
+                    print(
+                        "  publishers reached under 95% of the asked rate: the machine (or "
+                        "the control plane's ingest) is short; us/update holds, the share is "
+                        "at the rate applied"
+                    )
+        if len(transports) > 1 or args.process_rounds > 1:
+            print("  median us/update (range):")
+            for t, rs in runs.items():
+                us = sorted(r["sidecar_us_per_update"] for r in rs)
+
+                def mid(key: str, rs: list[dict[str, Any]] = rs) -> float:
+                    return statistics.median(r[key] for r in rs)
+
+                outside = statistics.median(
+                    r["sidecar_us_per_update"] - r["sidecar_apply_us_per_update"] for r in rs
+                )
+                print(
+                    f"  {t:>8}: {statistics.median(us):.2f} ({us[0]:.2f}-{us[-1]:.2f}), "
+                    f"reading {mid('sidecar_read_us_per_update'):.2f}, applying "
+                    f"{mid('sidecar_apply_us_per_update'):.2f}, outside the apply {outside:.2f}"
+                )
+        # `process`: the median run (by us/update) of the first transport named.
+        first = sorted(runs[transports[0]], key=lambda r: r["sidecar_us_per_update"])
+        out["process"] = first[len(first) // 2]
+        out["process_runs"] = runs
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
         print(f"\nwrote {args.json}")

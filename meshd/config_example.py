@@ -171,6 +171,7 @@ control_plane:
   tls: null                    # {ca_file, cert_file, key_file} for mTLS
   stale_after_s: 10
   ack_pace_s: 0.02             # engine state ACKed at most this often (0: each at once)
+  frames: true                 # over the advertised frames port, not gRPC, where it answers
 drain:
   grace_period_s: 30           # SIGTERM: streams get this long to finish
 response_cache:               # exact-match answers (README: Response cache)

@@ -616,6 +616,10 @@ class ControlPlane(_Strict):
     # EndpointState responses ACKed at most this often (meshd/control_feed.py): the control
     # plane sends one with every engine changed meanwhile. 0: each ACKed at once.
     ack_pace_s: float = Field(default=0.02, ge=0, le=1.0)
+    # Follow over the frames port a control plane advertises (xds/publish_frames.py: the
+    # same messages without gRPC, a fraction of the sidecar's CPU a response); back to
+    # gRPC where that port fails. False: gRPC only.
+    frames: bool = True
 
     @model_validator(mode="after")
     def _one_way(self) -> ControlPlane:

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import math
 import socket
+import ssl
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -42,7 +43,14 @@ from meshd.config import Config, ConfigError
 from meshd.metrics import DataPlaneMetrics
 from meshd.shards import shard_for
 from meshd.tasks import cancel_and_wait
-from xds.client import Backoff, Entry, Subscriber, Update, tls_channel_credentials
+from xds.client import (
+    Backoff,
+    Entry,
+    Subscriber,
+    Update,
+    tls_channel_credentials,
+    tls_client_context,
+)
 from xds.engine_report import EngineReport, decode_engine_report
 from xds.resources import (
     ENDPOINT_STATE_TYPE,
@@ -79,6 +87,19 @@ def channel_credentials(config: Config) -> grpc.ChannelCredentials | None:
         return None
     try:
         return tls_channel_credentials(
+            tls.ca_file, tls.cert_file, tls.key_file, prefix="control_plane.tls."
+        )
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None
+
+
+def frames_ssl_context(config: Config) -> ssl.SSLContext | None:
+    """The same TLS as channel_credentials for the frames port (None: plaintext)."""
+    tls = config.control_plane.tls
+    if tls is None:
+        return None
+    try:
+        return tls_client_context(
             tls.ca_file, tls.cert_file, tls.key_file, prefix="control_plane.tls."
         )
     except ValueError as exc:
@@ -175,6 +196,7 @@ class ControlFeed:
         # while shards are added it may be in two for a while (its agent moved; the old
         # shard forgets it after its resource TTL): it is gone only when no shard has it.
         credentials = channel_credentials(config)
+        ssl_context = frames_ssl_context(config) if cp.frames else None
         wanted = subscribed_engines(config, routers)
         # Named engines: each shard is asked only for those that hash to it (their agents
         # publish nowhere else: meshd/shards.py), instead of every shard for all of them.
@@ -206,6 +228,10 @@ class ControlFeed:
                 # picker routes on its own observations in between).
                 # loadtest/xds_apply_bench.py (b) measures it.
                 ack_pace_s={ENDPOINT_STATE_TYPE: cp.ack_pace_s},
+                # Over the control plane's frames port once it says where that is: gRPC's
+                # read and ACK cost ~400-800 us a response besides (xds/client.py).
+                frames=cp.frames,
+                ssl_context=ssl_context,
             )
             for k, replicas in enumerate(shards)
         ]
@@ -297,6 +323,7 @@ class ControlFeed:
             "stale": stale_for > self.stale_after_s,
             "unconfirmed_for_s": round(stale_for, 3),
             "last_update_age_s": None if age is None else round(age, 3),
+            "transport": sub.transport,
             "connects": sub.stats.connects,
             "disconnects": sub.stats.disconnects,
             "failovers": sub.stats.failovers,

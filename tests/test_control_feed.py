@@ -333,10 +333,12 @@ async def test_engine_of_another_sidecar_is_ignored(
     assert not digests.wildcard and digests.names == {"e0", "e1", "e2"}
 
 
+@pytest.mark.parametrize("frames", [True, False])
 async def test_mtls_feed(
     tmp_path: Path,
     backends: Callable[..., Awaitable[Backend]],
     sidecar: Callable[..., Awaitable[Sidecar]],
+    frames: bool,
 ) -> None:
     ca = certs.ca("meshd-ca")
     server_cert, server_key = certs.leaf(ca, "control-plane")
@@ -345,7 +347,8 @@ async def test_mtls_feed(
     (tmp_path / "cert.pem").write_bytes(client_cert)
     (tmp_path / "key.pem").write_bytes(client_key)
     cp = ControlPlane()
-    port = await cp.start("127.0.0.1", 0, TlsConfig(server_cert, server_key, certs.pem(ca[1])))
+    tls_config = TlsConfig(server_cert, server_key, certs.pem(ca[1]))
+    port = await cp.start("127.0.0.1", 0, tls_config, publish_port=0)
     try:
         b = await backends("b0")
         cp.publish(ENDPOINT_STATE_TYPE, {"e0": engine_state(b, draining=True).encode()})
@@ -355,12 +358,16 @@ async def test_mtls_feed(
             "key_file": str(tmp_path / "key.pem"),
         }
         cfg = sidecar_config(
-            [b.url], control_plane={"addresses": [f"127.0.0.1:{port}"], "tls": tls}
+            [b.url],
+            control_plane={"addresses": [f"127.0.0.1:{port}"], "tls": tls, "frames": frames},
         )
         s = await sidecar(cfg)
         feed = feed_of(s)
         await until(feed, lambda: "e0" in feed.engines())
         assert feed.subscriber.connected and cp.stats.streams_open == 1
+        # Over the frames port the control plane advertised, with the same mTLS; or, with
+        # control_plane.frames off, over gRPC.
+        assert feed.health()["transport"] == ("frames" if frames else "grpc")
 
         bad = sidecar_config(
             [b.url],

@@ -362,6 +362,8 @@ async def _run(tmp: Path, engine_port: int) -> None:
             async with session.get(f"http://127.0.0.1:{admin}/endpoints") as r:
                 endpoints = await r.json()
         assert state is not None
+        # The sidecar follows over the advertised frames port, with the same mTLS.
+        assert state["control_plane"]["transport"] == "frames", state
         # The engine's own figures, as its agent published them, reached the sidecar.
         (ep,) = endpoints["pools"]["default"]
         assert ep["url"] == engine

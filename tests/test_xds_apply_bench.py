@@ -35,12 +35,19 @@ def test_a_tiny_run_measures_the_sidecar(tmp_path: Path) -> None:
     out = tmp_path / "apply.json"
     args = ["--engines", "20", "--updates", "200", "--per-response", "1,10", "--rounds", "1"]
     args += ["--rate", "200", "--duration", "1", "--batch", "5", "--json", str(out)]
+    args += ["--transports", "frames,grpc"]
     assert main(args) == 0
     r = json.loads(out.read_text())
     assert set(r["apply"]) == {"1", "10"}
     assert all(v["now_us"] > 0 and v["before_us"] > 0 for v in r["apply"].values())
+    # A run over each transport (the sidecar seen following over it), `process` the first's.
+    runs = r["process_runs"]
+    assert {t: [x["transport"] for x in v] for t, v in runs.items()} == {
+        "frames": ["frames"],
+        "grpc": ["grpc"],
+    }
     p = r["process"]
-    assert p["engines_followed"] == 20
+    assert p == runs["frames"][0] and p["engines_followed"] == 20
     assert 100 <= p["applied_per_s"] <= 300 and p["sidecar_cpu_share"] > 0
     # The sidecar's own account of applying them: part of what its process spent.
     assert 0 < p["sidecar_apply_us_per_update"] < p["sidecar_us_per_update"]

@@ -1,6 +1,7 @@
 """xds/client.py against a real control plane: state kept through a control-plane restart
 and resumed with only the changes, NACK of a malformed resource, unsubscription, a
-subscriber that never reads, and mTLS refusing a wrong client certificate."""
+subscriber that never reads, and mTLS refusing a wrong client certificate; each over gRPC
+and over the frames port (tests/test_xds_subscribe_frames.py: what is its own)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ from xds.server import ControlPlane, TlsConfig
 FAST = Backoff(base_s=0.02, max_s=0.2)
 
 
-@pytest.fixture
-async def cp() -> AsyncIterator[ControlPlane]:
+@pytest.fixture(params=["grpc", "frames"])
+async def cp(request: pytest.FixtureRequest) -> AsyncIterator[ControlPlane]:
+    """A control plane with (frames: the subscriber moves to its frames port) or without
+    a frames port (gRPC: the subscriber stays there)."""
     plane = ControlPlane()
-    await plane.start("127.0.0.1", 0)
+    await plane.start("127.0.0.1", 0, publish_port=0 if request.param == "frames" else None)
     yield plane
     await plane.stop(0)
 
@@ -46,6 +49,11 @@ def make_sub(
     return sub, updates
 
 
+def transport(cp: ControlPlane) -> str:
+    """What a subscriber to `cp` follows it over."""
+    return "frames" if cp.publish_port else "grpc"
+
+
 def running(sub: Subscriber, name: str) -> int | None:
     v = sub.get(T, name)
     return None if v is None else v.requests_running
@@ -57,6 +65,7 @@ async def test_restart_keeps_state_and_resumes_with_changes_only(cp: ControlPlan
     try:
         await sub.wait_until(lambda: len(sub.entries(T)) == 3)
         assert sub.connected and isinstance(sub.get(T, "e1"), EndpointState)
+        assert sub.transport == transport(cp) and sub.stats.connects == 1
         assert sub.last_update_age_s is not None and sub.stale_for_s == 0.0
         port = cp.port
         await cp.stop(0)
@@ -88,6 +97,7 @@ async def test_malformed_resource_nacked_not_applied(cp: ControlPlane) -> None:
     sub, updates = make_sub(cp.port)
     try:
         await sub.wait_until(lambda: len(sub.entries(T)) == 2)
+        assert sub.transport == transport(cp)
         # A resource that bypassed validation (written into the cache directly).
         cp.cache.set(T, "e1", b"\xc1garbage")
         await cp.wait_until(lambda: cp.stats.nacks[T] == 1)
@@ -110,6 +120,7 @@ async def test_unsubscribe(cp: ControlPlane) -> None:
     sub, updates = make_sub(cp.port, ["a", "b"])
     try:
         await sub.wait_until(lambda: len(sub.entries(T)) == 2)
+        assert sub.transport == transport(cp)
         await sub.unsubscribe(T, ["b"])
         assert set(sub.entries(T)) == {"a"}
         await cp.wait_until(lambda: cp.streams()[0].names == {"a"})

@@ -64,7 +64,7 @@ def test_frames_come_out_the_same_however_the_bytes_are_cut(
 
 
 def test_framing_errors() -> None:
-    with pytest.raises(FrameError, match="not a meshd publish stream"):
+    with pytest.raises(FrameError, match="not a meshd frames stream"):
         FrameReader(100, PREAMBLE).feed(b"PRI * HTTP/2.0\r\n")  # a gRPC client, say
     reader = FrameReader(100, PREAMBLE)
     assert reader.feed(PREAMBLE[:3]) == []

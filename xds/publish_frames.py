@@ -18,6 +18,14 @@ parse ends the connection (gRPC ends the stream for the last two).
 The server reads and writes its sockets from the event loop's reader callbacks
 (loop.add_reader), TLS through the ssl module's own socket: asyncio's SSL transport cost
 ~10-20 us a message more, in Python (same bench, same machine, runs interleaved).
+
+The same port carries a sidecar's subscription (delta ADS without gRPC): a client that
+opens with SUBSCRIBE_PREAMBLE is answered with it (the server speaks it: gRPC's response
+headers), then sends serialized DeltaDiscoveryRequests as frames and is sent serialized
+DeltaDiscoveryResponses, each way as the control plane's gRPC stream has them; the
+control plane advertises the port on its delta ADS streams as on the publish stream
+(xds/client.py's Subscriber moves there; the subscription's own logic is xds/server.py's
+_Stream, whichever the transport).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import ssl
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Protocol
 
 from envoy.service.discovery.v3 import discovery_pb2 as pb
 
@@ -39,10 +48,12 @@ from xds.resources import ResourceError
 __all__ = [
     "ADVERTISE_KEY",
     "PREAMBLE",
+    "SUBSCRIBE_PREAMBLE",
     "FrameError",
     "FramePublishServer",
     "FramePublisher",
     "FrameReader",
+    "FrameStream",
     "frame",
     "frames_target",
     "publish_message",
@@ -52,7 +63,9 @@ __all__ = [
 log = logging.getLogger("meshd.xds.publish_frames")
 
 PREAMBLE = b"MESHD-PUBLISH/1\n"
-ADVERTISE_KEY = "meshd-publish-frames-port"  # gRPC initial metadata: the frames port
+SUBSCRIBE_PREAMBLE = b"MESHD-DELTA-ADS/1\n"  # a subscriber's; the server answers with it
+# gRPC initial metadata (publish and delta ADS streams): the frames port.
+ADVERTISE_KEY = "meshd-publish-frames-port"
 _RECV_BYTES = 256 * 1024
 _READ_A_TURN = 4 * 2**20  # bytes of one connection read in one go, at most
 
@@ -68,13 +81,20 @@ def frame(payload: bytes) -> bytes:
 class FrameReader:
     """Sans-I/O: bytes in as they arrive, whole frames out. A frame's length is checked
     as soon as its header is in; one that is partly in waits in a bytearray (appends,
-    not a copy of everything so far per read: a full PrefixDigest is hundreds of KB)."""
+    not a copy of everything so far per read: a full PrefixDigest is hundreds of KB).
+    `preamble`: what the stream must open with, or several it may open with (none a
+    prefix of another; `chosen` says which came)."""
 
-    __slots__ = ("_buf", "_fed", "_max", "_need", "_preamble")
+    __slots__ = ("_buf", "_fed", "_got", "_max", "_need", "_preambles", "chosen")
 
-    def __init__(self, max_frame_bytes: int, preamble: bytes = b"") -> None:
+    def __init__(self, max_frame_bytes: int, preamble: bytes | tuple[bytes, ...] = b"") -> None:
         self._max = max_frame_bytes
-        self._preamble = preamble  # still expected
+        # Still expected: the candidates, and what of them came so far.
+        self._preambles = (preamble,) if isinstance(preamble, bytes) else preamble
+        if self._preambles == (b"",):
+            self._preambles = ()
+        self._got = b""
+        self.chosen = b""
         self._fed = False
         self._buf = bytearray()
         self._need = 0  # bytes _buf must hold before anything can come out of it
@@ -82,7 +102,7 @@ class FrameReader:
     @property
     def partial(self) -> bool:
         """Whether part of a frame (or of the preamble) is in, waiting for the rest."""
-        return bool(self._buf) or (self._fed and bool(self._preamble))
+        return bool(self._buf) or (self._fed and bool(self._preambles))
 
     def feed(self, data: bytes) -> list[bytes]:
         if self._buf:
@@ -90,16 +110,19 @@ class FrameReader:
             if len(self._buf) < self._need:
                 return []
             data, self._buf = bytes(self._buf), bytearray()
-        if self._preamble:
+        if self._preambles:
             self._fed = True
-            want = self._preamble
-            n = min(len(data), len(want))
-            if data[:n] != want[:n]:
-                raise FrameError("not a meshd publish stream")
-            self._preamble = want[n:]
-            if self._preamble:
+            got = self._got + data[: max(map(len, self._preambles))]
+            alive = [p for p in self._preambles if p[: len(got)] == got[: len(p)]]
+            if not alive:
+                raise FrameError("not a meshd frames stream")
+            done = [p for p in alive if len(got) >= len(p)]
+            if not done:
+                self._got, self._preambles = got, tuple(alive)
                 return []
-            data = data[n:]
+            self.chosen, self._preambles = done[0], ()
+            data = data[len(done[0]) - len(self._got) :]
+            self._got = b""
         frames: list[bytes] = []
         i, end = 0, len(data)
         while end - i >= 4:
@@ -154,11 +177,34 @@ def _peer(sock: socket.socket) -> str:
 Ingest = Callable[[bytes, Callable[[], str]], bytes | None]
 
 
-class _Connection:
-    """One agent's connection, driven by the loop's reader (and, while an answer is
-    unsent, writer) callbacks."""
+class FrameStream(Protocol):
+    """A subscriber's connection as the control plane serves it (xds/server.py): each
+    request frame handed to it, and told once the connection is gone."""
 
-    __slots__ = ("_hs_timer", "_peer", "_reader", "_unsent", "fd", "loop", "server", "sock")
+    def on_frame(self, payload: bytes) -> bool:
+        """Handle one request; False ends the connection (it was not one)."""
+        ...
+
+    def on_close(self) -> None: ...
+
+
+class _Connection:
+    """One client's connection, driven by the loop's reader (and, while something is
+    unsent, writer) callbacks: an agent's publishes, or (SUBSCRIBE_PREAMBLE) a sidecar's
+    subscription, whose responses go out through `write`."""
+
+    __slots__ = (
+        "_drained",
+        "_hs_timer",
+        "_peer",
+        "_reader",
+        "_unsent",
+        "fd",
+        "loop",
+        "server",
+        "sock",
+        "stream",
+    )
 
     def __init__(self, server: FramePublishServer, sock: socket.socket) -> None:
         self.server = server
@@ -166,8 +212,11 @@ class _Connection:
         self.sock = sock
         self.fd = sock.fileno()
         self._peer = _peer(sock)
-        self._reader = FrameReader(server.max_frame_bytes, PREAMBLE)
+        preambles = (PREAMBLE, SUBSCRIBE_PREAMBLE) if server.subscribe else PREAMBLE
+        self._reader = FrameReader(server.max_frame_bytes, preambles)
         self._unsent = b""
+        self._drained: asyncio.Future[None] | None = None  # a write waiting for _unsent
+        self.stream: FrameStream | None = None  # a subscriber's, once its preamble came
         self._hs_timer: asyncio.TimerHandle | None = None
         if isinstance(sock, ssl.SSLSocket):
             self._hs_timer = self.loop.call_later(
@@ -202,9 +251,10 @@ class _Connection:
         self.loop.add_reader(self.fd, self._readable)
 
     def _readable(self) -> None:
-        """What the socket holds: each whole message ingested and answered. While a
-        message is partly in, reading goes on (up to _READ_A_TURN), so a large one takes
-        one turn of the loop rather than one a TLS record; a small one costs one read."""
+        """What the socket holds: each whole message ingested and answered (a
+        subscriber's: handed to its stream). While a message is partly in, reading goes
+        on (up to _READ_A_TURN), so a large one takes one turn of the loop rather than one
+        a TLS record; a small one costs one read."""
         sock = self.sock
         tls = sock if isinstance(sock, ssl.SSLSocket) else None
         reader, ingest, peer = self._reader, self.server.ingest, self.peer
@@ -234,17 +284,41 @@ class _Connection:
             except FrameError as exc:
                 self.close(str(exc))
                 return
-            for payload in frames:
-                reply = ingest(payload, peer)
-                if reply is None:
-                    self.close("malformed publish message")
+            stream = self.stream
+            if stream is None and reader.chosen == SUBSCRIBE_PREAMBLE:
+                subscribe = self.server.subscribe
+                assert subscribe is not None
+                stream = self.stream = subscribe(self)
+                self._send(SUBSCRIBE_PREAMBLE)  # before its writer's first response
+                if self.fd < 0:
                     return
-                out.append(len(reply).to_bytes(4, "big") + reply)
+            if stream is not None:
+                for payload in frames:
+                    if not stream.on_frame(payload):
+                        self.close("malformed subscription request")
+                        return
+            else:
+                for payload in frames:
+                    reply = ingest(payload, peer)
+                    if reply is None:
+                        self.close("malformed publish message")
+                        return
+                    out.append(len(reply).to_bytes(4, "big") + reply)
             budget -= len(data)
-            if not reader.partial or budget <= 0:
+            if not reader.partial or budget <= 0 or self.fd < 0:
                 break
         if out:
             self._send(out[0] if len(out) == 1 else b"".join(out))
+
+    async def write(self, payload: bytes) -> None:
+        """Send one frame to a subscriber, once what was sent before it has gone (a
+        client that does not read holds its writer here); ConnectionError once closed."""
+        while self._unsent and self.fd >= 0:
+            waiter = self._drained = self.loop.create_future()
+            await waiter
+        if self.fd < 0:
+            raise ConnectionError("subscriber connection closed")
+        self._send(len(payload).to_bytes(4, "big") + payload)
 
     def _send(self, data: bytes) -> None:
         try:
@@ -255,23 +329,34 @@ class _Connection:
             self.close(str(exc))
             return
         if sent < len(data):
-            # Backpressure: read no more from a client that does not read its answers.
             self._unsent = data[sent:]
-            self.loop.remove_reader(self.fd)
+            if self.stream is None:
+                # Backpressure: read no more from a client that does not read its answers
+                # (a subscriber is read on: its ACKs are what lets more go out).
+                self.loop.remove_reader(self.fd)
             self.loop.add_writer(self.fd, self._writable)
 
     def _writable(self) -> None:
         data, self._unsent = self._unsent, b""
         self.loop.remove_writer(self.fd)
         self._send(data)
-        if not self._unsent and self.fd >= 0:
+        if self._unsent or self.fd < 0:
+            return
+        if self.stream is None:
             self.loop.add_reader(self.fd, self._readable)
+        self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        waiter, self._drained = self._drained, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def close(self, reason: str | None = None) -> None:
         if self.fd < 0:
             return
         if reason is not None:
-            log.info("publish connection from %s closed: %s", self._peer, reason)
+            kind = "publish" if self.stream is None else "subscriber"
+            log.info("%s connection from %s closed: %s", kind, self._peer, reason)
         if self._hs_timer is not None:
             self._hs_timer.cancel()
             self._hs_timer = None
@@ -280,16 +365,21 @@ class _Connection:
         self.fd = -1
         self.sock.close()
         self.server.connections.discard(self)
+        self._wake_writer()
+        if self.stream is not None:
+            self.stream.on_close()
 
 
 class FramePublishServer:
     """Accepts agents' publish connections on the running event loop and hands each
-    message to `ingest` (ControlPlane._ingest_frame)."""
+    message to `ingest` (ControlPlane._ingest_frame); and, with `subscribe`, sidecars'
+    subscriptions."""
 
     def __init__(
         self,
         ingest: Ingest,
         *,
+        subscribe: Callable[[_Connection], FrameStream] | None = None,
         max_frame_bytes: int,
         ssl_context: ssl.SSLContext | None = None,
         handshake_timeout_s: float = 10.0,
@@ -297,8 +387,11 @@ class FramePublishServer:
         keepalive_timeout_s: float = 10.0,
     ) -> None:
         """`keepalive_*`: TCP keepalive on each connection (probes after this long idle,
-        the connection dropped after this long unanswered), as gRPC's pings do."""
+        the connection dropped after this long unanswered), as gRPC's pings do.
+        `subscribe`: serve subscribers too (SUBSCRIBE_PREAMBLE), each connection's
+        requests handed to the FrameStream it returns (ControlPlane._subscribe_frames)."""
         self.ingest = ingest
+        self.subscribe = subscribe
         self.max_frame_bytes = max_frame_bytes
         self.ssl_context = ssl_context
         self.handshake_timeout_s = handshake_timeout_s

@@ -2,6 +2,8 @@
 and delta) on grpcio asyncio, serving the SnapshotCache, plus the publish stream that
 engine agents write their resources into (over gRPC, or the same messages over the frames
 port, xds/publish_frames.py, a fifth of the CPU a message, which the gRPC stream advertises).
+Delta subscribers (sidecars) may take the frames port too (advertised on their ADS
+stream): the same requests and responses, the same stream logic (_Stream), without gRPC.
 
 Semantics follow envoy/service/discovery/v3/discovery.proto and the xDS protocol doc
 (envoyproxy/envoy, api/xds_protocol.rst); structure follows go-control-plane: the cache
@@ -932,6 +934,53 @@ def _raw(payload: bytes) -> bytes:
     return payload
 
 
+def _ended(task: asyncio.Task[None]) -> str:
+    """Why a frames subscriber's writer ended (it ends only once its connection did)."""
+    if task.cancelled():
+        return "closed"
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, ConnectionError):
+        log.error("frames subscriber's writer failed", exc_info=exc)
+    return f"writer ended: {exc!r}"
+
+
+class _FrameSubscriber:
+    """A delta subscription over the frames port (xds/publish_frames.py): the same
+    _Stream as a gRPC one, its requests from the connection's reader callback and its
+    responses written to the connection (what _serve and _read do for gRPC)."""
+
+    __slots__ = ("cp", "stream", "writer")
+
+    def __init__(self, cp: ControlPlane, conn: Any) -> None:
+        self.cp = cp
+        self.stream = stream = _Stream(cp, conn.peer(), delta=True)
+        cp._streams.add(stream)
+        cp.stats.streams_open += 1
+        cp.stats.streams_total += 1
+        self.writer = asyncio.ensure_future(stream.write_loop(conn.write))
+        self.writer.add_done_callback(lambda task: conn.close(_ended(task)))
+
+    def on_frame(self, payload: bytes) -> bool:
+        try:
+            req = pb.DeltaDiscoveryRequest.FromString(payload)
+        except DecodeError as exc:
+            log.warning("unreadable subscription request from %s: %s", self.stream.peer, exc)
+            return False
+        self.cp._on_request(self.stream, req)
+        self.cp._notify_waiters_soon()
+        return True
+
+    def on_close(self) -> None:
+        cp, stream = self.cp, self.stream
+        cp._streams.discard(stream)
+        for sub in stream.subs.values():
+            cp._leave_lockstep(sub)
+        cp.stats.streams_open -= 1
+        self.writer.cancel()
+        stream.end_spans()
+        cp._notify_waiters_soon()  # a stream gone changes what predicates see
+
+
 class _AdsServicer:
     """Both ADS methods; responses leave as the bytes the streams assembled (`_raw`)."""
 
@@ -1013,6 +1062,7 @@ class ControlPlane:
         self._streams: set[_Stream] = set()
         self._events = asyncio.Condition()
         self._waiters = 0  # coroutines in wait_until (requests notify only when there are)
+        self._notifying: set[asyncio.Task[None]] = set()
         self._frames = _Frames()
         self._digest_bases = _DigestBases()
         self._dirty: dict[str, set[str]] = {}  # type URL -> names changed since the flush
@@ -1098,6 +1148,7 @@ class ControlPlane:
             lim = self.limits
             frames = FramePublishServer(
                 self._ingest_frame,
+                subscribe=self._subscribe_frames,
                 max_frame_bytes=lim.max_message_bytes,
                 ssl_context=tls.ssl_context() if tls is not None else None,
                 handshake_timeout_s=lim.handshake_timeout_s,
@@ -1499,8 +1550,9 @@ class ControlPlane:
     async def _serve(
         self, stream: _Stream, requests: AsyncIterator[Any], context: aio.ServicerContext
     ) -> None:
-        # Headers now, so a client knows it is connected before any response.
-        await context.send_initial_metadata(())
+        # Headers now, so a client knows it is connected before any response; a delta
+        # subscriber's say where the frames port is (xds/client.py moves there).
+        await context.send_initial_metadata(self._advertised if stream.delta else ())
         self._streams.add(stream)
         self.stats.streams_open += 1
         self.stats.streams_total += 1
@@ -1523,21 +1575,35 @@ class ControlPlane:
 
     async def _read(self, stream: _Stream, requests: AsyncIterator[Any]) -> None:
         async for req in requests:
-            self.stats.requests += 1
-            if not stream.node_id and req.node.id:
-                stream.node_id = req.node.id
-            if not req.type_url:
-                log.warning("request without type_url from %s ignored", stream.peer)
-            elif stream.delta:
-                stream.on_delta_request(req)
-            else:
-                stream.on_sotw_request(req)
+            self._on_request(stream, req)
             await self._notify_waiters()
+
+    def _on_request(self, stream: _Stream, req: Any) -> None:
+        self.stats.requests += 1
+        if not stream.node_id and req.node.id:
+            stream.node_id = req.node.id
+        if not req.type_url:
+            log.warning("request without type_url from %s ignored", stream.peer)
+        elif stream.delta:
+            stream.on_delta_request(req)
+        else:
+            stream.on_sotw_request(req)
+
+    def _subscribe_frames(self, conn: Any) -> _FrameSubscriber:
+        """A subscriber's connection on the frames port (xds/publish_frames.py)."""
+        return _FrameSubscriber(self, conn)
 
     async def _notify_waiters(self) -> None:
         if self._waiters:
             async with self._events:
                 self._events.notify_all()
+
+    def _notify_waiters_soon(self) -> None:
+        """_notify_waiters from a callback (a frames subscriber's reader)."""
+        if self._waiters:
+            task = asyncio.ensure_future(self._notify_waiters())
+            self._notifying.add(task)
+            task.add_done_callback(self._notifying.discard)
 
     # -- introspection --------------------------------------------------------------------
 
