@@ -29,6 +29,9 @@ Processes, so that each figure is one process's:
   Even thin, a grpc.aio subscriber costs ~125 us a response and ~0.6 us an update it
   receives (measured on the dev box, mostly grpc's read of the message), so 100 of them
   following 10,000 updates/s take ~0.8 of the 2 cores the control plane competes for.
+  With `--subscriber-transport frames` the delta subscribers follow over the control
+  plane's frames port instead (xds/publish_frames.py, as sidecars do by default; SotW
+  stays on gRPC), the same messages, parsed and ACKed the same way.
 
 Figures per scenario: update-to-subscriber latency p50/p99/max (the publish call started
 -> a subscriber received it; the time travels in `tokens_in_flight`, microseconds of
@@ -53,7 +56,8 @@ window; the peak is printed beside it); two shards ingest twice the updates at t
 per-update cost of one (within 20%).
 
 --json PATH writes every figure: {"settings": {engines (per shard), rate, duration_s,
-per_message, transport, publishers, streams, per_process, latency_share, push_interval_s,
+per_message, transport, subscriber_transport, publishers, streams, per_process,
+latency_share, push_interval_s,
 digest_blocks, subscribers, shards, cpus}, "scenarios": [{name, mode, subscribers, shards,
 engines, valid, asked_per_s, published_per_s, publish_share, window_s, p50_ms, p99_ms,
 max_ms, seen_share, bytes_per_s, responses_per_s, updates_per_response, cp_cpu_share,
@@ -69,6 +73,7 @@ bytes_per_s_per_subscriber, sotw_over_delta_bytes, digest_rss_bytes_per_block},
 
 Run: .venv/bin/python -m loadtest.xds_scale_bench [--quick] [--engines 1000] [--rate 10]
      [--subscribers 100] [--shards 1,2] [--per-message 8] [--transport grpc|frames]
+     [--subscriber-transport grpc|frames]
      [--push-interval 0.05]
      [--duration 15] [--digest-blocks 40000] [--json PATH]
 """
@@ -399,15 +404,49 @@ class _Recorder:
 
 
 def _subscribers(
-    conn: Connection, targets: list[str], timed: list[bool], mode: str, engines: int
+    conn: Connection,
+    targets: list[str],
+    timed: list[bool],
+    mode: str,
+    engines: int,
+    frames_ports: Sequence[int] = (),
 ) -> None:
+    """`frames_ports`: delta subscribers follow each target over its frames port."""
     from envoy.service.discovery.v3 import discovery_pb2 as pb
     from grpc import aio
 
     import xds  # noqa: F401
+    from xds.publish_frames import SUBSCRIBE_PREAMBLE, frame
 
     n = len(timed)
     rec = _Recorder(timed)
+    frames_at = dict(zip(targets, frames_ports, strict=False))
+
+    async def delta_frames(k: int, target: str) -> None:
+        reader, writer = await asyncio.open_connection(
+            target.rpartition(":")[0], frames_at[target], limit=2**20
+        )
+        try:
+            first = pb.DeltaDiscoveryRequest(type_url=T, resource_names_subscribe=["*"])
+            first.node.id = f"thin-{os.getpid()}-{k}"
+            writer.write(SUBSCRIBE_PREAMBLE + frame(first.SerializeToString()))
+            if await reader.readexactly(len(SUBSCRIBE_PREAMBLE)) != SUBSCRIBE_PREAMBLE:
+                raise RuntimeError(f"{target}: not answered on its frames port")
+            while True:
+                try:
+                    head = await reader.readexactly(4)
+                except asyncio.IncompleteReadError:
+                    return
+                raw = await reader.readexactly(int.from_bytes(head, "big"))
+                now = time.monotonic()
+                resp = pb.DeltaDiscoveryResponse.FromString(raw)
+                stamps = rec.response(k, raw, now, len(resp.resources))
+                if stamps:
+                    rec.latencies(k, stamps, now)
+                ack = pb.DeltaDiscoveryRequest(type_url=resp.type_url, response_nonce=resp.nonce)
+                writer.write(frame(ack.SerializeToString()))
+        finally:
+            writer.close()
 
     async def delta(k: int, target: str) -> None:
         async with aio.insecure_channel(target) as ch:
@@ -465,7 +504,7 @@ def _subscribers(
                 )
 
     async def main() -> None:
-        follow = delta if mode == "delta" else sotw
+        follow = sotw if mode != "delta" else delta_frames if frames_at else delta
         tasks = [asyncio.ensure_future(follow(k, t)) for k in range(n) for t in targets]
         while not all(r >= engines for r in rec.received):
             await asyncio.sleep(0.05)
@@ -632,10 +671,12 @@ def run_scenario(
     push_interval_s: float = 0.0,
     digest_blocks: int = 0,
     transport: str = "grpc",
+    subscriber_transport: str = "grpc",
     tick: Callable[[float], None] = lambda s: None,
 ) -> Result:
     """One scenario: `engines` per shard (sc.shards of them), `rate` updates/s each;
-    `transport`: what the publishers use, "grpc" or "frames"."""
+    `transport`: what the publishers use, "grpc" or "frames"; `subscriber_transport`:
+    what the delta subscribers follow over (SotW ones: gRPC)."""
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
 
@@ -651,10 +692,14 @@ def run_scenario(
     n_pub = publishers or auto_publishers(asked, per_message)
     try:
         frames = transport == "frames"
-        cps = [spawn(_control_plane, push_interval_s, frames) for _ in range(sc.shards)]
+        sub_frames = subscriber_transport == "frames" and sc.mode == "delta"
+        cps = [
+            spawn(_control_plane, push_interval_s, frames or sub_frames) for _ in range(sc.shards)
+        ]
         ports = [c.recv() for c in cps]
         targets = [f"127.0.0.1:{port}" for port, _ in ports]
         frames_ports = [p for _, p in ports] if frames else []
+        sub_ports = [p for _, p in ports] if sub_frames else []
         cp_pids = [p.pid for p in procs]
         nodes = plan_nodes(total, [(t,) for t in targets], per_message)
         random.Random(0).shuffle(nodes)
@@ -676,7 +721,7 @@ def run_scenario(
         every = max(1, round(1 / latency_share)) if latency_share > 0 else sc.subscribers + 1
         timed = [k % every == 0 for k in range(sc.subscribers)]
         subs = [
-            spawn(_subscribers, targets, timed[k : k + per_process], sc.mode, total)
+            spawn(_subscribers, targets, timed[k : k + per_process], sc.mode, total, sub_ports)
             for k in range(0, sc.subscribers, per_process)
         ]
         sub_pids = [p.pid for p in procs[len(cps) + len(pubs) :]]
@@ -1075,6 +1120,12 @@ def main(argv: list[str] | None = None) -> int:
         default="grpc",
         help="what the publishers use: the gRPC publish stream, or the frames port",
     )
+    ap.add_argument(
+        "--subscriber-transport",
+        choices=("grpc", "frames"),
+        default="grpc",
+        help="what the delta subscribers follow over: gRPC, or the frames port (as sidecars)",
+    )
     ap.add_argument("--publishers", type=int, default=0, help="publisher processes (0: auto)")
     ap.add_argument(
         "--streams",
@@ -1136,6 +1187,7 @@ def main(argv: list[str] | None = None) -> int:
                     push_interval_s=args.push_interval,
                     digest_blocks=args.digest_blocks,
                     transport=args.transport,
+                    subscriber_transport=args.subscriber_transport,
                     tick=lambda s: bar.update(round(s)),
                 )
             )
@@ -1157,6 +1209,7 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": args.duration,
             "per_message": args.per_message,
             "transport": args.transport,
+            "subscriber_transport": args.subscriber_transport,
             "publishers": args.publishers,
             "streams": args.streams,
             "per_process": args.per_process,

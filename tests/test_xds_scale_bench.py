@@ -100,3 +100,16 @@ def test_publishers_can_take_the_frames_port() -> None:
     )
     assert 0.8 <= r.publish_share <= 1.2 and r.seen_share > 0.9
     assert all(s.updates_per_message <= 4 and s.us_per_update > 0 for s in r.per_shard)
+
+
+def test_subscribers_can_take_the_frames_port() -> None:
+    # Two subscribers a shard, each following both shards over their frames ports.
+    r = run_scenario(
+        Scenario("delta x2 2sh", "delta", 2, 2),
+        digest_blocks=64,
+        subscriber_transport="frames",
+        **TINY,
+    )
+    assert 0.8 <= r.publish_share <= 1.2 and r.seen_share > 0.9
+    assert r.responses_per_s > 0 and r.bytes_per_s > 0
+    assert all(s.acks > 0 and s.responses >= s.acks for s in r.per_shard)

@@ -267,3 +267,40 @@ async def test_a_subscriber_that_does_not_read_holds_up_no_one() -> None:
     await plane.wait_until(lambda: plane.stats.streams_open == 0)
     await plane.stop(0)
     del reader
+
+
+async def test_a_large_response_over_mtls_arrives_whole(tmp_path: Path) -> None:
+    # One response of ~16 MB: more than the sockets hold, so the server's TLS write is
+    # taken in parts (OpenSSL's retry of the same buffer) while the subscriber reads.
+    ca = certs.ca("meshd-ca")
+    server_cert, server_key = certs.leaf(ca, "control-plane")
+    plane = ControlPlane(limits=ServerLimits(max_response_bytes=32 * 2**20))
+    names = [f"e{i}" for i in range(8)]
+    digests = {
+        n: PrefixDigest(n, "", 0, 0, True, 16, added=tuple(range(k, k + 250_000))).encode()
+        for k, n in enumerate(names)
+    }
+    plane.cache.update(PREFIX_DIGEST_TYPE, digests)
+    tls = TlsConfig(server_cert, server_key, client_ca=certs.pem(ca[1]))
+    port = await plane.start("127.0.0.1", 0, tls, publish_port=0)
+    cert, key = certs.leaf(ca, "sidecar")
+    for name, data in (("ca.pem", certs.pem(ca[1])), ("c.pem", cert), ("c.key", key)):
+        (tmp_path / name).write_bytes(data)
+    sub = Subscriber(
+        f"127.0.0.1:{port}",
+        {PREFIX_DIGEST_TYPE: names},
+        backoff=FAST,
+        credentials=grpc.ssl_channel_credentials(certs.pem(ca[1]), key, cert),
+        ssl_context=tls_client_context(
+            str(tmp_path / "ca.pem"), str(tmp_path / "c.pem"), str(tmp_path / "c.key")
+        ),
+    )
+    sub.start()
+    try:
+        await until(sub, lambda: len(sub.entries(PREFIX_DIGEST_TYPE)) == 8)
+        assert sub.transport == "frames" and sub.stats.responses == 1
+        got = sub.get(PREFIX_DIGEST_TYPE, "e3")
+        assert isinstance(got, PrefixDigest) and len(got.added) == 250_000
+    finally:
+        await sub.close()
+        await plane.stop(0)

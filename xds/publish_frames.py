@@ -214,7 +214,7 @@ class _Connection:
         self._peer = _peer(sock)
         preambles = (PREAMBLE, SUBSCRIBE_PREAMBLE) if server.subscribe else PREAMBLE
         self._reader = FrameReader(server.max_frame_bytes, preambles)
-        self._unsent = b""
+        self._unsent: bytes | memoryview = b""
         self._drained: asyncio.Future[None] | None = None  # a write waiting for _unsent
         self.stream: FrameStream | None = None  # a subscriber's, once its preamble came
         self._hs_timer: asyncio.TimerHandle | None = None
@@ -318,9 +318,26 @@ class _Connection:
             await waiter
         if self.fd < 0:
             raise ConnectionError("subscriber connection closed")
-        self._send(len(payload).to_bytes(4, "big") + payload)
+        head = len(payload).to_bytes(4, "big")
+        if isinstance(self.sock, ssl.SSLSocket):
+            self._send(head + payload)  # one buffer: OpenSSL retries a write whole
+            return
+        # The header and the response in one call, the response not copied (a lockstep
+        # batch's is every subscriber's); what the socket did not take is held as a view
+        # of it (a copy each would be a response per subscriber joining at once).
+        try:
+            sent = self.sock.sendmsg((head, payload))
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self.close(str(exc))
+            return
+        if sent < 4:
+            self._hold(head[sent:] + payload)
+        elif sent - 4 < len(payload):
+            self._hold(memoryview(payload)[sent - 4 :])
 
-    def _send(self, data: bytes) -> None:
+    def _send(self, data: bytes | memoryview) -> None:
         try:
             sent = self.sock.send(data)
         except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
@@ -329,12 +346,16 @@ class _Connection:
             self.close(str(exc))
             return
         if sent < len(data):
-            self._unsent = data[sent:]
-            if self.stream is None:
-                # Backpressure: read no more from a client that does not read its answers
-                # (a subscriber is read on: its ACKs are what lets more go out).
-                self.loop.remove_reader(self.fd)
-            self.loop.add_writer(self.fd, self._writable)
+            self._hold(data[sent:])
+
+    def _hold(self, unsent: bytes | memoryview) -> None:
+        """What the socket did not take: sent when it is writable."""
+        self._unsent = unsent
+        if self.stream is None:
+            # Backpressure: read no more from a client that does not read its answers
+            # (a subscriber is read on: its ACKs are what lets more go out).
+            self.loop.remove_reader(self.fd)
+        self.loop.add_writer(self.fd, self._writable)
 
     def _writable(self) -> None:
         data, self._unsent = self._unsent, b""

@@ -867,6 +867,9 @@ class _Stream:
                 if tracer is not None:
                     self._start_push_span(tracer, push)
                 await write(push.payload)
+                # Not held while this loop waits (a subscriber's first response is its
+                # own, the whole state: many joining at once would each keep theirs).
+                del push
                 # A push changes what wait_until predicates see (unacked responses): wake
                 # them here too, not only when a request arrives (a client that never
                 # answers sends none).
