@@ -15,10 +15,12 @@ TCP, with the same TLS) is followed there instead, the move made before any requ
 over gRPC (the stream's headers say where the port is): a sidecar following 10,000
 updates/s in ~205-update responses spent 3.2-4.3 us an update outside applying them over
 gRPC (its read and ACK, its threads, the event loop, idle work), 2.1-2.6 over frames
-(loadtest/xds_apply_bench.py (b) --transports grpc,frames). The subscriber goes back to
-gRPC, for FRAMES_RETRY_S, when that port fails before it answered (blocked, not routed by
-a Service, refusing this client's certificate); with TLS it needs `ssl_context` as well as
-`credentials`, and without it stays on gRPC.
+(loadtest/xds_apply_bench.py (b) --transports grpc,frames). A frames connection that
+fails before it answered is followed by a gRPC session at once; where gRPC answers and
+names the same port twice so, the port is held off for FRAMES_RETRY_S (blocked, not
+routed by a Service, refusing this client's certificate), else it is tried again (the
+control plane was away). With TLS it needs `ssl_context` as well as `credentials`, and
+without it stays on gRPC.
 """
 
 from __future__ import annotations
@@ -223,6 +225,9 @@ class Subscriber:
         self._ssl = ssl_context if credentials is not None else None
         self._frames_ports: dict[str, int] = {}  # target -> the port it advertised
         self._frames_hold: dict[tuple[str, int], float] = {}  # -> loop time to try again
+        self._frames_failed: tuple[str, int] | None = None  # the last that did not answer
+        # Frames ports that failed with gRPC answering between: the second time is held.
+        self._frames_strikes: dict[tuple[str, int], int] = {}
         self._move = False  # the gRPC session ended to go on over frames
         self.transport = "grpc"  # what the session in use (or the last) goes over
         self._write_lock = asyncio.Lock()
@@ -344,7 +349,8 @@ class Subscriber:
         while not self._closed:
             got_response = connected = False
             self._move = False
-            where = self._frames_where()
+            # Right after the frames port failed: gRPC, to tell which failed.
+            where = self._frames_where() if self._frames_failed is None else None
             try:
                 if where is not None:
                     got_response = await self._frames_session(*where)
@@ -374,17 +380,15 @@ class Subscriber:
                     )
                 with contextlib.suppress(RuntimeError):
                     await self._notify()
+            if where is None:
+                self._frames_failed = None  # judged by gRPC's headers, or no one answered
             if where is not None and not connected:
-                # The frames port failed before it answered: gRPC at once, and for a while.
+                # The frames port failed before it answered: gRPC at once. If gRPC answers
+                # and names this port again, the port is what fails (held off then, for
+                # FRAMES_RETRY_S); if not, the control plane is away, and the port will be
+                # tried again once it is back.
                 self.stats.frames_failures += 1
-                loop = asyncio.get_running_loop()
-                self._frames_hold[where] = loop.time() + FRAMES_RETRY_S
-                log.info(
-                    "control plane %s: frames port %d not answering; on gRPC for %.0f s",
-                    self.target,
-                    where[1],
-                    FRAMES_RETRY_S,
-                )
+                self._frames_failed = where
                 continue
             if self._move:
                 continue  # on to the frames port it advertised, now
@@ -422,6 +426,28 @@ class Subscriber:
             with contextlib.suppress(aio.AioRpcError, asyncio.InvalidStateError, OSError):
                 await call.write(req)
 
+    def _hold_failed_frames(self) -> None:
+        """gRPC answered: a frames port that just failed, if it is the one advertised
+        now, is tried once more (it may have failed as the control plane was coming back);
+        failing again so, it is held off for FRAMES_RETRY_S (blocked, not routed,
+        refusing our TLS)."""
+        failed, self._frames_failed = self._frames_failed, None
+        if failed is None:
+            return
+        if failed != self._frames_where():
+            self._frames_strikes.pop(failed, None)  # another port now (a restart's)
+            return
+        strikes = self._frames_strikes[failed] = self._frames_strikes.get(failed, 0) + 1
+        if strikes >= 2:
+            del self._frames_strikes[failed]
+            self._frames_hold[failed] = asyncio.get_running_loop().time() + FRAMES_RETRY_S
+            log.info(
+                "control plane %s: frames port %d not answering; on gRPC for %.0f s",
+                self.target,
+                failed[1],
+                FRAMES_RETRY_S,
+            )
+
     def _frames_where(self) -> tuple[str, int] | None:
         """The frames port to follow the current target on, if any (advertised, allowed,
         not failed lately)."""
@@ -458,6 +484,7 @@ class Subscriber:
                     port = _advertised_port(await call.initial_metadata())
                     if port is not None:
                         self._frames_ports[self.target] = port
+                        self._hold_failed_frames()
                         if self._frames_where() is not None:
                             return True
                 async with self._write_lock:
@@ -529,6 +556,7 @@ class Subscriber:
                 if hello != SUBSCRIBE_PREAMBLE:
                     raise FrameError("not a meshd control plane's frames port")
             self.transport = "frames"
+            self._frames_strikes.pop((host, port), None)
             self._connected = True
             self.stats.connects += 1
             log.info("connected to the control plane %s (frames port %d)", self.target, port)
