@@ -595,6 +595,11 @@ class Admission:
     def next(self, now: float) -> AdmissionItem | None:
         """The next queued item to dispatch now, or None (no free slot, nothing queued, or
         blocked after a requeue). Refusals found on the way go to take_rejected()."""
+        if not self._queued:
+            # Nothing to dispatch, and nothing _expire could refuse or let past the knee
+            # (it would only drop stale heap entries, which wait for the next call): the
+            # pump after every request's end, without the call.
+            return None
         self._expire(now)
         if now < self._blocked_until or len(self._in_flight) >= self._capacity or not self._queued:
             return None

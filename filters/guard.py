@@ -227,6 +227,7 @@ class PoolGuard:
         self._flights: dict[Hashable, tuple[float, int]] = {}
         self._pace: float | None = None
         self._pace_samples = 0
+        self._judges_abandons = config.slow_abandon_factor is not None and self.outlier is not None
         self.slow_abandons = 0
         # Endpoints of the pool at start-up do not ramp: they all start cold together,
         # and a ramp for all is a ramp for none.
@@ -348,12 +349,8 @@ class PoolGuard:
     ) -> None:
         if self.breaker is not None:
             self.breaker.start(url, rid, tokens, now, model=model)
-        if (
-            self.config.slow_abandon_factor is not None
-            and self.outlier is not None
-            and len(self._flights) < MAX_TRACKED_FLIGHTS
-        ):
-            self._flights[rid] = (now, max(1, tokens))
+        if self._judges_abandons and len(self._flights) < MAX_TRACKED_FLIGHTS:
+            self._flights[rid] = (now, tokens if tokens > 1 else 1)
 
     def first_token(
         self, rid: Hashable, now: float, *, predicted_ttft_s: float | None = None
@@ -388,7 +385,7 @@ class PoolGuard:
                 if streak == REFUSALS_AS_FAILURE and self.outlier is not None:
                     for _ in range(streak - 1):  # the streak's earlier ones, now judged
                         self.outlier.record(url, now, status=status, local_failure=False)
-        elif not cancelled and (status is not None or local_failure):
+        elif self._refusals and not cancelled and (status is not None or local_failure):
             self._refusals.pop(url, None)
         failed = local_failure or (status is not None and status >= 500 and not overloaded)
         self._dirty.add(url)  # the breaker or the ejection may have moved: see pump()
@@ -414,16 +411,15 @@ class PoolGuard:
                 self._judge_abandoned(url, flight, now)
             return
         if flight is not None and not failed and not overloaded:
-            self._note_pace((now - flight[0]) / flight[1])
+            # The pool's pace, a streaming median (PACE_STEP), in line: once an attempt.
+            pace = (now - flight[0]) / flight[1]
+            m = self._pace
+            self._pace = pace if m is None else m * (1 + PACE_STEP if pace > m else 1 - PACE_STEP)
+            self._pace_samples += 1
         if self.outlier is not None and not overloaded:
             self.outlier.record(
                 url, now, status=None if local_failure else status, local_failure=local_failure
             )
-
-    def _note_pace(self, pace: float) -> None:
-        m = self._pace
-        self._pace = pace if m is None else m * (1 + PACE_STEP if pace > m else 1 - PACE_STEP)
-        self._pace_samples += 1
 
     def _judge_abandoned(self, url: str, flight: tuple[float, int], now: float) -> None:
         factor, typical = self.config.slow_abandon_factor, self._pace
@@ -529,35 +525,56 @@ class PoolGuard:
         loses its ramp; seen healthy after that, it starts one."""
         out: list[EndpointFlags] = []
         ramps, breaker, outlier = self.slow_start, self.breaker, self.outlier
+        published, sick = self._published, self._sick
         for url in urls:
             # Each asked once here, for the ramp and the view both (~5 us a call with cold
             # caches, once per attempt's end).
             ejected = outlier is not None and outlier.ejected(url, now)
             state = breaker.state(url, now) if breaker is not None else "closed"
-            if ramps is not None:
-                self._observe(url, ramps, now, ejected or state != "closed")
-            view = self._view(url, now, state, ejected)
-            old = self._published.get(url)
-            if old is None:
-                if view == _HEALTHY:
-                    continue  # healthy, and last published so: nothing to build or send
-                old = EndpointFlags(url)
-            new = EndpointFlags(url, *view)
-            if new == old:
-                continue
             if (
-                new.breaker_open == old.breaker_open
-                and new.ejected_until == old.ejected_until
-                and new.ramp < 1.0
-                and abs(new.ramp - old.ramp) < RAMP_STEP
+                state == "closed"
+                and not ejected
+                and url not in published
+                and url not in sick
+                and (ramps is None or ramps.weight(url, now) == 1.0)
             ):
+                # Healthy, not ramping, and last published so (the end of most attempts):
+                # _publish_one would observe nothing and find its view the one published.
                 continue
-            out.append(new)
-            if new.healthy:
-                self._published.pop(url, None)
-            else:
-                self._published[url] = new
+            flags = self._publish_one(url, now, state, ejected)
+            if flags is not None:
+                out.append(flags)
         return out
+
+    def _publish_one(
+        self, url: str, now: float, state: BreakerState, ejected: bool
+    ) -> EndpointFlags | None:
+        """_publish for one endpoint: its flags if they are to be published (and noted
+        as published), else None."""
+        ramps = self.slow_start
+        if ramps is not None:
+            self._observe(url, ramps, now, ejected or state != "closed")
+        view = self._view(url, now, state, ejected)
+        old = self._published.get(url)
+        if old is None:
+            if view == _HEALTHY:
+                return None  # healthy, and last published so: nothing to build or send
+            old = EndpointFlags(url)
+        new = EndpointFlags(url, *view)
+        if new == old:
+            return None
+        if (
+            new.breaker_open == old.breaker_open
+            and new.ejected_until == old.ejected_until
+            and new.ramp < 1.0
+            and abs(new.ramp - old.ramp) < RAMP_STEP
+        ):
+            return None
+        if new.healthy:
+            self._published.pop(url, None)
+        else:
+            self._published[url] = new
+        return new
 
     def _observe(self, url: str, ramps: SlowStart, now: float, sick: bool) -> None:
         """`sick`: ejected, or its breaker not closed."""

@@ -154,7 +154,9 @@ class OutlierDetector:
         """One attempt finished: with an HTTP `status`, or `local_failure` (connect error,
         reset, timeout: Envoy maps those to 5xx too). Returns True when this record
         ejected the endpoint (the event also comes out of the next `tick`)."""
-        self._expire(now)
+        heap = self._expiry
+        if heap and heap[0][0] <= now:  # (_expire's own test: no call while none ends)
+            self._expire(now)
         if self._next_sweep is None:
             self._next_sweep = now + self.config.interval_s
         h = self._hosts.get(endpoint)

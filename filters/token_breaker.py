@@ -259,9 +259,12 @@ class TokenBreaker:
 
     def observe_output(self, model: str, completion_tokens: int) -> None:
         outputs = self._outputs
-        avg = outputs.pop(model, None)
-        x = float(max(0, completion_tokens))
-        outputs[model] = x if avg is None else avg + self.config.output_ewma_alpha * (x - avg)
+        avg = outputs.pop(model, None)  # and set again: the most recent model last
+        x = completion_tokens + 0.0 if completion_tokens > 0 else 0.0
+        if avg is not None:
+            outputs[model] = avg + self.config.output_ewma_alpha * (x - avg)
+            return
+        outputs[model] = x
         while len(outputs) > self.config.max_models:
             outputs.popitem(last=False)
 
@@ -278,7 +281,8 @@ class TokenBreaker:
         ep = self._endpoints.get(endpoint)
         if ep is None:
             return "closed"
-        self._refresh(endpoint, ep, now)
+        if ep.state == "open":  # (_refresh moves only an open breaker: no call otherwise)
+            self._refresh(endpoint, ep, now)
         return ep.state
 
     def admit(
@@ -320,21 +324,31 @@ class TokenBreaker:
     def start(
         self, endpoint: str, rid: Hashable, tokens: int, now: float, *, model: str | None = None
     ) -> None:
-        if rid in self._flights:
+        flights = self._flights
+        if rid in flights:
             raise ValueError(f"request {rid!r} already started")
-        if len(self._flights) >= self.config.max_in_flight:
+        if len(flights) >= self.config.max_in_flight:
             raise ValueError(f"more than max_in_flight ({self.config.max_in_flight}) requests")
-        ep = self._endpoint(endpoint)
-        self._refresh(endpoint, ep, now)
+        # Each call costs ~5 us with cold caches, once per attempt: the endpoint looked up
+        # (made only if new), _refresh only for an open breaker, the two usages in line.
+        ep = self._endpoints.get(endpoint)
+        if ep is None:
+            ep = self._endpoint(endpoint)
+        if ep.state == "open":
+            self._refresh(endpoint, ep, now)
         f = _Flight(endpoint, tokens, model, now)
         if ep.state == "half-open":
             f.probe = True
             ep.probes += 1
-        self._flights[rid] = f
-        for u in (ep.usage, self._pool):
-            u.tokens += tokens
-            u.requests += 1
-            u.pending += 1
+        flights[rid] = f
+        u = ep.usage
+        u.tokens += tokens
+        u.requests += 1
+        u.pending += 1
+        u = self._pool
+        u.tokens += tokens
+        u.requests += 1
+        u.pending += 1
 
     def first_token(
         self, rid: Hashable, now: float, *, predicted_ttft_s: float | None = None
@@ -406,7 +420,11 @@ class TokenBreaker:
         if f.probe:
             ep.probes -= 1
         if ok is not None and not f.judged:
-            self._outcome(f.endpoint, ep, f, ok, now, "failures")
+            if ok and ep.state == "closed":  # _outcome's common case, without the call
+                ep.total.add(now, 1)
+                ep.consecutive_failures = 0
+            else:
+                self._outcome(f.endpoint, ep, f, ok, now, "failures")
 
     # -- state machine -----------------------------------------------------------------------
 
