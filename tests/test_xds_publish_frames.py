@@ -24,6 +24,7 @@ from meshd.agent_link import ControlPlaneLink
 from xds.client import Backoff, Publisher, tls_client_context
 from xds.publish_frames import (
     PREAMBLE,
+    SUBSCRIBE_PREAMBLE,
     FrameError,
     FramePublisher,
     FrameReader,
@@ -63,6 +64,30 @@ def test_frames_come_out_the_same_however_the_bytes_are_cut(
     assert out == payloads
 
 
+@given(
+    st.sampled_from([PREAMBLE, SUBSCRIBE_PREAMBLE]),
+    st.lists(st.binary(max_size=40), max_size=4),
+    st.lists(st.integers(min_value=1, max_value=7), min_size=1, max_size=20),
+)
+def test_either_preamble_is_told_however_the_bytes_are_cut(
+    opening: bytes, payloads: list[bytes], cuts: list[int]
+) -> None:
+    # The port's two kinds of connection (publish, subscribe) share a prefix ("MESHD-"):
+    # which one came is known only once it is whole, however it arrives.
+    wire = opening + b"".join(frame(p) for p in payloads)
+    reader = FrameReader(1 << 20, (PREAMBLE, SUBSCRIBE_PREAMBLE))
+    out: list[bytes] = []
+    i = 0
+    for n in cuts * (len(wire) // max(1, sum(cuts)) + 1):
+        out += reader.feed(wire[i : i + n])
+        i += n
+        if i >= len(wire):
+            break
+        assert reader.chosen in (b"", opening)
+    out += reader.feed(wire[i:])
+    assert out == payloads and reader.chosen == opening
+
+
 def test_framing_errors() -> None:
     with pytest.raises(FrameError, match="not a meshd frames stream"):
         FrameReader(100, PREAMBLE).feed(b"PRI * HTTP/2.0\r\n")  # a gRPC client, say
@@ -70,6 +95,13 @@ def test_framing_errors() -> None:
     assert reader.feed(PREAMBLE[:3]) == []
     with pytest.raises(FrameError, match="not a meshd"):
         reader.feed(b"X")
+    # Both accepted: a prefix of either waits, what is neither is refused.
+    reader = FrameReader(100, (PREAMBLE, SUBSCRIBE_PREAMBLE))
+    assert reader.feed(b"MESHD-") == [] and reader.partial
+    with pytest.raises(FrameError, match="not a meshd"):
+        reader.feed(b"XUBLISH/1\n")
+    with pytest.raises(FrameError, match="not a meshd"):
+        FrameReader(100, PREAMBLE).feed(SUBSCRIBE_PREAMBLE)  # a publish-only reader
     # Over the limit as soon as the header is in, not once the body has come.
     reader = FrameReader(100)
     assert reader.feed((101).to_bytes(4, "big")[:2]) == []
