@@ -314,7 +314,7 @@ def price_decode_routes(
         if ttft is not None:
             ttft = max(0.0, ttft - transfer_s + t)
         key = (r.reason != "decode", r.choice.score + t, r.url)
-        priced.append((*key, replace(r, predicted_ttft_s=ttft)))
+        priced.append((*key, r._replace(predicted_ttft_s=ttft)))
     priced.sort(key=lambda row: row[:3])
     return [row[3] for row in priced]
 

@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Literal, Protocol
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Protocol
 
 from filters.admission import AdmissionItem
 from filters.balancer import EndpointBalancer
@@ -57,7 +57,7 @@ from filters.picker import Choice, Picker, PickerConfig, PickRequest
 
 Policy = Literal["round-robin", "least-request", "meshd", "cache-aware"]
 POLICIES: tuple[Policy, ...] = ("meshd", "least-request", "round-robin", "cache-aware")
-_new_tuple = tuple.__new__  # admission_item's AdmissionItem, built in C
+_new_tuple = tuple.__new__  # admission_item's AdmissionItem and order's Routes, built in C
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +70,12 @@ class EndpointSpec:
     kv_capacity_tokens: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Route:
+class Route(NamedTuple):
+    """One endpoint of a request's order, and why. A NamedTuple, built by `order` with
+    tuple.__new__: one a route a request on the way to the upstream send, ~12 us each
+    with cold caches (two routes: 23-26 us) against ~22 us (43-45 us) for the frozen
+    dataclass it was; `_replace` makes one with a field changed."""
+
     url: str
     reason: str
     predicted_ttft_s: float | None = None
@@ -443,13 +447,15 @@ class PickerRouter:
         if self._digests:
             self._materialize(req.block_hashes, now)
         choices = self.picker.pick(req, self.states, now, record=record)
+        # Route's fields in their order (departure None, recorded): tuple.__new__ in C.
+        new, route = _new_tuple, Route
         routes = [
-            Route(c.url, c.reason, c.predicted_ttft_s, c.cached_tokens, c, recorded=record)
+            new(route, (c.url, c.reason, c.predicted_ttft_s, c.cached_tokens, c, None, record))
             for c in choices
         ]
         left = self.picker.last_departure
         if left is not None and routes:
-            routes[0] = replace(routes[0], departure=left)
+            routes[0] = routes[0]._replace(departure=left)
         return routes or self._anyway()
 
     def order_decode(self, req: PickRequest, now: float, *, lead_s: float = 0.0) -> list[Route]:

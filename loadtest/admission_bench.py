@@ -1,10 +1,11 @@
 """The admission path's own cost per request, in process, on the sidecar's own objects (the
-default config's router, guard and retry budget for a pool of two engines): the
-throttle's check alone, admit (the admission item, the throttle, admission's offer), the
-guard's breaker screen of the routes, the retry budget's deposit; then the guard's part
-of the attempt (started, first_token, finished) and, after the answer, the slot's
-release and the pump. Warm (back to back) and cold (the caches flushed by copying 32 MB before each
-request, as a sidecar finds them after ~10 ms of other work), p50 and p90 in us.
+default config's router, guard and retry budget for a pool of two engines): the router's
+order (the picker's pick and the routes built), the throttle's check alone, admit (the
+admission item, the throttle, admission's offer), the guard's breaker screen of the
+routes, the retry budget's deposit; then the guard's part of the attempt (started,
+first_token, finished) and, after the answer, the slot's release and the pump. Warm
+(back to back) and cold (the caches flushed by copying 32 MB before each part, as a
+sidecar finds them after ~10 ms of other work), p50 and p90 in us.
 
 Run: `python -m loadtest.admission_bench [--requests 3000] [--cold 600]`. Run it in two
 trees (old and new, alternating) to compare: the figures move with the machine's load.
@@ -30,6 +31,7 @@ from meshd.pools import build_routers, guards, retry_budgets
 
 _FLUSH = bytearray(32 << 20)
 PARTS = (
+    "order",
     "throttle",
     "admit",
     "screen",
@@ -74,7 +76,11 @@ def run(requests: int, cold: bool) -> dict[str, list[float]]:
         now = time.monotonic()
         pick = PickRequest.build(inference, headers, now, block_hashes=hashes)
         tokens = guard.expected_tokens(pick.model, pick.prompt_tokens, inference.max_tokens)
+        if cold:
+            _flush()
+        to = clock()
         routes = router.order(pick, now)
+        tp = clock()
         throttle = guard.throttle
         if cold:
             _flush()
@@ -116,7 +122,18 @@ def run(requests: int, cold: bool) -> dict[str, list[float]]:
         guard.release(item.id, now + 0.002)
         guard.pump(now + 0.002)
         t11 = clock()
-        spans = (tb - ta, t1 - t0, t2 - t1, t3 - t2, t3 - t0, t5 - t4, t7 - t6, t9 - t8, t11 - t10)
+        spans = (
+            tp - to,
+            tb - ta,
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+            t3 - t0,
+            t5 - t4,
+            t7 - t6,
+            t9 - t8,
+            t11 - t10,
+        )
         for part, ns in zip(PARTS, spans, strict=True):
             out[part].append(ns / 1e3)
     return out

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import math
 import time
@@ -150,7 +149,7 @@ class Attempts:
             return routes
         routes = pd.order_decode(ctx, time.monotonic())
         ttft = pd.predicted_ttft_s(ctx, routes[0] if routes else None)
-        shown = [dataclasses.replace(routes[0], predicted_ttft_s=ttft), *routes[1:]]
+        shown = [routes[0]._replace(predicted_ttft_s=ttft), *routes[1:]]
         ctx.trace.picked(shown if routes else routes, loop_now)
         return routes
 
