@@ -7,10 +7,12 @@ write `--rate` engine updates/s into (loadtest/xds_apply_bench.py's set-up, 1,00
 by default), and relays `--requests` streamed completions/s (Poisson) to a stub backend.
 Inside the sidecar the bench records every collection (gc.callbacks: generation, pause)
 and the event loop's lag (a task asleep `LAG_PERIOD_S` at a time: how late it wakes).
-Outside, each request's time to first byte.
+Outside, each request's time to first byte. The control plane's collections are recorded
+too (its own columns, `CP`): it is started as `meshd control-plane` starts it.
 
 Arms, alternated `--rounds` times, each a fresh set of processes:
-- `head`: the sidecar without meshd.heap.settle (no freeze after start), as before;
+- `head`: the sidecar and the control plane without meshd.heap.settle (no freeze after
+  start), as before;
 - `freeze`: as shipped (gc.collect(); gc.freeze() after start);
 - `freeze+tN`: as shipped, then the gen-0 threshold set to N (gc.set_threshold(N)).
 
@@ -18,9 +20,10 @@ Run: .venv/bin/python -m loadtest.gc_pause_bench [--arms head,freeze] [--rounds 
      [--duration 30] [--rate 10000] [--engines 1000] [--requests 20] [--json PATH]
 
 --json PATH writes {"runs": [{"arm", "window_s", "updates_applied_per_s", "requests",
-"gc": {generation: {"count", "max_ms", "p99_ms", "sum_ms"}}, "lag_ms": {"p50", "p99",
+"gc": {generation: {"count", "max_ms", "p99_ms", "sum_ms"}}, "control_plane_gc" (the
+same, the control plane's), "lag_ms": {"p50", "p99",
 "p999", "max"}, "stalls_over_10ms", "ttfb_ms": {"p50", "p99", "max"}, "sidecar_cpu_share",
-"frozen"}]}.
+"frozen", "held_at_exit"}]}.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import yaml
 from loadtest import procstats
 
 LAG_PERIOD_S = 0.005
+T = "type.googleapis.com/meshd.v1.EndpointState"  # as loadtest/xds_apply_bench.py's
 STUB_MODEL = "stub-model"
 
 
@@ -122,6 +126,56 @@ def child(argv: Sequence[str]) -> int:
         Path(args.out).write_text(json.dumps(recorded))
 
 
+def _control_plane(conn: Connection, arm: str) -> None:
+    """xds_apply_bench's control plane (frames port included), started as `meshd
+    control-plane` starts it (settled, but in the `head` arm), its collections recorded;
+    sends them back once told to stop."""
+    from meshd.heap import settle
+    from xds.server import ControlPlane
+
+    pauses: list[tuple[float, int, float]] = []
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.monotonic()
+        else:
+            pauses.append((started[0], info["generation"], time.monotonic() - started[0]))
+
+    async def main() -> None:
+        cp = ControlPlane()
+        port = await cp.start("127.0.0.1", 0, publish_port=0)
+        if arm != "head":
+            settle()
+        gc.callbacks.append(on_gc)
+        conn.send(port)
+        loop = asyncio.get_running_loop()
+        while await loop.run_in_executor(None, conn.recv) == "responses":
+            conn.send(cp.stats.responses[T])
+        await cp.stop(0)
+
+    asyncio.run(main())
+    gc.callbacks.remove(on_gc)
+    conn.send(pauses)
+
+
+def _gc_summary(
+    recorded: Sequence[Sequence[float]], start: float, end: float
+) -> dict[str, dict[str, float]]:
+    """Per generation: the collections begun in [start, end], the longest, p99, the sum."""
+    pauses = [(int(g), d * 1e3) for t, g, d in recorded if start <= t <= end]
+    out: dict[str, dict[str, float]] = {}
+    for g in range(3):
+        ds = [d for gg, d in pauses if gg == g]
+        out[str(g)] = {
+            "count": len(ds),
+            "max_ms": max(ds, default=0.0),
+            "p99_ms": _pct(ds, 99) if ds else 0.0,
+            "sum_ms": sum(ds),
+        }
+    return out
+
+
 # -- the bench ----------------------------------------------------------------------------
 
 
@@ -144,7 +198,7 @@ async def _requests(url: str, rate: float, duration_s: float) -> list[float]:
 
 def run_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
     from loadtest.overhead import start_child
-    from loadtest.xds_apply_bench import _control_plane, _publisher, _scrape, sidecar_config
+    from loadtest.xds_apply_bench import _publisher, _scrape, sidecar_config
 
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
@@ -160,7 +214,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gc-pause-") as tmp:
         work = Path(tmp)
         try:
-            cp = spawn(_control_plane)
+            cp = spawn(_control_plane, arm)
             port = cp.recv()
             pubs = []
             if args.rate > 0:
@@ -226,6 +280,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
             sidecar.stop()
             children.remove(sidecar)
             cp.send("stop")
+            cp_recorded = cp.recv()
             recorded = json.loads(out.read_text())
         finally:
             for c in children:
@@ -234,17 +289,8 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
                 p.join(timeout=5)
                 if p.is_alive():
                     p.kill()
-    pauses = [(g, d) for t, g, d in recorded["gc"] if start <= t <= end]
     lags = [lag for t, lag in recorded["lag"] if start <= t <= end]
-    gcs: dict[str, Any] = {}
-    for g in range(3):
-        ds = [d * 1e3 for gg, d in pauses if gg == g]
-        gcs[str(g)] = {
-            "count": len(ds),
-            "max_ms": max(ds, default=0.0),
-            "p99_ms": _pct(ds, 99) if ds else 0.0,
-            "sum_ms": sum(ds),
-        }
+    gcs = _gc_summary(recorded["gc"], start, end)
     lag_ms = [x * 1e3 for x in lags]
     ttfb_ms = [x * 1e3 for x in ttfbs]
     return {
@@ -253,6 +299,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
         "updates_applied_per_s": (u1 - u0) / window,
         "requests": len(ttfbs),
         "gc": gcs,
+        "control_plane_gc": _gc_summary(cp_recorded, start, end),
         "lag_ms": {
             "p50": _pct(lag_ms, 50),
             "p99": _pct(lag_ms, 99),
@@ -272,7 +319,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _row(r: dict[str, Any]) -> str:
-    g = r["gc"]
+    g, cp = r["gc"], r["control_plane_gc"]
     return (
         f"{r['arm']:>14}{r['updates_applied_per_s']:>10,.0f}{r['frozen']:>8}"
         + "".join(f"{g[k]['count']:>8}{g[k]['max_ms']:>7.1f}" for k in "012")
@@ -281,6 +328,7 @@ def _row(r: dict[str, Any]) -> str:
         + f"{r['stalls_over_10ms']:>6}"
         + f"{r['ttfb_ms']['p50']:>7.2f}{r['ttfb_ms']['p99']:>7.2f}{r['ttfb_ms']['max']:>7.1f}"
         + f"{r['sidecar_cpu_share']:>7.1%}"
+        + f"{cp['0']['count'] + cp['1']['count']:>6}{cp['2']['count']:>4}{cp['2']['max_ms']:>8.1f}"
     )
 
 
@@ -290,6 +338,7 @@ HEADER = (
     + f"{'gen2 ms':>8}"
     + f"{'lag p99':>8}{'p99.9':>8}{'max':>8}{'>10ms':>6}"
     + f"{'ttfb50':>7}{'p99':>7}{'max':>7}{'CPU':>7}"
+    + f"{'CP 0+1':>6}{'2':>4}{'max ms':>8}"
 )
 
 

@@ -75,6 +75,7 @@ from meshd.extproc_picker import (
     PickerSettings,
 )
 from meshd.grpc_health import NOT_SERVING, SERVICE_UNKNOWN, SERVING, HealthService
+from meshd.heap import settle
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -306,12 +307,16 @@ async def _serve(settings: PickerSettings, listen: str, tracer: Tracer | None = 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server = PickerServer(settings, listen, tracer=tracer)
     port = await server.start()
+    # Started: what start-up built lives as long as the process; no full collection walks
+    # it again (a stall of every request's decision; meshd/heap.py).
+    log.info("froze %d objects built at start", settle())
     host = listen.rpartition(":")[0]
-    print(json.dumps({"event": "ready", "listen": f"{host}:{port}"}), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # Once SIGTERM drains: a reader may send one as soon as this is read.
+    print(json.dumps({"event": "ready", "listen": f"{host}:{port}"}), flush=True)
     await stop.wait()
     print(json.dumps({"event": "draining", "in_flight": server.picker.in_flight}), flush=True)
     await server.drain_and_stop()

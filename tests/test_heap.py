@@ -133,3 +133,67 @@ async def test_a_started_sidecar_has_frozen_what_start_up_built() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_a_started_control_plane_has_frozen_what_start_up_built() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        "import sys, argparse; from xds.cli import register; "
+        "p = argparse.ArgumentParser(); register(p.add_subparsers()); "
+        "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))",
+        "control-plane",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        assert line.startswith("meshd control plane on ")
+        froze = None
+        while froze is None:  # logged before the line above was printed
+            log = (await asyncio.wait_for(proc.stderr.readline(), 5)).decode()
+            assert log, "no 'froze' line before stderr ended"
+            froze = re.search(r"froze (\d+) objects built at start", log)
+        assert int(froze.group(1)) > 10_000
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_a_started_picker_has_frozen_what_start_up_built() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "meshd.extproc",
+        "picker",
+        "--listen",
+        "127.0.0.1:0",
+        "--endpoint",
+        "127.0.0.1:9",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        ready = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+        assert ready["event"] == "ready"
+        froze = None
+        while froze is None:  # logged before the ready line
+            log = (await asyncio.wait_for(proc.stderr.readline(), 5)).decode()
+            assert log, "no 'froze' line before stderr ended"
+            froze = re.search(r"froze (\d+) objects built at start", log)
+        assert int(froze.group(1)) > 10_000
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

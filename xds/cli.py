@@ -198,10 +198,12 @@ async def _start_admin(address: str, plane: ControlPlane) -> web.AppRunner:
     from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
     from meshd.autoscale_metrics import FleetDemand, FleetDemandCollector
+    from meshd.heap import GcCollector, gc_pauses
     from xds.metrics import ServerStatsCollector
 
     registry = CollectorRegistry()
     registry.register(ServerStatsCollector(plane.stats, plane.eds, plane.eds_shards))
+    registry.register(GcCollector(gc_pauses()))  # meshd_gc_*: the collector's pauses
     fleet = FleetDemand(plane)
     registry.register(FleetDemandCollector(fleet))
 
@@ -281,11 +283,17 @@ def run(args: argparse.Namespace) -> int:
             tls,
             publish_port=args.publish_port if args.publish_port >= 0 else None,
         )
-        print(f"meshd control plane on {host}:{bound}", flush=True)
+        # Started: what start-up built lives as long as the process; no full collection
+        # walks it again (a stall of the loop that pushes to every sidecar; meshd/heap.py).
+        from meshd.heap import settle
+
+        log.info("froze %d objects built at start", settle())
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        # Once SIGTERM stops it gracefully: a reader may send one as soon as this is read.
+        print(f"meshd control plane on {host}:{bound}", flush=True)
         await stop.wait()
         await plane.stop(grace=2.0)
         await admin.cleanup()
