@@ -57,7 +57,8 @@ def settle() -> int:
 class GcPauses:
     """Every collection's pause, by generation, as histogram buckets: timed by a
     `gc.callbacks` entry (the collector calls it before and after each collection, on
-    the thread that triggered it, with the GIL held, so nothing else runs between)."""
+    the thread that triggered it; the collection between holds the GIL, and no other
+    collection starts until this one's callbacks have returned)."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self._clock = clock

@@ -404,8 +404,8 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> int:
             await sidecar.drain_and_stop()
         raise
     # Started: what start-up built lives as long as the process; no collection walks it
-    # again (a full one took ~44 ms of the event loop every ~8-10 s following 1,000
-    # engines at 10 Hz; meshd/heap.py).
+    # again (a full one stalled the event loop 44-274 ms every ~10-15 s following 1,000
+    # engines at 10 Hz; 2-7 ms since; meshd/heap.py, loadtest/gc_pause_bench.py).
     frozen = settle()
     log.info("froze %d objects built at start", frozen)
     stop = asyncio.Event()
