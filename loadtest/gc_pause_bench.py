@@ -23,7 +23,7 @@ Run: .venv/bin/python -m loadtest.gc_pause_bench [--arms head,freeze] [--rounds 
 "gc": {generation: {"count", "max_ms", "p99_ms", "sum_ms"}}, "control_plane_gc" (the
 same, the control plane's), "lag_ms": {"p50", "p99",
 "p999", "max"}, "stalls_over_10ms", "ttfb_ms": {"p50", "p99", "max"}, "sidecar_cpu_share",
-"frozen", "held_at_exit"}]}.
+"frozen", "held_at_exit", "young_at_collections"}]}.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import yaml
 from loadtest import procstats
 
 LAG_PERIOD_S = 0.005
+YOUNG_SAMPLE = 20  # --verbose: every 20th collection's young generation, by type
 T = "type.googleapis.com/meshd.v1.EndpointState"  # as loadtest/xds_apply_bench.py's
 STUB_MODEL = "stub-model"
 
@@ -92,8 +93,14 @@ def child(argv: Sequence[str]) -> int:
     started = [0.0]
     clock = time.monotonic
 
+    young: Counter[str] = Counter()
+
     def on_gc(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
+            # What a young collection finds (every YOUNG_SAMPLE-th, untimed): what the
+            # process allocates that the collector tracks, by type.
+            if info["generation"] == 0 and len(pauses) % YOUNG_SAMPLE == 0:
+                young.update(type(o).__name__ for o in gc.get_objects(0))
             started[0] = clock()
         else:
             pauses.append((started[0], info["generation"], clock() - started[0]))
@@ -122,7 +129,13 @@ def child(argv: Sequence[str]) -> int:
         # What the generations not frozen hold as it stops (with the freeze: what the
         # process added to them since its start), by type.
         held = Counter(type(o).__name__ for g in range(3) for o in gc.get_objects(g))
-        recorded = {"gc": pauses, "lag": lags, "frozen": frozen[0], "held": held.most_common(12)}
+        recorded = {
+            "gc": pauses,
+            "lag": lags,
+            "frozen": frozen[0],
+            "held": held.most_common(12),
+            "young": young.most_common(12),
+        }
         Path(args.out).write_text(json.dumps(recorded))
 
 
@@ -315,6 +328,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
         "sidecar_cpu_share": s1.cpu_since(s0) / window,
         "frozen": recorded["frozen"],
         "held_at_exit": recorded["held"],
+        "young_at_collections": recorded["young"],
     }
 
 
@@ -375,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(_row(r), flush=True)
             if args.verbose:
                 print("    held at exit:", ", ".join(f"{t} {n}" for t, n in r["held_at_exit"]))
+                young = r["young_at_collections"]
+                print("    young at collections:", ", ".join(f"{t} {n}" for t, n in young))
     for arm in arms:
         rs = [r for r in runs if r["arm"] == arm]
         if len(rs) > 1:
