@@ -342,7 +342,7 @@ def _row(r: dict[str, Any]) -> str:
         + f"{r['stalls_over_10ms']:>6}"
         + f"{r['ttfb_ms']['p50']:>7.2f}{r['ttfb_ms']['p99']:>7.2f}{r['ttfb_ms']['max']:>7.1f}"
         + f"{r['sidecar_cpu_share']:>7.1%}"
-        + f"{cp['0']['count'] + cp['1']['count']:>6}{cp['2']['count']:>4}{cp['2']['max_ms']:>8.1f}"
+        + f"{cp['0']['count'] + cp['1']['count']:>8}{cp['2']['count']:>4}{cp['2']['max_ms']:>8.1f}"
     )
 
 
@@ -352,7 +352,7 @@ HEADER = (
     + f"{'gen2 ms':>8}"
     + f"{'lag p99':>8}{'p99.9':>8}{'max':>8}{'>10ms':>6}"
     + f"{'ttfb50':>7}{'p99':>7}{'max':>7}{'CPU':>7}"
-    + f"{'CP 0+1':>6}{'2':>4}{'max ms':>8}"
+    + f"{'CP 0+1':>8}{'2':>4}{'max ms':>8}"
 )
 
 
