@@ -9,9 +9,9 @@ library modules) and live as long as the process, so each full collection re-wal
 for nothing. `gc.freeze()` moves them to the permanent generation, which no collection
 walks (the practice of "Dismissing Python Garbage Collection at Instagram", 2017; CPython's
 gc docs recommend it after start). Measured by loadtest/gc_pause_bench.py (1,000 engines
-at 10,000 updates/s and 20 requests/s, 30 s windows, 2-core VM at load ~3): full
-collections 113.7-179.3 ms before, 2.2-7.2 ms frozen (~80,000 objects); the event loop's
-longest lag 115.6-184.0 -> 27.8-40.1 ms (the rest is the VM's scheduling, not the GC).
+at 10,000 updates/s and 20 requests/s, 30 s windows, 2-core VM at load ~3, three runs):
+full collections 86.3-273.6 ms before, 2.2-7.2 ms frozen (~80,000 objects); the event
+loop's longest lag 87.2-311.1 -> 27.8-45.0 ms (the rest is the VM's scheduling).
 
 The generation-0 threshold stays CPython's 700: at 10,000 the young collections fall from
 ~9 a second to a few a minute, but under 200 requests/s each then walks the requests in
