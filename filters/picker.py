@@ -396,6 +396,22 @@ __all__ = ["Choice", "PickRequest", "Picker", "PickerConfig"]
 _M64 = 0xFFFFFFFFFFFFFFFF
 # The reference GPU for demand accounting (group replication).
 _REF = GPUS["H100"]
+# Bounded load's comparisons allow this relative slack: loads are counts, so a load at
+# exactly its share is common (4 engines, 48 requests with this one, epsilon 0.25: a share
+# of 15, computed 14.999999999999998 from H100 weights summed in float), and which side of
+# it the float landed moved with the weights' scale. b23a00b's decode-speed weights moved that last bit for fleets
+# nobody described, and with it the Mooncake cells (4 H100s: hit rate 0.94 -> 0.77x the
+# best peer, 8: 1.07 -> 0.91x; virtual clock, 2026-12-07), where the commit meant a common
+# weight to cancel.
+_BOUND_TIE = 1.0 + 1e-9
+
+
+def _fits(load: float, share: float) -> bool:
+    """Bounded load's test: `load` within `share`, a load exactly at it included however the
+    share's float rounded (_BOUND_TIE)."""
+    return load <= share * _BOUND_TIE
+
+
 # Decode is priced at this batch size: a healthy engine's steady state.
 DECODE_REF_BATCH = 64
 _REF_DECODE_64 = _REF.decode_step_s(DECODE_REF_BATCH)
@@ -1256,9 +1272,13 @@ class Picker:
                 held = cached_of.get(t[1])
                 if held:
                     top = cap * (1.0 + headroom * held)
-            if v.load <= v.floor_load or v.load + x <= top * v.weight:
+            if v.load <= v.floor_load or _fits(v.load + x, top * v.weight):
                 return True
-            if yield_q is None or v.weight >= v.full_weight or v.load + x > cap * v.full_weight:
+            if (
+                yield_q is None
+                or v.weight >= v.full_weight
+                or not _fits(v.load + x, cap * v.full_weight)
+            ):
                 return False
             if not pool_q:
                 pool_q.append(
