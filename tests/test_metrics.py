@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from meshd.heap import GcCollector, gc_pauses
 from meshd.metrics import (
     BREAKER_HALF_OPEN,
     BREAKER_OPEN,
@@ -81,6 +82,7 @@ def exposed_names() -> set[str]:
     (the sidecar's and, registered beside them when it is on, the response cache's)."""
     m = DataPlaneMetrics()
     ResponseCacheMetrics(m.registry)
+    m.registry.register(GcCollector(gc_pauses()))  # the sidecar registers it beside them
     out = set()
     for collector in list(m.registry._collector_to_names):
         for family in collector.describe():
