@@ -13,7 +13,8 @@ defaults 10 s, 10/s, 0.2, a ring of 10 slots per ttl), and Envoy's retry budgets
 rate). meshd follows Finagle/tower: over any `window_s` the retries withdrawn are at most
 ``retry_ratio x requests + min_retries_per_s x window_s``.
 Withdrawals are recorded as negative amounts in the same ring as deposits, so both expire
-together, exactly as in tower's TpsBucket.
+together, exactly as in tower's TpsBucket; so are the counts the storm test below compares
+(requests, retry asks, failed retries, granted retries): one ring on a fixed grid for all.
 
 The floor is for rare failures: it lets a quiet client retry its odd refusal, which the
 ratio of a few requests could not fund. It is not for a pool where most requests fail:
@@ -66,62 +67,75 @@ class RandomSource(Protocol):
 
 
 class WindowedSum:
-    """A sum of integer amounts added over the last `window_s` seconds, kept in `slots`
-    buckets (tower's TpsBucket, Finagle's WindowedAdder). An amount leaves the sum between
+    """Sums of integer amounts added over the last `window_s` seconds, kept in `slots`
+    buckets (tower's TpsBucket, Finagle's WindowedAdder); `counts` sums side by side, each
+    bucket holding an amount for each. An amount leaves its sum between
     window_s x (1 - 1/slots) and window_s after it was added. O(1) amortised per call
-    (at most `slots` buckets are cleared however long the gap), memory O(slots).
+    (at most `slots` buckets are cleared however long the gap), memory O(slots x counts).
+
+    The buckets lie on a fixed grid: bucket number now // (window_s / slots), whatever the
+    calls, and the sums of one ring leave it together. Sums that are compared (requests
+    and their failures, say) belong in one ring: two rings that began at their first use
+    (the budget's and the breaker's did) let an amount leave one sum up to a slot before
+    its fellow left the other. A clock that goes back counts in the current bucket.
 
     Integers, not floats, so a long run of +d/-w never drifts away from zero.
     """
 
-    __slots__ = ("_buckets", "_index", "_slot_s", "_start", "_sum")
+    __slots__ = ("_bucket", "_buckets", "_current", "_slot_s", "_sums")
 
-    def __init__(self, window_s: float, slots: int = 10) -> None:
+    def __init__(self, window_s: float, slots: int = 10, counts: int = 1) -> None:
         if not window_s > 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        if counts < 1:
+            raise ValueError(f"counts must be >= 1, got {counts}")
         self._slot_s = window_s / slots
-        self._buckets = [0] * slots
-        self._index = 0
-        self._start: float | None = None  # start time of the current bucket
-        self._sum = 0
+        self._buckets = [[0] * counts for _ in range(slots)]
+        self._bucket = -math.inf  # the current bucket's number (now // slot)
+        self._current = self._buckets[0]  # and its amounts
+        self._sums = [0] * counts
 
-    def _advance(self, now: float) -> None:
-        start = self._start
-        if start is None:
-            self._start = now
-            return
-        if now < start + self._slot_s:
-            return  # also when time went backwards: stay in the current bucket
-        steps = int((now - start) // self._slot_s)
-        n = len(self._buckets)
-        if steps >= n:
-            self._buckets = [0] * n
-            self._sum = 0
-            self._index = (self._index + steps) % n
+    def _advance(self, bucket: float) -> None:
+        """Make `bucket` (> the current one) current: the buckets between leave the sums."""
+        buckets, sums = self._buckets, self._sums
+        n, counts = len(buckets), len(sums)
+        if bucket - self._bucket >= n:
+            for j in range(n):
+                buckets[j] = [0] * counts
+            sums[:] = [0] * counts
         else:
-            for _ in range(steps):
-                self._index = (self._index + 1) % n
-                self._sum -= self._buckets[self._index]
-                self._buckets[self._index] = 0
-        self._start = start + steps * self._slot_s
+            for i in range(int(self._bucket) + 1, int(bucket) + 1):
+                j = i % n
+                for k, amount in enumerate(buckets[j]):
+                    sums[k] -= amount
+                buckets[j] = [0] * counts
+        self._bucket = bucket
+        self._current = buckets[int(bucket) % n]
 
-    # add and total ask _advance only when `now` may be past the current bucket: most calls
+    # add and total ask _advance only when `now` is past the current bucket: most calls
     # fall in it, and a call costs ~5 us with cold caches (several a request, on the way to
-    # the upstream send: the throttle's allow, the retry budget's deposit).
-    def add(self, now: float, amount: int) -> None:
-        start = self._start
-        if start is None or not now < start + self._slot_s:
-            self._advance(now)
-        self._buckets[self._index] += amount
-        self._sum += amount
+    # the upstream send: the retry budget's deposit, the breaker's outcome).
+    def add(self, now: float, amount: int, count: int = 0) -> None:
+        bucket = now // self._slot_s
+        if bucket > self._bucket:
+            self._advance(bucket)
+        self._current[count] += amount
+        self._sums[count] += amount
 
-    def total(self, now: float) -> int:
-        start = self._start
-        if start is None or not now < start + self._slot_s:
-            self._advance(now)
-        return self._sum
+    def total(self, now: float, count: int = 0) -> int:
+        bucket = now // self._slot_s
+        if bucket > self._bucket:
+            self._advance(bucket)
+        return self._sums[count]
+
+    def totals(self, now: float) -> tuple[int, ...]:
+        """Every sum, read at one time."""
+        bucket = now // self._slot_s
+        if bucket > self._bucket:
+            self._advance(bucket)
+        return tuple(self._sums)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +169,10 @@ class RetryBudgetConfig:
 # storm, not rare: the floor stops counting (module docstring).
 STORM_SHARE = 0.5
 
+# The budget's sums, side by side in one ring (WindowedSum counts): the balance in
+# thousandths of a retry (deposits less withdrawals), then what the storm test compares.
+_BALANCE, _REQUESTS, _ASKS, _FAILED_RETRIES, _GRANTED = range(5)
+
 # Amounts in thousandths of a retry: a ratio like 0.3 is exact, where tower's
 # withdraw = int(1 / 0.3) = 3 would allow 33%.
 _SCALE = 1000
@@ -171,11 +189,7 @@ class RetryBudget:
     """
 
     __slots__ = (
-        "_asks",
         "_deposit",
-        "_failed_retries",
-        "_granted",
-        "_recent_requests",
         "_reserve",
         "_window",
         "_withdraw",
@@ -190,12 +204,11 @@ class RetryBudget:
     def __init__(self, config: RetryBudgetConfig | None = None) -> None:
         cfg = config or RetryBudgetConfig()
         self.config = cfg
-        self._window = WindowedSum(cfg.window_s, cfg.slots)
-        # Requests and retry asks (granted or not) over the same window: the storm test.
-        self._recent_requests = WindowedSum(cfg.window_s, cfg.slots)
-        self._asks = WindowedSum(cfg.window_s, cfg.slots)
-        self._failed_retries = WindowedSum(cfg.window_s, cfg.slots)
-        self._granted = WindowedSum(cfg.window_s, cfg.slots)
+        # The balance and, for the storm test, the requests, the retry asks (granted or
+        # not), the failed retries and the granted ones: one ring, so all leave together
+        # (they were five rings, each begun at its first use, and an ask could outlive its
+        # request by up to a slot: 3 asks of 1 request read where the window held 0 of 1).
+        self._window = WindowedSum(cfg.window_s, cfg.slots, counts=5)
         self._deposit = round(cfg.retry_ratio * _SCALE)
         self._withdraw = _SCALE
         self._reserve = round(cfg.min_retries_per_s * cfg.window_s * _SCALE)
@@ -213,26 +226,29 @@ class RetryBudget:
         """A new request (its first attempt) was sent."""
         self.requests += 1
         self.attempts += 1
-        self._recent_requests.add(now, 1)
+        window = self._window
+        window.add(now, 1, _REQUESTS)
         if self._deposit:
-            self._window.add(now, self._deposit)
+            window.add(now, self._deposit, _BALANCE)
 
-    def _floor(self, now: float) -> int:
+    def _floor(self, sums: tuple[int, ...]) -> int:
         """The floor's reserve, or 0 while the window's retry asks are a storm (module
         docstring): at least as many as one request alone can make, and either as many as
-        the window's requests, or more than STORM_SHARE of its granted retries failed."""
-        asks = self._asks.total(now)
+        the window's requests, or more than STORM_SHARE of its granted retries failed.
+        `sums`: the window's, read at one time."""
+        asks = sums[_ASKS]
         if asks < self.config.max_attempts:
             return self._reserve
-        if asks >= self._recent_requests.total(now):
+        if asks >= sums[_REQUESTS]:
             return 0
-        if self._failed_retries.total(now) > STORM_SHARE * self._granted.total(now):
+        if sums[_FAILED_RETRIES] > STORM_SHARE * sums[_GRANTED]:
             return 0
         return self._reserve
 
     def balance(self, now: float) -> float:
         """Retries that could be withdrawn now."""
-        return (self._window.total(now) + self._floor(now)) / _SCALE
+        sums = self._window.totals(now)
+        return (sums[_BALANCE] + self._floor(sums)) / _SCALE
 
     def withdraw(self, now: float, attempts_made: int = 1) -> bool:
         """May this request, which has made `attempts_made` attempts, try once more?
@@ -240,15 +256,16 @@ class RetryBudget:
         if attempts_made >= self.config.max_attempts:
             self.capped += 1
             return False
-        self._asks.add(now, 1)  # this ask is judged with the window's, itself included
+        window = self._window
+        window.add(now, 1, _ASKS)  # this ask is judged with the window's, itself included
         if attempts_made > 1:
-            self._failed_retries.add(now, 1)  # it asks again: its last retry failed
-        reserve = self._floor(now)
-        if self._window.total(now) + reserve < self._withdraw:
+            window.add(now, 1, _FAILED_RETRIES)  # it asks again: its last retry failed
+        sums = window.totals(now)
+        if sums[_BALANCE] + self._floor(sums) < self._withdraw:
             self.exhausted += 1
             return False
-        self._window.add(now, -self._withdraw)
-        self._granted.add(now, 1)
+        window.add(now, -self._withdraw, _BALANCE)
+        window.add(now, 1, _GRANTED)
         self.retries += 1
         self.attempts += 1
         return True
