@@ -399,10 +399,10 @@ _REF = GPUS["H100"]
 # Bounded load's comparisons allow this relative slack: loads are counts, so a load at
 # exactly its share is common (4 engines, 48 requests with this one, epsilon 0.25: a share
 # of 15, computed 14.999999999999998 from H100 weights summed in float), and which side of
-# it the float landed moved with the weights' scale. b23a00b's decode-speed weights moved that last bit for fleets
-# nobody described, and with it the Mooncake cells (4 H100s: hit rate 0.94 -> 0.77x the
-# best peer, 8: 1.07 -> 0.91x; virtual clock, 2026-12-07), where the commit meant a common
-# weight to cancel.
+# it the float landed moved with the weights' scale. b23a00b's decode-speed weights moved
+# that last bit for fleets nobody described, and with it the Mooncake cells (4 H100s: hit
+# rate 0.94 -> 0.77x the best peer, 8: 1.07 -> 0.91x; virtual clock, 2026-12-07), where
+# the commit meant a common weight to cancel.
 _BOUND_TIE = 1.0 + 1e-9
 
 
