@@ -33,7 +33,12 @@ async def test_a_tiny_run_replays_the_repeats_and_no_answer_is_wrong(
     assert doc["compared_replayed"] == replayed
     for key in ("ttft_p50_s", "ttft_p90_s", "e2e_p50_s", "usd_per_ok_task", "gpu_seconds"):
         assert off[key] > 0 and on[key] > 0 and key in doc["ratios"]
-    assert on["gpu_seconds"] < off["gpu_seconds"]  # a replay costs no GPU time
+    # A replay costs no GPU time: the access log credits each replayed answer with what it
+    # cost when first generated. The two passes' measured totals are not compared: the
+    # replayed prompts are exact repeats the engines also hold in their prefix caches, so
+    # the cache saves ~0.01 of ~0.54 GPU-seconds, inside the live run's timing noise (a
+    # clean-clone CI beside other jobs read 0.566 with the cache against 0.541 without).
+    assert 0 < on["avoided_gpu_seconds"] <= off["gpu_seconds"]
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["workload"]["derived_repeats"] > 0 and saved["wrong_answers"] == 0
     assert (tmp_path / "ttft_cdf.png").stat().st_size > 0
