@@ -135,6 +135,20 @@ async def test_a_started_sidecar_has_frozen_what_start_up_built() -> None:
             await proc.wait()
 
 
+async def _froze_then_stops(proc: asyncio.subprocess.Process) -> None:
+    """A started process logged (before its ready line) that it froze more than 10,000
+    objects built at start, and exits 0 on SIGTERM."""
+    assert proc.stderr is not None
+    froze = None
+    while froze is None:
+        log = (await asyncio.wait_for(proc.stderr.readline(), 5)).decode()
+        assert log, "no 'froze' line before stderr ended"
+        froze = re.search(r"froze (\d+) objects built at start", log)
+    assert int(froze.group(1)) > 10_000
+    proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(proc.wait(), 20) == 0
+
+
 async def test_a_started_control_plane_has_frozen_what_start_up_built() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -151,17 +165,10 @@ async def test_a_started_control_plane_has_frozen_what_start_up_built() -> None:
         stderr=asyncio.subprocess.PIPE,
     )
     try:
-        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
         assert line.startswith("meshd control plane on ")
-        froze = None
-        while froze is None:  # logged before the line above was printed
-            log = (await asyncio.wait_for(proc.stderr.readline(), 5)).decode()
-            assert log, "no 'froze' line before stderr ended"
-            froze = re.search(r"froze (\d+) objects built at start", log)
-        assert int(froze.group(1)) > 10_000
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        await _froze_then_stops(proc)
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -182,17 +189,10 @@ async def test_a_started_picker_has_frozen_what_start_up_built() -> None:
         stderr=asyncio.subprocess.PIPE,
     )
     try:
-        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout is not None
         ready = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
         assert ready["event"] == "ready"
-        froze = None
-        while froze is None:  # logged before the ready line
-            log = (await asyncio.wait_for(proc.stderr.readline(), 5)).decode()
-            assert log, "no 'froze' line before stderr ended"
-            froze = re.search(r"froze (\d+) objects built at start", log)
-        assert int(froze.group(1)) > 10_000
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        await _froze_then_stops(proc)
     finally:
         if proc.returncode is None:
             proc.kill()
