@@ -290,3 +290,94 @@ def test_tags_read_as_protobuf_reads_them(tag: bytes) -> None:
         # Inside a resource, and inside its Any.
         inner = pb.Resource(name="e0").SerializeToString() + tag + b"\0" * 8
         same(len_field(2, inner), wanted)
+
+
+# Responses of more resources than the compiled reader's batch (32: read, then the held
+# reports asked for from memory, then decoded), each resource's Any type checked once.
+BATCH = 32
+
+
+@st.composite
+def long_response(draw: st.DrawFn) -> tuple[bytes, dict[str, dict[str, Any]]]:
+    """A response of up to 3 batches of EndpointStates (some unwanted, a few odd), and
+    what the subscriber holds: reports under some of their names, other things under
+    others."""
+    count = draw(st.integers(0, 3 * BATCH + 2))
+    m = pb.DeltaDiscoveryResponse(type_url=T, nonce="n")
+    held: dict[str, Any] = {}
+    for i in range(count):
+        name = f"e{i}" if draw(st.integers(0, 9)) else "é" + str(i)
+        r = m.resources.add(name=name, version=f"{i}")
+        r.resource.type_url = T if draw(st.integers(0, 49)) else draw(st.sampled_from([OTHER, ""]))
+        r.resource.value = draw(st.sampled_from(BODIES[:2]) | st.sampled_from(BODIES))
+        kind = draw(st.integers(0, 3))
+        if kind == 1:
+            body = BODIES[draw(st.integers(0, 1))]
+            held[name] = Entry(name, "0", decode_engine_report(body), 1.0)
+        elif kind == 2:
+            held[name] = draw(st.sampled_from(["not an entry", Entry(name, "0", b"raw", 1.0)]))
+    raw = m.SerializeToString()
+    if draw(st.integers(0, 4)) == 0 and raw:  # damaged somewhere
+        at = draw(st.integers(0, len(raw) - 1))
+        raw = raw[:at] + bytes([draw(st.integers(0, 255))]) + raw[at + 1 :]
+    return raw, {T: held}
+
+
+@compiled
+@settings(max_examples=200, deadline=None)
+@given(long_response(), st.booleans(), st.sets(st.integers(0, 3 * BATCH + 2), max_size=60))
+def test_responses_of_several_batches_read_as_the_reference(
+    case: tuple[bytes, dict[str, dict[str, Any]]], wildcard: bool, picked: set[int]
+) -> None:
+    raw, held = case
+    wanted = {T: Interest(wildcard, {f"e{i}" for i in picked})}
+    assert outcome(read_response, raw, wanted, held) == outcome(reference_read, raw, wanted)
+
+
+@compiled
+def test_a_long_response_cut_anywhere_reads_or_fails_as_the_reference() -> None:
+    """Malformed bytes are protobuf's DecodeError, or read as the reference reads them;
+    never a crash, at any cut of a response of three batches."""
+    states = [dataclasses.replace(STATE, requests_running=i).encode() for i in range(3 * BATCH)]
+    raw = _message(*((f"e{i}", T, body) for i, body in enumerate(states)))
+    held = {T: dict(read_response(raw, {T: Interest(True)}, DECODERS, 1.0).changed or {})}
+    for cut in range(0, len(raw), 37):
+        for wanted in ({T: Interest(True)}, {T: Interest(False, {"e40"})}):
+            assert outcome(read_response, raw[:cut], wanted, held) == outcome(
+                reference_read, raw[:cut], wanted
+            )
+
+
+@pytest.mark.parametrize("read", [read_response, reference_read])
+@pytest.mark.parametrize("any_type", [b"\xff\xfe", b"type.googleapis.com/\xc3", "é".encode()])
+def test_an_any_type_that_is_not_the_responses_is_checked_as_utf8(
+    read: Any, any_type: bytes
+) -> None:
+    """An Any's type other than the response's (whose bytes were checked once) is
+    checked itself, in a resource not subscribed to as well: invalid UTF-8 refuses the
+    message as protobuf does; valid, it is the resource's refusal."""
+    body = len_field(1, any_type) + len_field(2, BODIES[0])
+    res = len_field(3, b"e1") + len_field(2, body)
+    raw = _message(("e0", T, BODIES[0])) + len_field(2, res)
+    for wanted in ({}, {T: Interest(False, {"e0"})}, {T: Interest(True)}):
+        got = outcome(read, raw, wanted)
+        assert got == outcome(reference_read, raw, wanted)
+        if any_type == "é".encode() and wanted.get(T, Interest(False)).wildcard:
+            assert got[-1] == f"Any type 'é' in a {T} response"
+        elif any_type != "é".encode():
+            assert got[0] == "raises"
+
+
+@compiled
+def test_each_resource_of_a_batch_takes_its_own_held_report() -> None:
+    """Read again with what the subscriber holds, every unchanged report of a response of
+    three batches (some names skipped, unwanted) is its own held one."""
+    states = [dataclasses.replace(STATE, requests_running=i).encode() for i in range(3 * BATCH)]
+    raw = _message(*((f"e{i}", T, body) for i, body in enumerate(states)))
+    wanted = {T: Interest(False, {f"e{i}" for i in range(3 * BATCH) if i % 5})}
+    first = read_response(raw, wanted, DECODERS, 1.0).changed
+    assert first is not None and len(first) == len(wanted[T].names)
+    again = read_response(raw, wanted, DECODERS, 2.0, {T: dict(first)}).changed
+    assert again is not None and again.keys() == first.keys()
+    assert all(again[n].value is first[n].value for n in first)
+    assert all(again[n].value.state.requests_running == int(n[1:]) for n in again)

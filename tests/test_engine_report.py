@@ -256,3 +256,58 @@ def test_classes_it_cannot_build_through_slots_are_built_through_their_init() ->
         assert type(got) is Loose and got.state == STATE.to_reported()
     finally:
         assert _engine_report_c.bind(EngineReport, ReportedState, reference_decode)
+
+
+# The fast paths of the compiled decoder (issue #23): strings checked as ASCII eight bytes
+# at a time, and the key encode() writes next matched whole, header included.
+_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # 32 bytes: four words
+
+
+@pytest.mark.parametrize("at", range(len(_MODEL)))
+@pytest.mark.parametrize("odd", [b"\xff", b"\xc3\xa9", b"\xc3", b"\x80", b"\x7f"])
+def test_a_non_ascii_byte_anywhere_in_a_string_decodes_as_the_reference(
+    at: int, odd: bytes
+) -> None:
+    """Invalid UTF-8 (refused), valid UTF-8 (taken), a lone lead or continuation byte,
+    and DEL (ASCII) at each offset of a word-checked string: in the model, the address,
+    an adapter's name, an unknown key's name and value."""
+    text = _MODEL.encode()
+    s = text[:at] + odd + text[at + 1 :]
+    header = bytes([0xA0 | len(s)]) if len(s) < 32 else b"\xd9" + bytes([len(s)])
+    body = msgpack.unpackb(STATE.encode())
+    packed = msgpack.packb(body)
+    model = msgpack.packb("model") + msgpack.packb(body["model"])
+    assert model in packed
+    same(packed.replace(model, msgpack.packb("model") + header + s))
+    addr = msgpack.packb("address") + msgpack.packb(body["address"])
+    same(packed.replace(addr, msgpack.packb("address") + header + s))
+    adapters = msgpack.packb("adapters") + msgpack.packb(body["adapters"])
+    assert adapters in packed
+    same(packed.replace(adapters, msgpack.packb("adapters") + b"\x81" + header + s + b"\xc3"))
+    same(_with(packed, header + s + header + s))  # an unknown key, a str value
+
+
+def _with(packed: bytes, pair: bytes) -> bytes:
+    """`packed` (a map16) with one more key/value pair at its end."""
+    assert packed[0] == 0xDE
+    return b"\xde" + (int.from_bytes(packed[1:3], "big") + 1).to_bytes(2, "big") + packed[3:] + pair
+
+
+@pytest.mark.parametrize("key", ["v", *(f.name for f in dataclasses.fields(EndpointState))])
+def test_a_key_in_another_encoding_or_place_decodes_as_the_reference(key: str) -> None:
+    """The key expected next matched whole is one path; a key as str8 (not fixstr), out of
+    encode()'s order, cut short at the map's end, or a name one byte off takes the other,
+    with the same answers."""
+    d = msgpack.unpackb(STATE.encode())
+    if key not in d:
+        d[key] = None
+    packed = msgpack.packb(d)
+    fix = msgpack.packb(key)
+    str8 = b"\xd9" + bytes([len(key)]) + key.encode()
+    assert packed.count(fix) >= 1
+    same(packed.replace(fix, str8, 1))
+    first = {key: d[key], **{k: v for k, v in d.items() if k != key}}
+    same(msgpack.packb(first))
+    same(packed[: packed.index(fix) + len(fix)])  # the key, then nothing
+    off = key[:-1] + chr(ord(key[-1]) ^ 1)
+    same(packed.replace(fix, msgpack.packb(off), 1))

@@ -26,6 +26,18 @@ the figure is set by cold caches and gRPC's per-response cost (docs/control-plan
 An EndpointState body (xds.engine_report's compiled decoder) is decoded in place, with no
 bytes object of it, given the report the subscriber holds under its name (`held`): see
 xds/_engine_report_c.pyx for what that saves.
+
+In a sidecar those held reports are cold when a push comes (one every 20 ms, the control
+plane and other processes on the cores between), and compared one after another each of
+their objects' cache misses waited for the last: resources are read in batches of BATCH,
+and each batch's held Entries, reports, states and values are asked for from memory a
+stage at a time (prefetched) before its bodies are decoded. With strings checked as
+ASCII eight bytes at a time, an Any's type compared with the response's before any UTF-8
+check, and `changed` sized once: one real sidecar at 10,000 updates/s (`python -m
+loadtest.xds_apply_bench --transports frames`, ~204 updates a response), the tree before
+and this one alternated, 5 runs each: reading 3.30/3.81/4.44/4.67/3.74 -> 3.14/3.36/3.44/
+3.22/3.20 us an update (median 3.81 -> 3.22); instructions (callgrind, responses of 200)
+9,439 -> 8,434 an update (the batches cost ~200 of the ~1,200 the rest saves).
 """
 
 import types
@@ -36,9 +48,10 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport uint64_t
-from libc.string cimport memcmp
+from libc.string cimport memcmp, memcpy
 
 from xds._engine_report_c cimport decode_span as _report_span
+from xds._engine_report_c cimport warm_report as _warm_report
 
 from xds._engine_report_c import decode_engine_report as _report_decoder
 
@@ -56,6 +69,15 @@ cdef extern from "Python.h":
     object PyType_GenericAlloc(type t, Py_ssize_t nitems)
     void PyObject_GC_UnTrack(void *op)
     int PyObject_GC_IsTracked(object op)
+
+cdef extern from "Python.h":
+    dict _PyDict_NewPresized(Py_ssize_t minused)
+
+cdef extern from *:
+    void _prefetch "__builtin_prefetch"(const void *p) noexcept
+
+cdef enum:
+    BATCH = 32  # resources read before they are decoded (their held objects: ~32 KB)
 
 cdef extern from "structmember.h":
     int T_OBJECT_EX
@@ -145,13 +167,25 @@ cdef inline bint _skip(Reader *r, int wire) noexcept:
     return False
 
 
+cdef inline bint _ascii(const unsigned char *p, Py_ssize_t n) noexcept:
+    """Whether the bytes are all ASCII: eight at a time (a byte at a time was ~8
+    instructions a byte: a resource's name, version and Any type, ~80 bytes)."""
+    cdef uint64_t w, acc = 0
+    while n >= 8:
+        memcpy(&w, p, 8)
+        acc |= w
+        p += 8
+        n -= 8
+    while n > 0:
+        acc |= p[0]
+        p += 1
+        n -= 1
+    return (acc & 0x8080808080808080ULL) == 0
+
+
 cdef bint _utf8_ok(const unsigned char *p, Py_ssize_t n):
     """Whether the bytes are valid UTF-8 (protobuf checks every proto3 string)."""
-    cdef Py_ssize_t i
-    for i in range(n):
-        if p[i] >= 0x80:
-            break
-    else:
+    if _ascii(p, n):
         return True
     try:
         PyUnicode_DecodeUTF8(<const char *>p, n, NULL)
@@ -186,8 +220,11 @@ cdef bint _any(const unsigned char *p, Py_ssize_t n, ResourceSpans *out):
         if not _tag(&r, &number, &wire):
             return False
         if number == 1:
-            if not _string_once(&r, wire, &out.any_type):
+            # Its UTF-8 is checked by the caller (_any_type_ok): most are the response's
+            # own type, checked once.
+            if wire != WT_LEN or out.any_type.seen or not _len(&r, &out.any_type):
                 return False
+            out.any_type.seen = True
         elif number == 2:
             if wire != WT_LEN or out.value.seen or not _len(&r, &out.value):
                 return False
@@ -228,6 +265,18 @@ cdef bint _resource(const unsigned char *p, Py_ssize_t n, ResourceSpans *out):
         elif not _skip(&r, wire):
             return False
     return True
+
+
+cdef inline bint _same_span(Span *a, Span *b) noexcept:
+    return a.seen and b.seen and a.n == b.n and memcmp(a.p, b.p, a.n) == 0
+
+
+cdef inline bint _any_type_ok(ResourceSpans *res, Span *type_url):
+    """Whether a resource's Any type is valid UTF-8 (or absent): the response's type
+    (checked as read) needs no second look."""
+    return not res.any_type.seen or _same_span(&res.any_type, type_url) or _utf8_ok(
+        res.any_type.p, res.any_type.n
+    )
 
 
 # -- strings built once ---------------------------------------------------------------------
@@ -349,15 +398,12 @@ cdef inline object _version(Span *s):
     return PyUnicode_DecodeUTF8(<const char *>s.p, s.n, NULL) if s.seen else ""
 
 
-cdef object _held_value(object entry):
-    """An Entry's value (None for anything else)."""
-    cdef PyObject *v
-    if type(entry) is not _Entry:
-        return None
-    if not _slots_bound:
-        return entry.value
-    v = (<PyObject **>((<char *><PyObject *>entry) + _entry_off[2]))[0]
-    return None if v == NULL else <object>v
+cdef PyObject *_held_value_ptr(PyObject *entry) noexcept:
+    """An Entry's value, borrowed (NULL for anything else, or where Entries are not built
+    through their slots: then nothing is taken from what the subscriber holds)."""
+    if entry == NULL or not _slots_bound or type(<object>entry) is not _Entry:
+        return NULL
+    return (<PyObject **>((<char *>entry) + _entry_off[2]))[0]
 
 
 def read_response(raw, interests, decoders, now, held=None):
@@ -381,7 +427,10 @@ def read_response(raw, interests, decoders, now, held=None):
     cdef bint wildcard = False
     names = None
     cdef dict changed
-    cdef PyObject *prev
+    cdef ResourceSpans batch[BATCH]
+    cdef PyObject *pending[BATCH]  # per batch member: its held Entry, then that one's value
+    cdef Py_ssize_t count, i
+    cdef int stage
     table = None
     if _reference is None:
         raise RuntimeError("not bound: import xds.delta_response")
@@ -389,6 +438,8 @@ def read_response(raw, interests, decoders, now, held=None):
         return _reference(raw, interests, decoders, now)
     data = <bytes>raw
     version_info.seen = type_url.seen = nonce.seen = False
+    version_info.n = type_url.n = nonce.n = 0
+    version_info.p = type_url.p = nonce.p = NULL
     removed = []
     r.p = <const unsigned char *>data
     r.end = r.p + len(<bytes>raw)
@@ -419,7 +470,9 @@ def read_response(raw, interests, decoders, now, held=None):
     t = _str(&type_url)
     interest = interests.get(t)
     decoder = None
-    changed = {}
+    # Sized for every resource at once (grown from 8, a 200-resource response's dict
+    # was rebuilt five times).
+    changed = _PyDict_NewPresized(resources if interest is not None else 0)
     if interest is not None:
         decoder = decoders.get(t)
         wildcard = interest.wildcard
@@ -430,46 +483,66 @@ def read_response(raw, interests, decoders, now, held=None):
                 table = None
     r.p = <const unsigned char *>data
     while resources:
-        _tag(&r, &number, &wire)  # well formed: pass 1 read it
-        if wire != WT_LEN:
-            _skip(&r, wire)
-            continue
-        _len(&r, &item)
-        if number != 2:
-            continue
-        resources -= 1
-        if not _resource(item.p, item.n, &res):
-            return _reference(raw, interests, decoders, now)
-        if interest is None:
-            continue
-        name = _str(&res.name)
-        if not wildcard and name not in names:
-            continue
-        if (
-            not res.any_type.seen
-            or type_url.n != res.any_type.n
-            or memcmp(type_url.p, res.any_type.p, type_url.n) != 0
-        ):
-            return _reference(raw, interests, decoders, now)  # refused: its message
-        if decoder is _report_decoder:
-            previous = None
-            if table is not None:
-                prev = PyDict_GetItem(table, name)
-                if prev != NULL:
-                    previous = _held_value(<object>prev)
-            try:
-                body = _report_span(res.value.p, res.value.n, previous)
-            except Exception:
+        # A batch of the resources wanted, then each decoded. Between the two, the reports
+        # the subscriber holds for them (what each body is compared with) are asked for
+        # from memory a stage at a time, all of the batch at once: in a sidecar they are
+        # cold when a push comes, and one report after another each object's miss (its
+        # Entry, report, state, values) would wait for the last.
+        count = 0
+        batch_names = []
+        while resources and count < BATCH:
+            _tag(&r, &number, &wire)  # well formed: pass 1 read it
+            if wire != WT_LEN:
+                _skip(&r, wire)
+                continue
+            _len(&r, &item)
+            if number != 2:
+                continue
+            resources -= 1
+            if not _resource(item.p, item.n, &batch[count]) or not _any_type_ok(
+                &batch[count], &type_url
+            ):
+                return _reference(raw, interests, decoders, now)
+            if interest is None:
+                continue
+            name = _str(&batch[count].name)
+            if not wildcard and name not in names:
+                continue
+            if not _same_span(&batch[count].any_type, &type_url):
                 return _reference(raw, interests, decoders, now)  # refused: its message
+            # Borrowed: the held table keeps it, and nothing before its use changes that.
+            pending[count] = NULL if table is None else PyDict_GetItem(table, name)
+            if pending[count] != NULL:
+                _prefetch(pending[count])
+            batch_names.append(name)
+            count += 1
+        if table is not None:
+            for i in range(count):
+                pending[i] = _held_value_ptr(pending[i])
+                if pending[i] != NULL:
+                    _prefetch(pending[i])
+            for stage in range(2):
+                for i in range(count):
+                    if pending[i] != NULL:
+                        _warm_report(<object>pending[i], stage)
+        for i in range(count):
+            res = batch[i]
+            name = batch_names[i]
+            if decoder is _report_decoder:
+                previous = None if pending[i] == NULL else <object>pending[i]
+                try:
+                    body = _report_span(res.value.p, res.value.n, previous)
+                except Exception:
+                    return _reference(raw, interests, decoders, now)  # refused: its message
+                changed[name] = _new_entry(name, _version(&res.version), body, now)
+                continue
+            body = PyBytes_FromStringAndSize(<const char *>res.value.p, res.value.n)
+            if decoder is not None:
+                try:
+                    body = decoder(body)
+                except Exception:
+                    return _reference(raw, interests, decoders, now)  # refused: its message
             changed[name] = _new_entry(name, _version(&res.version), body, now)
-            continue
-        body = PyBytes_FromStringAndSize(<const char *>res.value.p, res.value.n)
-        if decoder is not None:
-            try:
-                body = decoder(body)
-            except Exception:
-                return _reference(raw, interests, decoders, now)  # refused: its message
-        changed[name] = _new_entry(name, _version(&res.version), body, now)
     nonce_str = (
         PyUnicode_DecodeUTF8(<const char *>nonce.p, nonce.n, NULL) if nonce.seen else ""
     )
