@@ -22,8 +22,8 @@ times, alternated, each run a fresh set of processes.
 
 Run: .venv/bin/python -m loadtest.xds_apply_bench [--engines 1000] [--updates 20000]
      [--per-response 1,10,100] [--rounds 5] [--rate 10000] [--duration 10] [--batch 50]
-     [--ack-pace-ms MS] [--transports grpc,frames] [--process-rounds N] [--no-process]
-     [--json PATH]
+     [--ack-pace-ms MS] [--push-interval-ms MS] [--transports grpc,frames]
+     [--process-rounds N] [--no-process] [--json PATH]
 
 --json PATH writes every figure: `engines`; `apply` (per resources-per-response K, as a
 string key): {"before_us", "now_us", "now_over_before", "before_cold_us", "now_cold_us",
@@ -39,6 +39,7 @@ resource decoded; the rest is the routers' part), "sidecar_idle_share",
 "control_plane_cpu_share", "publishers_cpu_share", "engines_followed",
 "updates_per_response" (what the control plane's pushes to the sidecar carried),
 "ack_pace_ms" (the sidecar's ACK pace: control_plane.ack_pace_s, or --ack-pace-ms),
+"push_interval_ms" (the control plane's push_interval_s: --push-interval-ms),
 "transport" (what the sidecar followed over: grpc or frames)}, the median run (by
 us/update) of the first transport in --transports; `process_runs`: {transport: [every
 run's figures, as `process`]}.
@@ -359,11 +360,11 @@ def bench_apply(
 # -- (b) one sidecar process ------------------------------------------------------------------
 
 
-def _control_plane(conn: Connection) -> None:
-    from xds.server import ControlPlane
+def _control_plane(conn: Connection, push_interval_s: float = 0.0) -> None:
+    from xds.server import ControlPlane, ServerLimits
 
     async def main() -> None:
-        cp = ControlPlane()
+        cp = ControlPlane(limits=ServerLimits(push_interval_s=push_interval_s))
         # With its frames port, as `meshd control-plane` serves it (a sidecar follows there
         # unless control_plane.frames is off).
         port = await cp.start("127.0.0.1", 0, publish_port=0)
@@ -449,6 +450,7 @@ def bench_process(
     named: bool = True,
     ack_pace_s: float | None = None,
     transport: str = "frames",
+    push_interval_s: float = 0.0,
 ) -> dict[str, Any]:
     from loadtest.overhead import start_child
 
@@ -465,7 +467,7 @@ def bench_process(
     sidecar = None
     with tempfile.TemporaryDirectory(prefix="xds-apply-") as tmp:
         try:
-            cp = spawn(_control_plane)
+            cp = spawn(_control_plane, push_interval_s)
             port = cp.recv()
             cp_pid = procs[0].pid
             pubs = [
@@ -587,6 +589,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "control_plane.ack_pace_s's)",
     )
     ap.add_argument(
+        "--push-interval-ms",
+        type=float,
+        default=0.0,
+        help="(b)'s control plane flushes changes to its streams at most this often "
+        "(push_interval_s; default 0: at once)",
+    )
+    ap.add_argument(
         "--transports",
         default="frames",
         help="(b)'s sidecar follows over these, a run each, alternated (grpc: "
@@ -637,8 +646,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     named=not args.wildcard,
                     ack_pace_s=None if args.ack_pace_ms is None else args.ack_pace_ms / 1e3,
                     transport=transport,
+                    push_interval_s=args.push_interval_ms / 1e3,
                 )
                 r["ack_pace_ms"] = pace_ms
+                r["push_interval_ms"] = args.push_interval_ms
                 runs[transport].append(r)
                 if not header:
                     header = True
@@ -647,7 +658,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"engines, {args.rate:,.0f} updates/s asked for {r['window_s']:.1f} s "
                         f"({args.publishers} publishers, {args.batch} engines a publish; "
                         f"subscribed {'with the wildcard' if args.wildcard else 'by name'}; "
-                        f"ACKs at most every {pace_ms:g} ms; transports {', '.join(transports)}"
+                        f"ACKs at most every {pace_ms:g} ms; control plane pushes at most "
+                        f"every {args.push_interval_ms:g} ms; transports {', '.join(transports)}"
                         f"{', alternated' if len(transports) > 1 else ''})"
                     )
                     print(
