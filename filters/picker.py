@@ -385,7 +385,12 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from filters.blockhash import xxh64
-from filters.endpoint_state import CALIBRATION_ALPHA, CALIBRATION_RANGE, EndpointState
+from filters.endpoint_state import (
+    CALIBRATION_AGE_STEP_S,
+    CALIBRATION_ALPHA,
+    CALIBRATION_RANGE,
+    EndpointState,
+)
 from filters.gpu import GPUS, GpuTable, normalise_gpu_name
 from filters.prefix_index import PrefixIndex
 from filters.request import CHARS_PER_TOKEN, InferenceRequest, estimate_prompt_tokens
@@ -821,6 +826,10 @@ class _View:
 _new_choice = tuple.__new__
 _INF = float("inf")
 _TWO_M53 = 2.0**-53
+# Picker._view's fast paths (the calibration's common case in line, the last request
+# class's constants built with the view); false: the general path each time, which they
+# must equal (tests/test_picker_view_fast.py).
+_FAST_VIEW = True
 
 # (J, name, view): sorts by J, then name (names are unique).
 _Cand = tuple[float, str, _View]
@@ -1531,7 +1540,13 @@ class Picker:
                 v = self._view(e, now)
             if v.why is not None:
                 continue
-            q = _queue_now(v, now)
+            # _queue_now in line (a call costs ~5 us with cold caches; the knee asks this
+            # for every new task's request), max() as max() compares.
+            q = v.q
+            if e.waiting:
+                q -= now - e.prefill_since
+                if not q > v.q_fixed:
+                    q = v.q_fixed
             # Memory, as kv_wait_e prices it, for a request of the engine's usual size:
             # past its KV capacity a new stream waits for (or preempts) the running ones
             # until the excess has turned over.
@@ -1641,8 +1656,11 @@ class Picker:
     def _view(self, e: EndpointState, now: float) -> _View:
         """The endpoint's view, rebuilt: the static part (GPU, report, eligibility) only when
         a report, flag or failure changed it or a freshness deadline passed; the load part
-        (local counters) on every version change."""
-        e.age_calibration(now)
+        (local counters) on every version change. With the request-class constants of
+        the class last priced here (_constants), so that the next pick of that class finds
+        the view whole: no call back from the hot loop."""
+        if not now < e.calibration_aged_at + CALIBRATION_AGE_STEP_S:  # (its early return)
+            e.age_calibration(now)
         v = e._pick_view
         if v is None:
             v = e._pick_stale
@@ -1695,6 +1713,48 @@ class Picker:
         cv = v.cal_seen
         if cv is not None and cv[0] == n and cv[1] == ratio and cv[2].pushed == cv[3]:
             cal = v.cal
+        elif (
+            _FAST_VIEW
+            and (old := self._cal_of.get(name)) is not None
+            and (k := old.cls).key == v.cal_key
+            and (old.n != n or old.ratio != ratio)
+        ):
+            # _calibration's common case in line (a sample finished at an endpoint that
+            # stays in its class; the calls cost ~5 us each with cold caches): the same
+            # operations in the same order, min/max/abs as they compare.
+            d = _CAL_KEEP**n if n > 0 else 1.0
+            num = ratio - d
+            k.num -= old.num
+            k.den -= 1.0 - old.d
+            k.num += num
+            k.den += 1.0 - d
+            self._cal_of[name] = _new_choice(_CalOf, (k, n, ratio, d, num))
+            unsettled = k.unsettled
+            if d > _CAL_SETTLED:
+                unsettled[name] = e
+            elif name in unsettled:
+                del unsettled[name]
+            prior = 1.0  # _CalClass.prior
+            if not k.den < CAL_MIN_EVIDENCE:
+                prior = k.num / k.den
+                if not prior > CALIBRATION_RANGE[0]:
+                    prior = CALIBRATION_RANGE[0]
+                if not prior < 1.0:
+                    prior = 1.0
+            pushed = k.pushed
+            moved = prior - pushed
+            if moved > CAL_PUSH_STEP * pushed or -moved > CAL_PUSH_STEP * pushed:
+                k.pushed = prior
+                for m in unsettled.values():  # their views used the old prior: rebuild
+                    mv = m._pick_view
+                    if m is not e and mv is not None:
+                        m._pick_stale = mv
+                        m._pick_view = None
+            cal = ratio + d * (k.pushed - 1.0)
+            if not cal > CALIBRATION_RANGE[0]:
+                cal = CALIBRATION_RANGE[0]
+            v.cal = cal
+            v.cal_seen = (n, ratio, k, k.pushed)
         else:
             cal = v.cal = self._calibration(v, e)
             k = self._cal_of[name].cls
@@ -1768,9 +1828,39 @@ class Picker:
                 load = v.r_tokens
         v.load = float(load)
         v.version = e.version
-        # The request-class constants depend on the load part: recompute them, but the
-        # class's cold-load cost is static (kept in `cold_now` for `kkey_cold`).
-        v.kkey = None
+        # The request-class constants depend on the load part: recomputed here for the
+        # class last priced on this view, as _constants computes them from its static
+        # cold-load cost (`cold_now` for `kkey_cold`), so that the next pick of that class
+        # finds the view whole and the hot loop calls nothing back (_refresh, _constants:
+        # ~5 us a call with cold caches); another class's pick computes its own.
+        v.kkey = v.kkey_cold if _FAST_VIEW else None
+        if v.kkey is not None:
+            kappa = self._kappa
+            cold = v.cold_now
+            price_s = v.price_s * kappa
+            inv = v.inv
+            v.c0 = c0 = price_s * cold
+            v.s0 = s0 = cold + v.q
+            v.c1 = c1 = inv * price_s
+            v.kc = (
+                c0,
+                s0,
+                c1,
+                inv,
+                v.usd_per_out_tok * kappa,
+                v.decode_span,
+                v.decode_extra * kappa,
+                v.free_kv,
+                v.kv_wait_per_token,
+                v.load,
+                v.weight,
+                v.name,
+                v.step,
+                dcal * v.step_seq,
+                dcal * v.step_kv,
+                v.running,
+                v.others_span,
+            )
         e._pick_view = v
         self._by_name[name] = v
         return v
