@@ -1575,7 +1575,11 @@ class Picker:
         if not hashes:
             return False
         need = FOLLOW_UP_FRACTION * len(hashes)
-        return any(m[0] >= need for m in self.index.match_detail(hashes, now).values())
+        # A loop, not any() over a generator: no generator object and frame a request.
+        for m in self.index.match_detail(hashes, now).values():  # noqa: SIM110
+            if m[0] >= need:
+                return True
+        return False
 
     def observe_cached(
         self, choice: Choice, req: PickRequest, cached_tokens: int, now: float

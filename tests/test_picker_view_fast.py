@@ -1,9 +1,10 @@
 """Picker._view's fast paths give exactly what the general path gives: the calibration's
 common case in line (against Picker._calibration), the last request class's constants
-built with the view (against Picker._constants from the hot loop), and pool_wait's queue
-in line (against _queue_now), across the state changes a pool sees (load reports, flags,
-samples finishing, new and departed endpoints, time passing). filters.picker._FAST_VIEW
-false takes the general path each time."""
+built with the view (against Picker._constants from the hot loop), pool_wait's queue in
+line (against _queue_now) and follow_up's loop (against any() over a generator), across
+the state changes a pool sees (load reports, flags, samples finishing, new and departed
+endpoints, time passing). filters.picker._FAST_VIEW false takes the general path each
+time."""
 
 from __future__ import annotations
 
@@ -63,6 +64,20 @@ def reference_pool_wait(
     return None if best == math.inf else best
 
 
+def reference_follow_up(p: Picker, req: PickRequest, now: float) -> bool:
+    """Picker.follow_up as it was, through any() over a generator."""
+    key = req.context_key
+    if key is not None:
+        task = p._tasks.get(key)
+        if task is not None and now - task.at <= p.config.task_ttl_s:
+            return True
+    hashes = req.block_hashes
+    if not hashes:
+        return False
+    need = picker_mod.FOLLOW_UP_FRACTION * len(hashes)
+    return any(m[0] >= need for m in p.index.match_detail(hashes, now).values())
+
+
 def _views(p: Picker, eps: Sequence[EndpointState]) -> list[tuple[Any, ...]]:
     out: list[tuple[Any, ...]] = []
     for e in eps:
@@ -75,8 +90,8 @@ def _views(p: Picker, eps: Sequence[EndpointState]) -> list[tuple[Any, ...]]:
 def _drive(
     seed: int, fast: bool, steps: int, reports: float, settle: int, mixed: bool = True
 ) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
-    """A pool's life with the fast paths on or off (pool_wait, or reference_pool_wait):
-    every answer, and the general path's calls (_calibration, _constants)."""
+    """A pool's life with the fast paths on or off (pool_wait and follow_up, or the
+    references): every answer, and the general path's calls (_calibration, _constants)."""
     saved = picker_mod._FAST_VIEW
     picker_mod._FAST_VIEW = fast
     try:
@@ -98,6 +113,7 @@ def _drive(
 
             setattr(p, name, counted)
         wait_of = p.pool_wait if fast else partial(reference_pool_wait, p)
+        follow_of = p.follow_up if fast else partial(reference_follow_up, p)
         chains = [[rng.getrandbits(64) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
         inflight: list[tuple[EndpointState, int]] = []
         out: list[tuple[Any, ...]] = []
@@ -134,7 +150,7 @@ def _drive(
             )
             stop = rng.choice([-math.inf, 0.0, 0.05, 2.0, math.inf])
             out.append(("wait", wait_of(eps, now, stop)))
-            out.append(("follow", p.follow_up(req, now)))
+            out.append(("follow", follow_of(req, now)))
             choices = p.pick(req, eps, now)
             out.append(tuple(c[:10] + c[11:] for c in choices))
             if choices:
