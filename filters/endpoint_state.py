@@ -196,6 +196,10 @@ class EndpointState:
     # Reported state.
     reported: ReportedState | None = None
     reported_at: float = float("-inf")
+    # Ours when the report came (tokens_in_flight, output_tokens_in_flight): the report's KV
+    # in use less these is the other clients' (Picker._static_view), and ours now is exact.
+    tokens_at_report: int = 0
+    outputs_at_report: int = 0
     # Local observations.
     outstanding: int = 0
     waiting: int = 0  # outstanding without a first token yet
@@ -269,6 +273,8 @@ class EndpointState:
             self.ttft_sampled = self.decode_sampled = None
         self.reported = state
         self.reported_at = now
+        self.tokens_at_report = self.tokens_in_flight
+        self.outputs_at_report = self.output_tokens_in_flight
         self._changed()
         self.static_version += 1
 

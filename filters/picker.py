@@ -28,8 +28,10 @@ endpoint e (GPU profile from filters/gpu.py, `n` GPUs, the served model's `speed
                  Q_e: uncached prompt tokens already waiting there (the step's floor:
                  below); slot_wait_e when running + waiting exceeds
                  max_num_seqs: the excess fraction of a request residence time
-    kv_wait_e  = max(0, U_e + M - free_kv_e) / kv_capacity_e * residence_e
-                 (memory headroom: the engine admits us once that much KV has turned over)
+    kv_wait_e  = kv_wait_weight * max(0, U_e + M - free_kv_e) / kv_capacity_e * residence_e
+                 (memory headroom: the engine admits us once that much KV has turned over;
+                 kv_wait_weight 0 by default, below); free_kv_e = capacity less ours in
+                 flight and the other clients' share of the last report's KV in use
     cold_e     = model_cold_load_s if the weights are not warm, + lora_cold_load_s if the
                  adapter is not loaded (an endpoint that cannot serve it is ineligible)
     TTFT_e     = cold_e + queue_e + kv_wait_e + cal_e * W_e / tps_e
@@ -326,12 +328,32 @@ homes on top (same cell): TTFT p90 2.39 -> 2.13 s, task success 0.836 -> 0.876, 
 p90 x0.96, E2E p50 x0.96, hit rate x1.04, task success x1.07, makespan p50 x0.96 (redo
 weight 8 alone: x1.00, x0.99, x1.01, x1.05, x1.00); cells missing a target 74 -> 57.
 
-The prefix index's capacity is learnt (observe_cached): an engine whose KV capacity nobody
-gave starts at INDEX_CAPACITY_UNKNOWN_START (4) x the default GPU's, x1.1 when the engine
+The prefix index's capacity is learnt (observe_cached): it starts at INDEX_CAPACITY_START
+(4) x the capacity the engine (its /metrics, a report) or the config gives, else x the
+default GPU's, x1.1 when the engine
 answers with cached tokens for a prefix the index had dropped, x0.9 on a ghost (fewer
 than half the predicted), within 0.25-8x. A ghost's entry is not cut: the request was just
 prefilled there, so the engine holds it now. Measured (same bench, open loop, ~200
-prompts of KV per engine): hit rate 0.076 -> 0.169 (cache_aware 0.172).
+prompts of KV per engine): hit rate 0.076 -> 0.169 (cache_aware 0.172). Ghosts show on
+every request routed on one; a prefix the index dropped too early shows only if some
+request still goes where it is held, so the scale learns down far more than up, and a
+told capacity starts as generous as a guess. Measured once the virtual clock read the
+engines' /metrics as a live sidecar does (2026-12-07; meshd given URLs only / the best
+peer, hit rate at a told start of 1 / 2 / 4 / 8): Mooncake 8 H100 0.78 / 0.94 / 1.07 /
+1.03, 4 H100 0.71 / 0.78 / 0.82 / 0.92, 16 H100 0.83 / 0.91 / 0.89 / 0.86, at load 0.5
+0.94 / 0.95 / 1.04 / 0.98 (TTFT p90 within 0.04 across them).
+
+The memory wait (kv_wait_e) is off by default (kv_wait_weight 0). With the engines' real
+capacity from /metrics (the matrix's small caches hold ~10-20 prompts) it priced our own
+in-flight prompts and their whole max_tokens (4 characters a token: ~1.25x the engine's
+count) against it, with the request's whole residence (queue included) as the turnover
+time: 3-6x the memory actually waited for, so admission's knee gate (pool_wait) held new
+tasks in meshd for up to 8.5 s while the engines had room. Virtual clock, Azure
+conversations, TTFT p99 meshd / best peer at weight 1 / 0: 4 H100 2.67 / 1.23, 8 H100
+1.16 / 0.90, at load 1 1.52 / 1.25, mixed 1.35 / 0.94 (at 0 the same figures as before
+the probe); the turnover measured from the first token instead of the dispatch and half
+the max_tokens as held still left 4 H100 at 2.06, and the knee without the memory term
+(pick still pricing it) TTFT p90 1.10-1.19 where 0 gives 0.95-1.04.
 
 Replication (after Preble, Srivatsa et al., "Preble: Efficient Distributed Prompt
 Scheduling for LLM Serving", arXiv:2407.00023): requests are grouped by the hash of their
@@ -450,7 +472,7 @@ CAL_PUSH_STEP = 0.02
 INDEX_CAPACITY_GROW = 1.1
 INDEX_CAPACITY_SHRINK = 0.9
 INDEX_CAPACITY_SCALE_RANGE = (0.25, 8.0)
-INDEX_CAPACITY_UNKNOWN_START = 4.0
+INDEX_CAPACITY_START = 4.0
 # A prompt whose blocks some endpoint holds at least this share of continues a task under
 # way (Picker.follow_up: admission lets it past the knee before new tasks).
 FOLLOW_UP_FRACTION = 0.5
@@ -535,6 +557,10 @@ class PickerConfig:
     # interleaves its chunks with their steps), valued as this many seconds of TTFT; off
     # by default (module docstring: it cost the Mooncake cells hit rate).
     prefill_delay_weight: float = 0.0
+    # kv_wait_e's weight (module docstring): 1.0 prices the turnover of KV past the engine's
+    # capacity in TTFT, the pool's wait (admission's knee) included; 0 leaves memory to the
+    # engine's own queue.
+    kv_wait_weight: float = 0.0
     # Whether GPU-seconds saved are money: an elastic pool (an autoscaler hands idle GPUs
     # back) weighs cost fully in J; a fixed fleet, the default, pays for its GPUs anyway,
     # so J weighs latency first and cost at FIXED_COST_WEIGHT (between near-equals).
@@ -717,6 +743,7 @@ class _View:
         "q",
         "q_fixed",
         "q_nominal",
+        "r_kv_ctx",
         "r_kv_used",
         "r_requests",
         "r_running",
@@ -803,9 +830,10 @@ class _View:
     r_waiting: int
     r_requests: int
     r_tokens: int
-    r_kv_used: float
+    r_kv_used: float  # the last report's KV in use that was not ours (below)
+    r_kv_ctx: float  # ...and the context it holds beyond ours (the decode step's K)
     step: float  # decode step at the current batch and context held, calibrated
-    kv_used: float  # KV tokens held: the larger of ours in flight and the report's
+    kv_used: float  # KV tokens held: ours in flight and the report's others' share
     # The decode step model, per engine: base + step_seq x batch + step_kv x context
     # tokens held (GpuProfile.decode_step_parts), x dcal (EndpointState.decode_ratio).
     step_base: float
@@ -1057,6 +1085,7 @@ class Picker:
         self._kappa = 1.0 if c.elastic else FIXED_COST_WEIGHT
         self._decode_tol = c.decode_tolerance
         self._load_requests = c.load_metric == "requests"
+        self._kv_wait = c.kv_wait_weight
         self._residence = c.default_residence_s
         floor = c.load_floor
         if floor is None:
@@ -1766,9 +1795,7 @@ class Picker:
         # The decode step at this batch and the context it holds (prompts, and half the
         # outputs on average), x the engine's decode calibration.
         dcal = v.dcal = e.decode_ratio
-        ctx = e.tokens_in_flight - 0.5 * e.output_tokens_in_flight
-        if v.r_kv_used > ctx:
-            ctx = v.r_kv_used
+        ctx = e.tokens_in_flight - 0.5 * e.output_tokens_in_flight + v.r_kv_ctx
         step = v.step_base + v.step_seq * running + v.step_kv * ctx
         v.step = dcal * step
         v.running = float(running)
@@ -1814,14 +1841,12 @@ class Picker:
         v.q_nominal = q_nominal
         v.q_fixed = q_fixed
         v.q = cal * q_nominal + q_fixed
-        used = float(e.tokens_in_flight)
-        if v.r_kv_used > used:
-            used = v.r_kv_used
+        used = e.tokens_in_flight + v.r_kv_used
         v.kv_used = used
         kv_cap = v.kv_cap
         free = kv_cap - used
         v.free_kv = free if free > 0.0 else 0.0
-        v.kv_wait_per_token = residence / kv_cap if kv_cap > 0 else 0.0
+        v.kv_wait_per_token = self._kv_wait * residence / kv_cap if kv_cap > 0 else 0.0
         if self._load_requests:
             load = e.outstanding
             if v.r_requests > load:
@@ -1967,18 +1992,22 @@ class Picker:
         name = e.name
         if cap is not None:
             self._cap_known[name] = cap
-            if name in self._cap_guessed:
+            if name in self._cap_guessed or name not in self._cap_scale:
                 # The engine told (config, report, its /metrics): what the index learnt
-                # against the guess goes, the engine's own figure stands.
+                # against a guess goes, and it starts over from the engine's own figure.
+                # At INDEX_CAPACITY_START x that figure, as a guess does: the index learns
+                # its capacity down from ghosts, which every request routed on one shows,
+                # and hardly up (a prefix the index dropped draws no request to the engine
+                # that still holds it), so it starts generous (module docstring).
                 self._cap_guessed.discard(name)
-                self._cap_scale[name] = 1.0
+                self._cap_scale[name] = INDEX_CAPACITY_START
         else:
             # The last figure the engine gave (a report gone stale), else a guess.
             cap = self._cap_known.get(name)
             if cap is None:
                 cap = gpu.kv_tokens * n
                 if name not in self._cap_scale:
-                    self._cap_scale[name] = INDEX_CAPACITY_UNKNOWN_START
+                    self._cap_scale[name] = INDEX_CAPACITY_START
                     self._cap_guessed.add(name)
         v.kv_cap = float(cap)
         # Slow start: a newly healthy endpoint takes its share of load gradually.
@@ -2001,11 +2030,20 @@ class Picker:
         v.r_waiting = r.requests_waiting if r is not None else 0
         v.r_requests = v.r_running + v.r_waiting
         v.r_tokens = r.tokens_in_flight if r is not None else 0
-        v.r_kv_used = 0.0
+        v.r_kv_used = v.r_kv_ctx = 0.0
         if r is not None:
-            v.r_kv_used = float(r.tokens_in_flight)
+            kv = float(r.tokens_in_flight)
             if r.kv_usage is not None and r.kv_capacity_tokens is not None:
-                v.r_kv_used = max(v.r_kv_used, r.kv_usage * r.kv_capacity_tokens)
+                kv = max(kv, r.kv_usage * r.kv_capacity_tokens)
+            # The report's KV in use counts our requests of that moment too, and lags ours
+            # by up to a scrape interval: what is not ours then is the other clients' (other
+            # sidecars, direct callers), added to ours now (_view). A fleet that only we
+            # call reads as our own exact count, not as the scrape before our answers ended
+            # (measured: Azure 4 H100 TTFT p99 1.23 -> 2.65x the best peer with the raw
+            # figure, virtual clock with the probe).
+            ours = e.tokens_at_report
+            v.r_kv_used = max(0.0, kv - ours)
+            v.r_kv_ctx = max(0.0, kv - (ours - 0.5 * e.outputs_at_report))
 
         # Keep the index in step with the endpoint: its capacity, and a restart.
         cap_blocks = int(cap * self._cap_scale.get(e.name, 1.0) / c.tokens_per_block)

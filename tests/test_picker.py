@@ -188,12 +188,37 @@ def test_memory_headroom_kv_wait():
     eps = fleet("H100", "H100")
     for e, usage in zip(eps, (0.999, 0.1), strict=True):
         e.report(ReportedState(kv_block_size=16, kv_capacity_blocks=10_000, kv_usage=usage), 0.0)
-    out = Picker().pick(PickRequest("m", (), prompt_tokens=2000, max_tokens=500), eps, 0.0)
+    r = PickRequest("m", (), prompt_tokens=2000, max_tokens=500)
+    out = Picker(PickerConfig(kv_wait_weight=1.0)).pick(r, eps, 0.0)
     assert out[0].endpoint == "e1"
     full = out[1]
     # 2,500 tokens needed, 160 free of 160,000: wait for that share of a residence time.
     assert full.fixed_s == pytest.approx((2500 - 160) / 160_000 * 10.0, rel=1e-3)
     assert full.predicted_ttft_s > out[0].predicted_ttft_s
+    # By default memory is left to the engine's own queue: no wait is priced.
+    assert Picker().pick(r, eps, 0.0)[1].fixed_s == 0.0
+
+
+def test_a_reported_kv_usage_counts_only_what_was_not_ours_then():
+    # The report's KV in use includes our requests of that moment: what is not ours then is
+    # the other clients', added to ours now, so a scrape that predates our answers' ends
+    # does not hold the engine full until the next one.
+    (e,) = fleet("H100")
+    p = Picker(PickerConfig(kv_wait_weight=1.0))
+    for i in range(4):
+        e.start(("ours", i), 0.0, prompt_tokens=30_000, max_tokens=0)
+        e.first_token(("ours", i), 0.0)
+    # 160,000 tokens; 150,000 in use: our 120,000 and 30,000 of another client's.
+    e.report(
+        ReportedState(kv_block_size=16, kv_capacity_blocks=10_000, kv_usage=150_000 / 160_000),
+        1.0,
+    )
+    assert p._view(e, 1.0).kv_used == pytest.approx(150_000)
+    for i in range(4):
+        e.finish(("ours", i), 2.0)
+    v = p._view(e, 2.0)
+    assert v.kv_used == pytest.approx(30_000)  # the other client's, not the stale 150,000
+    assert v.free_kv == pytest.approx(130_000)
 
 
 def test_kv_cache_state_prefers_the_endpoint_with_the_prefix():

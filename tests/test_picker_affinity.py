@@ -10,7 +10,7 @@ from filters.endpoint_state import EndpointState, ReportedState
 from filters.hotpath import block_hashes
 from filters.picker import (
     FOLLOW_MIN_PICKS,
-    INDEX_CAPACITY_UNKNOWN_START,
+    INDEX_CAPACITY_START,
     Picker,
     PickerConfig,
     PickRequest,
@@ -169,23 +169,28 @@ def test_an_engine_nobody_described_starts_with_a_generous_index_capacity():
     eps = fleet(1, gpu="unknown")
     p = Picker()
     p.pick(req("hello"), eps, 0.0)
-    assert p.index_capacity_scale("e0") == INDEX_CAPACITY_UNKNOWN_START
+    assert p.index_capacity_scale("e0") == INDEX_CAPACITY_START
+    # A capacity the engine's config gives starts as generous over that figure: the index
+    # learns down from ghosts, hardly up.
     told = [EndpointState("t", url="http://t", gpu="H100", kv_capacity_tokens=100_000)]
     p.pick(req("hello"), told, 0.0)
-    assert p.index_capacity_scale("t") == 1.0
-    assert p.index.capacity("t") == int(100_000 / p.config.tokens_per_block)
+    assert p.index_capacity_scale("t") == INDEX_CAPACITY_START
+    want = int(100_000 * INDEX_CAPACITY_START / p.config.tokens_per_block)
+    assert p.index.capacity("t") == want
 
 
 def test_a_capacity_the_engine_tells_replaces_the_guess_and_outlives_its_report():
     (e,) = fleet(1, gpu="unknown")
     p = Picker()
     p.pick(req("hello"), [e], 0.0)
-    assert p.index_capacity_scale("e0") == INDEX_CAPACITY_UNKNOWN_START
-    # Its /metrics (meshd/engine_probe.py) reports 2,000 blocks of 16 tokens.
+    assert p.index_capacity_scale("e0") == INDEX_CAPACITY_START
+    # Its /metrics (meshd/engine_probe.py) reports 2,000 blocks of 16 tokens: the index
+    # starts over from that figure (what it learnt against the guess goes).
+    p._scale_capacity("e0", 0.5)
     e.report(ReportedState(kv_block_size=16, kv_capacity_blocks=2_000), 1.0)
     p.pick(req("hello"), [e], 1.0)
-    assert p.index_capacity_scale("e0") == 1.0
-    want = int(32_000 / p.config.tokens_per_block)
+    assert p.index_capacity_scale("e0") == INDEX_CAPACITY_START
+    want = int(32_000 * INDEX_CAPACITY_START / p.config.tokens_per_block)
     assert p.index.capacity("e0") == want
     # The report goes stale (the engine stopped answering /metrics): its figure stays.
     p.pick(req("hello"), [e], 1.0 + e.report_ttl_s + 1.0)
@@ -252,7 +257,7 @@ def test_pool_wait_is_the_least_queue_and_grows_when_every_engine_is_behind():
 def test_pool_wait_counts_kv_past_the_engines_capacity():
     def wait_with(prompt: int) -> float:
         eps = fleet(1)
-        p = Picker()
+        p = Picker(PickerConfig(kv_wait_weight=1.0))
         for i in range(8):  # streams already decoding: no prefill queue
             eps[0].start(("kv", i), 0.0, prompt_tokens=prompt, max_tokens=100)
             eps[0].first_token(("kv", i), 0.0)

@@ -19,6 +19,7 @@ from loadtest.bench.virtual import (
     VirtualPass,
     engine_specs,
     engine_url,
+    kv_capacity_tokens,
     main,
     measure_scale,
     run_virtual_bench,
@@ -218,13 +219,48 @@ def test_meshd_holds_new_tasks_past_the_knee_and_never_a_started_one() -> None:
         seed=1,
     )
     spec = FleetSpec(gpus=("A100",), kv_blocks=4096)
-    mine, run = run_virtual_policy("meshd", spec, reqs, QUIET, log=_log)
     rr, _ = run_virtual_policy("round-robin", spec, reqs, QUIET, log=_log)
-    assert run is not None
-    refused = [o for o in run.outcomes if o.status == 429]
-    assert refused, "the pool was never past its knee"
-    assert all("knee_wait_s" in o.detail for o in refused)
-    assert all(o.step == 0 for o in refused)  # new tasks only
-    assert mine.succeeded + len(refused) == len(run.outcomes)
     assert rr.succeeded == rr.requests_sent  # no admission there: everything served, late
-    assert mine.ttft.p90 < 0.5 * rr.ttft.p90
+    # The defaults read the knee from the prefill queue; with the memory term on
+    # (kv_wait_weight 1, off by default: filters/picker.py) the 65k-token cache's turnover
+    # counts too, and the gate holds new tasks sooner.
+    for weight, ttft_vs_rr in ((0.0, 1.0), (1.0, 0.5)):
+        mine, run = run_virtual_policy(
+            "meshd",
+            spec,
+            reqs,
+            QUIET,
+            log=_log,
+            overrides={"picker_config": {"kv_wait_weight": weight}},
+        )
+        assert run is not None
+        refused = [o for o in run.outcomes if o.status == 429]
+        assert refused, "the pool was never past its knee"
+        assert all("knee_wait_s" in o.detail for o in refused)
+        assert all(o.step == 0 for o in refused)  # new tasks only
+        assert mine.succeeded + len(refused) == len(run.outcomes)
+        assert mine.ttft.p90 < ttft_vs_rr * rr.ttft.p90
+
+
+def test_meshd_reads_each_engines_metrics_as_a_live_sidecar_does() -> None:
+    # meshd/engine_probe.py on the virtual clock: the picker learns each engine's KV capacity
+    # from its /metrics page; an engine that refuses connections gives no page.
+    reqs = shared_prefix(groups=2, questions_per_group=8, rate=2.0, max_tokens=8, seed=6)
+    fleet = VirtualFleet(engine_specs(FleetSpec(gpus=("H100", "H100"), kv_blocks=256)))
+    fleet[1].inject(parse_fault({"kind": "cold_start", "seconds": 600}), 0.0)
+    urls = [engine_url(e) for e in fleet]
+    sidecar = sidecar_model(urls, "meshd")
+    assert sidecar.probe == (2.0, 60.0)  # routing.engine_metrics' interval and backoff
+    run = VirtualPass(fleet, sidecar, QUIET).run(reqs)
+    assert all(o.ok for o in run.outcomes)
+    router = sidecar.router
+    up, down = (router._by_url[u] for u in urls)  # type: ignore[attr-defined]
+    want = kv_capacity_tokens(fleet[0])
+    assert want == 256 * fleet[0].replica.profile.block_size
+    assert up.reported is not None and up.reported.kv_capacity_tokens == want
+    assert router.picker._cap_known[up.name] == want  # type: ignore[attr-defined]
+    assert down.reported is None
+    # Off in the config, or a peer's policy: nothing is read.
+    off = {"routing": {"engine_metrics": {"enabled": False}}}
+    assert sidecar_model(urls, "meshd", overrides=off).probe is None
+    assert sidecar_model(urls, "round-robin").probe is None

@@ -43,6 +43,7 @@ import argparse
 import heapq
 import ipaddress
 import itertools
+import random
 import sys
 import time
 from collections import deque
@@ -54,6 +55,7 @@ from typing import Any
 from filters.admission import Admission, AdmissionItem, Queue, Reject
 from filters.chars_per_token import CharsPerToken, pick_inputs, utf8_length
 from filters.deadline import late_refusal
+from filters.engine_probe import ProbeState
 from filters.hotpath import block_hashes, parse_routing_headers
 from filters.picker import PickRequest
 from filters.pool_router import PoolRouter, Route, admission_item
@@ -142,6 +144,9 @@ class SidecarModel:
     queue_timeout_s: float = 30.0
     # reliability.admission.refuse_predicted_late, for meshd's policy (filters/deadline.py).
     refuse_late: bool = False
+    # routing.engine_metrics (interval_s, max_backoff_s) where the sidecar would read each
+    # engine's /metrics (meshd's policy, no control plane: meshd/engine_probe.py); else None.
+    probe: tuple[float, float] | None = None
 
 
 def sidecar_model(
@@ -180,6 +185,12 @@ def sidecar_model(
     if adm_config is not None and routing.policy == "meshd":
         admission = Admission(adm_config, wait_source=router.pool_wait)
     adm = config.reliability.admission
+    # Sidecar.start's rule: the engines' /metrics are read for meshd's policy when no control
+    # plane reports them (a virtual pass never has one).
+    metrics = routing.engine_metrics
+    probing = (
+        metrics.enabled and routing.policy == "meshd" and not config.control_plane.shard_list()
+    )
     return SidecarModel(
         router=router,
         policy=routing.policy,
@@ -191,6 +202,7 @@ def sidecar_model(
         admission=admission,
         queue_timeout_s=adm.queue_timeout_s,
         refuse_late=routing.policy == "meshd" and adm.enabled and adm.refuse_predicted_late,
+        probe=(metrics.interval_s, metrics.max_backoff_s) if probing else None,
     )
 
 
@@ -359,6 +371,7 @@ class VirtualPass:
         if horizon / self._sample_period > MAX_SAMPLES:
             self._sample_period = horizon / MAX_SAMPLES
         self._at(0.0, self._sample)
+        self._start_probes()
         self._progress = progress_bar(
             len(requests) - len(self._not_sent), self.settings, "requests (virtual clock)"
         )
@@ -426,6 +439,36 @@ class VirtualPass:
             self._progress.set_postfix_str(f"simulated {now:,.0f} s", refresh=False)
         if self._open > 0 or self._live:
             self._at(now + self._sample_period, self._sample)
+
+    # ---- the sidecar's engine probes ---------------------------------------------------
+    def _start_probes(self) -> None:
+        """meshd/engine_probe.py on the virtual clock: each engine's /metrics page read every
+        interval (the first reads spread over min(0.5, interval) s, seeded), parsed by the
+        same ProbeState and reported to the router with its TTL, so the picker learns each
+        engine's KV capacity and usage as a live sidecar does."""
+        if self.sidecar.probe is None:
+            return
+        interval, backoff = self.sidecar.probe
+        rng = random.Random(0)
+        for url, engine in self._by_url.items():
+            state = ProbeState(url, interval_s=interval, max_backoff_s=backoff)
+            self._at(rng.uniform(0.0, min(0.5, interval)), self._prober(url, engine, state))
+
+    def _prober(
+        self, url: str, engine: VirtualEngine, state: ProbeState
+    ) -> Callable[[float], None]:
+        def scrape(now: float) -> None:
+            rep = engine.replica
+            # A loading engine that refuses connections answers no page either.
+            down = rep.faults.loading(now) and rep.faults.loading_mode == "refuse"
+            text = None if down else rep.metrics_text(now)
+            result = state.observed(text, now, error="connection refused" if down else None)
+            if result.state is not None:
+                self.sidecar.router.report(url, result.state, now, ttl_s=state.ttl_s())
+            if self._open > 0 or self._live:
+                self._at(now + result.next_in_s, scrape)
+
+        return scrape
 
     # ---- the client ------------------------------------------------------------------
     def _may_send(self, at_s: float) -> bool:

@@ -86,6 +86,46 @@ class EngineReplica:
         self.kv_engine_id = spec.kv_engine_id or str(uuid.uuid4())
         self.fabric: KVTransferFabric | None = None
 
+    # ---- /metrics -------------------------------------------------------------------
+    def metrics_text(self, now: float, time_scale: float = 1.0) -> str:
+        """The engine's /metrics page at simulated time `now` (vLLM's names and shapes): what
+        the HTTP server answers, and what the virtual clock's sidecar probe reads."""
+        from loadtest.engine.stats import render_metrics
+
+        core = self.core
+        spec = self.spec
+        cache_config = {
+            "block_size": str(self.profile.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": str(spec.enable_prefix_caching),
+            "gpu_memory_utilization": "0.9",
+            "num_gpu_blocks": str(core.pool.num_blocks),
+            "num_gpu_blocks_override": str(spec.kv_blocks),
+            "prefix_caching_hash_algo": "sha256_cbor",
+        }
+        extra = {
+            "gpu": self.profile.gpu,
+            "price_per_gpu_hour": str(self.profile.price_per_gpu_hour),
+            "time_scale": str(time_scale),
+            "name": self.name,
+            "kv_role": self.kv_role,
+            "kv_engine_id": self.kv_engine_id,
+        }
+        return render_metrics(
+            core.stats,
+            model_name=spec.model,
+            engine=str(0),
+            running=core.num_running,
+            waiting=core.num_waiting,
+            waiting_capacity=core.num_waiting,
+            kv_cache_usage=core.kv_usage(),
+            cache_config=cache_config,
+            extra_info=extra,
+            kv_held_requests=core.num_held_requests,
+            kv_held_blocks=core.num_held_blocks,
+            busy_seconds=core.busy_time_at(now),
+        )
+
     # ---- disaggregation ------------------------------------------------------------
     def connect(
         self,

@@ -642,41 +642,7 @@ class SimEngine:
         return web.json_response({"version": VERSION})
 
     def metrics_text(self) -> str:
-        from loadtest.engine.stats import render_metrics
-
-        core = self.core
-        spec = self.spec
-        cache_config = {
-            "block_size": str(self.profile.block_size),
-            "cache_dtype": "auto",
-            "enable_prefix_caching": str(spec.enable_prefix_caching),
-            "gpu_memory_utilization": "0.9",
-            "num_gpu_blocks": str(core.pool.num_blocks),
-            "num_gpu_blocks_override": str(spec.kv_blocks),
-            "prefix_caching_hash_algo": "sha256_cbor",
-        }
-        extra = {
-            "gpu": self.profile.gpu,
-            "price_per_gpu_hour": str(self.profile.price_per_gpu_hour),
-            "time_scale": str(self.time_scale),
-            "name": self.name,
-            "kv_role": self.replica.kv_role,
-            "kv_engine_id": self.replica.kv_engine_id,
-        }
-        return render_metrics(
-            core.stats,
-            model_name=spec.model,
-            engine=str(0),
-            running=core.num_running,
-            waiting=core.num_waiting,
-            waiting_capacity=core.num_waiting,
-            kv_cache_usage=core.kv_usage(),
-            cache_config=cache_config,
-            extra_info=extra,
-            kv_held_requests=core.num_held_requests,
-            kv_held_blocks=core.num_held_blocks,
-            busy_seconds=core.busy_time_at(self.sim_now()),
-        )
+        return self.replica.metrics_text(self.sim_now(), self.time_scale)
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
         return web.Response(
