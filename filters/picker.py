@@ -338,10 +338,12 @@ prompts of KV per engine): hit rate 0.076 -> 0.169 (cache_aware 0.172). Ghosts s
 every request routed on one; a prefix the index dropped too early shows only if some
 request still goes where it is held, so the scale learns down far more than up, and a
 told capacity starts as generous as a guess. Measured once the virtual clock read the
-engines' /metrics as a live sidecar does (2026-12-07; meshd given URLs only / the best
-peer, hit rate at a told start of 1 / 2 / 4 / 8): Mooncake 8 H100 0.78 / 0.94 / 1.07 /
-1.03, 4 H100 0.71 / 0.78 / 0.82 / 0.92, 16 H100 0.83 / 0.91 / 0.89 / 0.86, at load 0.5
-0.94 / 0.95 / 1.04 / 0.98 (TTFT p90 within 0.04 across them).
+engines' /metrics as a live sidecar does (2026-12-07, the memory wait below still on;
+meshd given URLs only / the best peer, hit rate at a told start of 1 / 2 / 4 / 8):
+Mooncake 8 H100 0.78 / 0.94 / 1.07 / 1.03, 4 H100 0.71 / 0.78 / 0.82 / 0.92, 16 H100
+0.83 / 0.91 / 0.89 / 0.86, at load 0.5 0.94 / 0.95 / 1.04 / 0.98 (TTFT p90 within 0.04
+across them). The whole matrix at 4 with the memory wait off (docs/routing-matrix.md,
+session 22): 8 H100 1.07, 4 H100 0.86, 16 H100 0.87, load 0.5 1.04.
 
 The memory wait (kv_wait_e) is off by default (kv_wait_weight 0). With the engines' real
 capacity from /metrics (the matrix's small caches hold ~10-20 prompts) it priced our own
