@@ -16,6 +16,11 @@ the work it simulates. What runs is the code of a real run, called in-process:
   concurrency cap; outcomes are client.RequestOutcome and results.summarize makes the
   PolicyResult.
 
+- the engine probe (meshd's policy, `routing.engine_metrics` on): each engine's /metrics
+  page (EngineReplica.metrics_text) read every interval by filters/engine_probe.py's
+  ProbeState and reported to the router, as meshd/engine_probe.py does live, so the picker
+  learns each engine's KV capacity and usage (a pass without it routed on a guessed
+  capacity: docs/routing-matrix.md, session 22).
 - admission (meshd's policies): the sidecar's filters/admission.py, built from its config
   with the router's pool_wait, driven as the sidecar drives it: offer at arrival, queued
   requests dispatched on each release and on the reaper's 0.25 s tick, refused ones
