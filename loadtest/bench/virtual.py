@@ -465,7 +465,7 @@ class VirtualPass:
         def scrape(now: float) -> None:
             rep = engine.replica
             # A loading engine that refuses connections answers no page either.
-            down = rep.faults.loading(now) and rep.faults.loading_mode == "refuse"
+            down = rep.faults.refusing(now)
             text = None if down else rep.metrics_text(now)
             result = state.observed(text, now, error="connection refused" if down else None)
             if result.state is not None:

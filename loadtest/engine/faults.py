@@ -167,6 +167,10 @@ class FaultState:
     def loading(self, now: float) -> bool:
         return now < self.loading_until
 
+    def refusing(self, now: float) -> bool:
+        """Loading in "refuse" mode: connections are refused (no request, no /metrics)."""
+        return now < self.loading_until and self.loading_mode == "refuse"
+
     def clear(self) -> None:
         self._bursts.clear()
         self._crashes.clear()

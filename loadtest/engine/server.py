@@ -177,7 +177,7 @@ class SimEngine:
             )
         if spec.cold_start_s > 0:
             self._begin_loading(spec.cold_start_s, spec.cold_start_mode)
-        if not self.faults.loading(self.sim_now()) or self.faults.loading_mode != "refuse":
+        if not self.faults.refusing(self.sim_now()):
             await self._listen()
         self._driver = loop.create_task(self._drive(), name=f"sim-engine-{self.name}")
         for fault in spec.faults:

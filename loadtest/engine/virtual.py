@@ -109,7 +109,7 @@ class VirtualEngine:
         """A POST to /v1/completions or /v1/chat/completions arriving at `now`."""
         rep = self.replica
         faults = rep.faults
-        if faults.loading(now) and faults.loading_mode == "refuse":
+        if faults.refusing(now):
             return Refused(CONNECT_REFUSED, "connection refused: the engine is loading")
         rej: Refusal | None = rep.refusal(now, generation=True)
         if rej is not None:
