@@ -406,6 +406,8 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from operator import itemgetter
 from typing import Literal, NamedTuple
 
 from filters.blockhash import xxh64
@@ -451,6 +453,8 @@ _REF_STEP_S = _REF.decode_step_s(1)
 # Prefill of `uncached` tokens after `cached` ones in tokens of linear work, attention
 # included: the reference model's (a model property, not the GPU's).
 _work = _REF.prefill_work
+_ATTN_PAIR = _REF.attn_pair_tokens  # _work's own, for its copies in line
+_REF_PREFILL_TPS = _REF.prefill_tokens_per_s
 
 
 # Bound on remembered (model, adapter) classes: model names come from clients.
@@ -860,6 +864,12 @@ _TWO_M53 = 2.0**-53
 # class's constants built with the view); false: the general path each time, which they
 # must equal (tests/test_picker_view_fast.py).
 _FAST_VIEW = True
+# Picker._match's reuse of the last prefix match (follow_up's, for the pick of the same
+# request); false: the index is walked each time (tests/test_picker_pick_fast.py).
+_FAST_MATCH = True
+
+# Picker._matched: (request, index, its version, until, the index's answer).
+_Matched = tuple[PickRequest | None, PrefixIndex | None, int, float, dict[str, tuple[int, float]]]
 
 # (J, name, view): sorts by J, then name (names are unique).
 _Cand = tuple[float, str, _View]
@@ -867,6 +877,45 @@ _Cand = tuple[float, str, _View]
 
 def _always(t: _Cand) -> bool:
     return True
+
+
+# Picker.pick's bounded-load terms for one request (_within): (cap, headroom, cached_of, x,
+# yield_q, pool_q, cands, now); pool_q holds the least queue at full weight once computed.
+_Bound = tuple[float, float, dict[str, float], float, float | None, list[float], list[_Cand], float]
+_first = itemgetter(0)
+
+
+def _within(bound: _Bound, t: _Cand) -> bool:
+    """Bounded load (Picker.pick): t's load plus this request's within cap x its capacity
+    weight (x 1 + headroom x its cached tokens where it holds part of the prompt), or its
+    load under its floor. Slow start gives way while the pool queues: a ramping endpoint
+    over its ramped share is still within, up to its full share, once no endpoint at full
+    weight could start this prefill within yield_q (module docstring, 3)."""
+    cap, headroom, cached_of, x, yield_q, pool_q, cands, now = bound
+    v = t[2]
+    top = cap
+    if headroom:
+        held = cached_of.get(t[1])
+        if held:
+            top = cap * (1.0 + headroom * held)
+    load = v.load
+    # _fits in line, as it compares.
+    if load <= v.floor_load or load + x <= top * v.weight * _BOUND_TIE:
+        return True
+    if (
+        yield_q is None
+        or v.weight >= v.full_weight
+        or not load + x <= cap * v.full_weight * _BOUND_TIE
+    ):
+        return False
+    if not pool_q:
+        pool_q.append(
+            min(
+                (_queue_now(u[2], now) for u in cands if u[2].weight >= u[2].full_weight),
+                default=_INF,
+            )
+        )
+    return pool_q[0] > yield_q
 
 
 def _queue_now(v: _View, now: float) -> float:
@@ -1116,6 +1165,8 @@ class Picker:
         # Each endpoint's last KV capacity from the engine, and those still on a guess.
         self._cap_known: dict[str, int] = {}
         self._cap_guessed: set[str] = set()
+        # The last prefix match (_match): (request, index, its version, until, answer).
+        self._matched: _Matched = (None, None, -1, -_INF, {})
 
     # -- the decision -------------------------------------------------------------------------
 
@@ -1134,17 +1185,22 @@ class Picker:
         prio = req.priority
         if prio is None:
             prio = c.tenant_priority.get(req.tenant or "", c.default_priority)
-        lam = self._lambda[min(9, max(0, prio))]
+        # min() and max() as they compare, in line here and below (a builtin call each).
+        if not prio > 0:
+            prio = 0
+        lam = self._lambda[prio if prio < 9 else 9]
         # Decode seconds at the request's lambda (the knee below discounts TTFT only).
         lam_d = lam * c.decode_weight
         lam_i = lam * c.prefill_delay_weight
-        big_p = max(1, req.prompt_tokens)
-        big_w = _work(big_p, 0.0)
+        big_p = req.prompt_tokens
+        if not big_p > 1:
+            big_p = 1
+        big_w = big_p * (1.0 + _ATTN_PAIR * (0.0 + 0.5 * (big_p + 1.0)))  # _work(big_p, 0.0)
         knee = c.lambda_knee_s
         if knee is not None:
             # The TTFT cost linearised at the request's best case t0: lambda x t0 / knee
             # under the knee, rounded up to a power of two (module docstring).
-            t0 = _REF_STEP_S + big_w / _REF.prefill_tokens_per_s
+            t0 = _REF_STEP_S + big_w / _REF_PREFILL_TPS
             while t0 + t0 <= knee:
                 lam *= 0.5
                 t0 += t0
@@ -1161,7 +1217,9 @@ class Picker:
             kkey = kkeys[(model, adapter)] = (model, adapter)
         hashes = req.block_hashes
         nb = len(hashes)
-        big_m = max(0, req.max_tokens)
+        big_m = req.max_tokens
+        if not big_m > 0:
+            big_m = 0
         pm = big_p + big_m
         hook = self._eligible
 
@@ -1194,7 +1252,22 @@ class Picker:
         by_name = self._by_name
         cached_of: dict[str, float] = {}
         tpb = req.tokens_per_block or c.tokens_per_block
-        matched = self.index.match_detail(hashes, now) if nb else {}
+        # The index's match as follow_up found it for this request, where nothing changed
+        # since (_match in line: a call costs ~1-2 us with cold caches).
+        if nb:
+            m = self._matched
+            if (
+                m[0] is req
+                and m[1] is (index := self.index)
+                and m[2] == index.version
+                and now < m[3]
+                and _FAST_MATCH
+            ):
+                matched = m[4]
+            else:
+                matched = self._match(req, now)
+        else:
+            matched = {}
         for name, mt in matched.items():
             v = by_name.get(name)
             if v is not None and v.stamp >= base:
@@ -1221,7 +1294,9 @@ class Picker:
             v = by_name[name]
             j = _j_cached(v, cached, big_p, big_m, lam, lam_d, lam_i, kappa, ctx)
             cands[v.stamp - base] = (j, name, v)
-        gk = min(c.group_blocks, nb)
+        gk = c.group_blocks
+        if nb < gk:
+            gk = nb
         group_key = hashes[gk - 1] if gk else None
         # The affinity holder: the task's previous endpoint, else the endpoint holding the
         # most of this prompt when that is at least affinity_min_fraction of it.
@@ -1236,9 +1311,11 @@ class Picker:
         elif cached_of:
             most = max(cached_of.values())
             if most >= c.affinity_min_fraction * big_p:
-                holders = [
-                    cands[by_name[n].stamp - base] for n, v in cached_of.items() if v == most
-                ]
+                # (Loops, not comprehensions, here and below: a comprehension's names
+                # from pick would be cells, one object each, made on every pick.)
+                for n, cached in cached_of.items():
+                    if cached == most:
+                        holders.append(cands[by_name[n].stamp - base])
                 # A hub (more prompts extend this prefix than there are endpoints to hold
                 # it: a shared tool or system prompt) is not this request's history.
                 fan = self.index.fan_out(hashes, matched[holders[0][1]][0])
@@ -1275,18 +1352,23 @@ class Picker:
         limit = len(cands) if c.max_choices is None else c.max_choices
         if req.deadline_s is not None:
             budget = req.deadline_s - now
-            meet = [t for t in cands if self._ttft(t, big_p, big_m, cached_of, now) <= budget]
+            meet = []
+            for t in cands:
+                if self._ttft(t, big_p, big_m, cached_of, now) <= budget:
+                    meet.append(t)
             if not meet:
                 # Late anywhere: the holder first (moving would recompute its prefix for a
-                # request that misses anyway), then by predicted TTFT.
+                # request that misses anyway), then by predicted TTFT (a stable sort by
+                # these keys, as list.sort with them as its key).
                 late = min(holders) if holders else None
-                cands.sort(
-                    key=lambda t: (t is not late, self._ttft(t, big_p, big_m, cached_of, now), t[1])
-                )
-                out = [
-                    self._choice(t, req, cached_of, "deadline-unmeetable", i)
-                    for i, t in enumerate(cands[:limit])
-                ]
+                keyed = []
+                for t in cands:
+                    key = (t is not late, self._ttft(t, big_p, big_m, cached_of, now), t[1])
+                    keyed.append((key, t))
+                keyed.sort(key=_first)
+                out = []
+                for i, kt in enumerate(keyed[:limit]):
+                    out.append(self._choice(kt[1], req, cached_of, "deadline-unmeetable", i))
                 if record:
                     self._commit(req, out[0], now)
                 return out
@@ -1294,7 +1376,7 @@ class Picker:
             meet = cands
 
         # Bounded load: the cap per unit of weight; below its floor nobody is hot.
-        x = 1.0 if c.load_metric == "requests" else float(pm)
+        x = 1.0 if self._load_requests else float(pm)
         cap = (1.0 + c.epsilon) * (load_sum + x) / weight_sum
 
         # Slow start gives way while the pool queues: a ramping endpoint over its ramped
@@ -1304,30 +1386,14 @@ class Picker:
         pool_q: list[float] = []
 
         headroom = c.cached_headroom / big_p if cached_of else 0.0
-
-        def within(t: _Cand) -> bool:
-            v = t[2]
-            top = cap
-            if headroom:
-                held = cached_of.get(t[1])
-                if held:
-                    top = cap * (1.0 + headroom * held)
-            if v.load <= v.floor_load or _fits(v.load + x, top * v.weight):
-                return True
-            if (
-                yield_q is None
-                or v.weight >= v.full_weight
-                or not _fits(v.load + x, cap * v.full_weight)
-            ):
-                return False
-            if not pool_q:
-                pool_q.append(
-                    min(
-                        (_queue_now(u[2], now) for u in cands if u[2].weight >= u[2].full_weight),
-                        default=_INF,
-                    )
-                )
-            return pool_q[0] > yield_q
+        # The bounded-load rule for a candidate: _within(bound, t), or within(t) where the
+        # prefix group's and the holder's steps ask for a callable (a partial, not a
+        # closure over pick's names: each would be a cell, an object made on every pick;
+        # only those steps call it).
+        bound: _Bound = (cap, headroom, cached_of, x, yield_q, pool_q, cands, now)
+        within: Callable[[_Cand], bool] = _always
+        if group_key is not None or holders:
+            within = partial(_within, bound)
 
         home = False
         demand = 0.0
@@ -1337,7 +1403,13 @@ class Picker:
             held = max(cached_of.values()) if cached_of else gk * tpb
             demand = self._demand(group_key, big_p - held, big_m, follow_up, now)
 
-        holder_t = min(holders, key=lambda t: (not within(t), t)) if holders else None
+        holder_t = None
+        if holders:  # min(holders, key=(not within, t)): the first least
+            hk = None
+            for t in holders:
+                k = (not within(t), t)
+                if hk is None or k < hk:
+                    holder_t, hk = t, k
         everyone = meet
         # A hot group outgrowing its holders spreads (replication, below) before affinity
         # keeps its requests where they are.
@@ -1355,18 +1427,22 @@ class Picker:
             if departure is None:
                 why = "sticky" if holder_t[1] == sticky else "prefix-affinity"
                 out = [self._choice(holder_t, req, cached_of, why, 0)]
-                self._fallbacks(out, holder_t, meet, within, limit, req, cached_of)
+                self._fallbacks(out, holder_t, meet, bound, limit, req, cached_of)
                 if record:
                     self._commit(req, out[0], now)
                 return out
             self.departures[departure] = self.departures.get(departure, 0) + 1
             self.last_departure = departure
             if len(meet) > 1:  # the holder is not the primary: it stays a fallback
-                meet = [t for t in meet if t is not holder_t]
+                rest = []
+                for t in meet:
+                    if t is not holder_t:
+                        rest.append(t)
+                meet = rest
 
         best = None
         for t in meet:
-            if within(t):
+            if _within(bound, t):
                 best = t
                 break
         bound_ok = best is not None
@@ -1397,9 +1473,10 @@ class Picker:
             reason = "over-load-bound"
 
         out = [self._choice(primary, req, cached_of, reason, 0)]
-        self._fallbacks(out, primary, everyone, within, limit, req, cached_of)
+        self._fallbacks(out, primary, everyone, bound if bound_ok else None, limit, req, cached_of)
         if record:
-            self._commit(req, out[0], now)
+            if nb or req.context_key is not None:  # (else _commit has nothing to note)
+                self._commit(req, out[0], now)
         elif home:
             out[0] = out[0]._replace(home=True)
         return out
@@ -1496,26 +1573,35 @@ class Picker:
         out: list[Choice],
         primary: _Cand,
         meet: list[_Cand],
-        within: Callable[[_Cand], bool],
+        bound: _Bound | None,
         limit: int,
         req: PickRequest,
         cached_of: dict[str, float],
     ) -> None:
-        """After the primary: the rest by J, within the bound ("fallback"), then over it."""
-        over: list[_Cand] = []
+        """After the primary: the rest by J, within the bound ("fallback"; _within, bound
+        None: all), then over it."""
+        n = len(out)
+        if n >= limit:
+            return
+        over: list[_Cand] | None = None  # (made only when one is over)
         for t in meet:
-            if len(out) >= limit:
-                break
             if t is primary:
                 continue
-            if within(t):
-                out.append(self._choice(t, req, cached_of, "fallback", len(out)))
+            if bound is None or _within(bound, t):
+                out.append(self._choice(t, req, cached_of, "fallback", n))
+                n += 1
+                if n >= limit:
+                    return
+            elif over is None:
+                over = [t]
             else:
                 over.append(t)
-        for t in over:
-            if len(out) >= limit:
-                break
-            out.append(self._choice(t, req, cached_of, "over-load-bound", len(out)))
+        if over is not None:
+            for t in over:
+                out.append(self._choice(t, req, cached_of, "over-load-bound", n))
+                n += 1
+                if n >= limit:
+                    return
 
     def dispatch(
         self,
@@ -1530,28 +1616,34 @@ class Picker:
         fallback, note it in the index and task map as pick() did for the primary).
         `recorded` false: the choice came from a pick that recorded nothing (pick's
         `record`, order_decode), so the primary is noted now, with its home if it makes one."""
-        if choice.rank or not recorded:
+        # The fields at once (one unpacking, not a descriptor call each).
+        name, _, _, _, cached, _, _, rank, nominal, fixed, state, step, home = choice
+        if rank or not recorded:
             self._commit(req, choice, now)
-            if choice.home and not recorded:
-                self._add_home(choice.endpoint, now)
-        name = choice.endpoint
+            if home and not recorded:
+                self._add_home(name, now)
         self._dispatched[name] = self._dispatched.get(name, 0) + 1
-        uncached = max(1, req.prompt_tokens - choice.cached_tokens)
+        prompt = req.prompt_tokens
+        uncached = prompt - cached
+        if not uncached > 1:  # max(1, ...), max() as it compares
+            uncached = 1
         # A prediction that counted on more cached tokens than it left to prefill measures
         # the index (its confidence discount, characters per token) more than the engine:
         # on the Mooncake bench such picks predicted 273 tokens to prefill where the engine
         # computed 43, and their samples pinned the H100s' calibration at its floor. They
         # feed no calibration sample (nominal_s 0).
-        nominal = choice.nominal_s if choice.cached_tokens <= uncached else 0.0
-        choice.state.start(
+        if not cached <= uncached:
+            nominal = 0.0
+        big_m = req.max_tokens
+        state.start(
             request_id,
             now,
-            prompt_tokens=max(1, req.prompt_tokens),
+            prompt_tokens=prompt if prompt > 1 else 1,
             uncached_tokens=uncached,
-            max_tokens=max(0, req.max_tokens),
+            max_tokens=big_m if big_m > 0 else 0,
             nominal_s=nominal,
-            fixed_s=choice.fixed_s,
-            step_s=choice.step_s,
+            fixed_s=fixed,
+            step_s=step,
         )
 
     def pool_wait(
@@ -1607,10 +1699,28 @@ class Picker:
             return False
         need = FOLLOW_UP_FRACTION * len(hashes)
         # A loop, not any() over a generator: no generator object and frame a request.
-        for m in self.index.match_detail(hashes, now).values():  # noqa: SIM110
+        for m in self._match(req, now).values():  # noqa: SIM110
             if m[0] >= need:
                 return True
         return False
+
+    def _match(self, req: PickRequest, now: float) -> dict[str, tuple[int, float]]:
+        """The index's match_detail of req's block hashes at `now`: the last one found, if
+        for this request and it still holds (the index unchanged since, no expiry due:
+        PrefixIndex.match_keyed), else found and kept. Admission's follow_up and the pick
+        of one request ask in turn: one walk of the index serves both."""
+        m = self._matched
+        index = self.index
+        if (
+            m[0] is not req
+            or m[1] is not index
+            or m[2] != index.version
+            or not now < m[3]
+            or not _FAST_MATCH
+        ):
+            version, until, out = index.match_keyed(req.block_hashes, now)
+            m = self._matched = (req, index, version, until, out)
+        return m[4]
 
     def observe_cached(
         self, choice: Choice, req: PickRequest, cached_tokens: int, now: float
@@ -2343,13 +2453,17 @@ class Picker:
         self, t: _Cand, req: PickRequest, cached_of: dict[str, float], reason: str, rank: int
     ) -> Choice:
         score, name, v = t
-        prompt = req.prompt_tokens if req.prompt_tokens > 1 else 1
-        big_m = req.max_tokens if req.max_tokens > 0 else 0
+        # As floats once (the same values: token counts are exact doubles), so that the
+        # arithmetic below is float's own, not int-with-float each time.
+        prompt = float(req.prompt_tokens) if req.prompt_tokens > 1 else 1.0
+        big_m = float(req.max_tokens) if req.max_tokens > 0 else 0.0
         cached = cached_of.get(name, 0.0) if cached_of else 0.0
         if cached > prompt - 1.0:
             cached = prompt - 1.0
         unc = prompt - cached
-        w = _work(unc, cached)
+        # _work, _View.decode_usd and _step in line (a call each, ~1-2 us with cold
+        # caches, up to max_choices times a pick): the same operations in the same order.
+        w = unc * (1.0 + _ATTN_PAIR * (cached + 0.5 * (unc + 1.0)))
         pre = w * v.inv
         cold = v.cold_now
         fixed = cold + v.q_fixed
@@ -2358,9 +2472,14 @@ class Picker:
             kv_wait = (unc + big_m - v.free_kv) * v.kv_wait_per_token
             ttft += kv_wait
             fixed += kv_wait
-        cost = v.price_s * (pre + cold) + v.decode_usd(big_m)
+        usd = big_m * v.usd_per_out_tok
+        if big_m > v.decode_span:
+            usd += (big_m - v.decode_span) * v.decode_extra
+        cost = v.price_s * (pre + cold) + usd
         nominal = v.q_nominal + w * v.inv_nominal
-        step = _step(v, prompt + 0.5 * big_m) / v.dcal  # uncalibrated: the decode sample
+        dcal = v.dcal
+        step = v.step + dcal * (v.step_seq + v.step_kv * (prompt + 0.5 * big_m))
+        step /= dcal  # uncalibrated: the decode sample
         # tuple.__new__ directly: the NamedTuple's generated __new__ is one more call.
         return _new_choice(
             Choice,

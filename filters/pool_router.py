@@ -446,17 +446,21 @@ class PickerRouter:
         a split request, whose decider may serve it elsewhere)."""
         if self._digests:
             self._materialize(req.block_hashes, now)
-        choices = self.picker.pick(req, self.states, now, record=record)
-        # Route's fields in their order (departure None, recorded): tuple.__new__ in C.
+        picker = self.picker
+        choices = picker.pick(req, self.states, now, record=record)
+        if not choices:
+            return self._anyway()
+        # Route's fields in their order (url, reason, predicted_ttft_s, cached_tokens,
+        # choice, departure: the primary's, recorded): tuple.__new__ in C, the Choice's
+        # fields by index (endpoint, url, predicted_ttft_s, cost, cached_tokens, reason),
+        # in a loop (a comprehension is one more function and frame a request).
         new, route = _new_tuple, Route
-        routes = [
-            new(route, (c.url, c.reason, c.predicted_ttft_s, c.cached_tokens, c, None, record))
-            for c in choices
-        ]
-        left = self.picker.last_departure
-        if left is not None and routes:
-            routes[0] = routes[0]._replace(departure=left)
-        return routes or self._anyway()
+        routes: list[Route] = []
+        departure = picker.last_departure
+        for c in choices:
+            routes.append(new(route, (c[1], c[5], c[2], c[4], c, departure, record)))
+            departure = None
+        return routes
 
     def order_decode(self, req: PickRequest, now: float, *, lead_s: float = 0.0) -> list[Route]:
         """A split request's decode leg (Picker.order_decode: KV headroom, then the stream's

@@ -110,6 +110,8 @@ class _Node:
         self.precise = 0
 
 
+# PrefixIndex.match_keyed: (version, until, match_detail's answer).
+_Keyed = tuple[int, float, dict[str, tuple[int, float]]]
 # (seq, time touched, precise) of one holder's hold on one node.
 _Entry = tuple[int, float, bool]
 _HeapItem = tuple[int, int, int, _Node]
@@ -216,6 +218,9 @@ class PrefixIndex:
         self._trash: list[list[_HeapItem]] = []  # rebuilt-away heaps, freed bit by bit
         self._merge: list[_Node] = []
         self._where: dict[int, _Node] | None = {} if track_blocks else None
+        # Moves with every change a match could see (entries, trust, the expiry horizon and
+        # its work; match_keyed).
+        self.version = 0
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -292,6 +297,16 @@ class PrefixIndex:
             cur ^= low
         return out
 
+    def match_keyed(self, hashes: Sequence[int], now: float) -> _Keyed:
+        """match_detail's answer with what says how long it holds: (the index's version,
+        until, the answer). While the version is unchanged, match_detail of the same hashes
+        at any time before `until` answers the same: nothing in the index has changed, and
+        no expiry is due, nor work left from one (until -inf: it may not)."""
+        out = self.match_detail(hashes, now)
+        nxt = self._next_expiry
+        until = nxt if not self._behind and self._now < nxt else -_INF
+        return (self.version, until, out)
+
     def fan_out(self, hashes: Sequence[int], blocks: int) -> int:
         """How many ways the prompts in the tree (any endpoint's) go on past the first
         `blocks` of `hashes`: 0 at the end of an earlier prompt (a conversation's previous
@@ -335,6 +350,7 @@ class PrefixIndex:
         h = self._holders.get(endpoint)
         if h is None:
             return
+        self.version += 1
         self._clock(now)
         self._catch_up(h)
         for x in hashes:
@@ -353,6 +369,7 @@ class PrefixIndex:
         h = self._holders.get(endpoint)
         if h is None:
             return
+        self.version += 1
         self._catch_up(h)
         keep = max(0, keep)
         bit = h.bit
@@ -380,6 +397,7 @@ class PrefixIndex:
         h = self._holders.get(endpoint)
         if h is None:
             return
+        self.version += 1
         keep = ~h.bit
         for node in h.entries:
             node.mask &= keep
@@ -400,6 +418,7 @@ class PrefixIndex:
         h = self._holders.get(endpoint)
         if h is None:
             return
+        self.version += 1
         t = self._trust[h.index] * max(0.0, factor)
         if t < self.min_trust:
             self.clear(endpoint)
@@ -410,6 +429,7 @@ class PrefixIndex:
         """Full trust again (after a resync)."""
         h = self._holders.get(endpoint)
         if h is not None:
+            self.version += 1
             self._trust[h.index] = 1.0
 
     def trust(self, endpoint: str) -> float:
@@ -442,6 +462,7 @@ class PrefixIndex:
         h = self._holder(endpoint)
         h.capacity = max(0, int(blocks))
         if h.used > h.capacity:
+            self.version += 1  # (a capacity alone changes no match: what it evicts does)
             self._catch_up(h)  # its expired entries must not count, nor be evicted
             self._evict(h)
             self._settle()
@@ -451,6 +472,7 @@ class PrefixIndex:
         h = self._holders.get(endpoint)
         if h is None:
             return
+        self.version += 1
         self.clear(endpoint)
         del self._holders[endpoint]
         self._behind &= ~h.bit  # _pending skips it: no longer in _holders
@@ -558,6 +580,7 @@ class PrefixIndex:
         precise: bool,
         parent: int | None,
     ) -> bool:
+        self.version += 1
         n = len(hashes)
         node = self._root
         base = 0
@@ -835,6 +858,7 @@ class PrefixIndex:
     def _advance(self, now: float) -> None:
         """Move the expiry horizon to `now` (the index clock): holders whose oldest entry
         is due by then fall behind, to be worked off by _work."""
+        self.version += 1
         cut = self._cut = self._clock(now)
         due = self._due
         holders = self._holders
@@ -849,6 +873,7 @@ class PrefixIndex:
     def _work(self, budget: int) -> None:
         """Drop expired entries of the holders behind, oldest due first, examining at
         most `budget` heap items."""
+        self.version += 1
         pending = self._pending
         holders = self._holders
         while pending:
@@ -903,6 +928,7 @@ class PrefixIndex:
     def _catch_up(self, h: _Holder) -> None:
         """Finish h's expiry (before anything reads or changes h beyond a match)."""
         if h.bit & self._behind:
+            self.version += 1
             self._expire_holder(h, _ALL)
             self._settle()
 
