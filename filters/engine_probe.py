@@ -38,13 +38,16 @@ __all__ = ["ProbeResult", "ProbeState"]
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
     """One scrape's outcome: the report to give the router (None: none), whether the
-    engine restarted since the last good scrape, the delay before the next scrape, and why
-    the scrape failed (None: it did not)."""
+    engine restarted since the last good scrape, the delay before the next scrape, why
+    the scrape failed (None: it did not), and the prompt tokens the engine looked up in
+    its prefix cache and found there since the last good scrape (queries, hits; None on
+    the first page, after a restart, or where the page does not count them)."""
 
     state: ReportedState | None
     restarted: bool
     next_in_s: float
     error: str | None = None
+    prefix_window: tuple[float, float] | None = None
 
 
 class ProbeState:
@@ -84,6 +87,19 @@ class ProbeState:
         restarted = update.counters_reset
         if restarted:
             self.epoch += 1
+        window = None
+        last = self.last
+        if (
+            not restarted
+            and last is not None
+            and last.prefix_queries is not None
+            and last.prefix_hits is not None
+            and m.prefix_queries is not None
+            and m.prefix_hits is not None
+            and m.prefix_queries >= last.prefix_queries
+            and m.prefix_hits >= last.prefix_hits
+        ):
+            window = (m.prefix_queries - last.prefix_queries, m.prefix_hits - last.prefix_hits)
         self.failures = 0
         self.good += 1
         self.last = m
@@ -97,7 +113,7 @@ class ProbeState:
             ttft_s=update.ttft_s,
             tpot_s=update.tpot_s,
         )
-        return ProbeResult(state, restarted, self.interval_s)
+        return ProbeResult(state, restarted, self.interval_s, prefix_window=window)
 
     def _failed(self, why: str) -> ProbeResult:
         self.failures += 1

@@ -345,6 +345,22 @@ Mooncake 8 H100 0.78 / 0.94 / 1.07 / 1.03, 4 H100 0.71 / 0.78 / 0.82 / 0.92, 16 
 across them). The whole matrix at 4 with the memory wait off (docs/routing-matrix.md,
 session 22): 8 H100 1.07, 4 H100 0.86, 16 H100 0.87, load 0.5 1.04.
 
+An engine whose answers carry no cached tokens (a vLLM without
+--enable-prompt-tokens-details; a streaming client that asked for no usage) gives the
+per-answer rule nothing; its /metrics still counts them (vllm:prefix_cache_hits and
+queries, read by the probe). observe_engine_hits holds the two pages' difference against
+the hit rate the index predicted for the requests sent there meanwhile (each a rate in its
+own tokens), once HIT_CHECK_MIN_REQUESTS went, and steps the capacity by the same factors
+where the engine's rate is under HIT_CHECK_LOW x the predicted or over HIT_CHECK_HIGH x it
+(plus HIT_CHECK_SLACK); the error (predicted - engine's) is meshd_prefix_index_hit_error
+either way. It acts only for an engine that never detailed its cached tokens: stepping on
+both sources (2026-12-07, answers with cached tokens, Mooncake 8 H100) took hit rate
+1.075 -> 1.022 of the best peer, and 4 H100 stayed 0.864. Measured with the answers
+stripped of usage (matrix --override '{"usage": "none"}', 11 cells, without / with the
+check): Mooncake 8 H100 TTFT p90 0.98 -> 0.96, p99 1.06 -> 0.92, hit 1.03 -> 1.07 (with
+usage: 0.94, 0.92, 1.075); load 0.5 p99 1.09 -> 1.00; load 1.5 p90 0.93 -> 0.86; geometric
+means TTFT p90 x0.989, p99 x0.976, hit x1.004; cells missing a target 25 -> 23.
+
 The memory wait (kv_wait_e) is off by default (kv_wait_weight 0). With the engines' real
 capacity from /metrics (the matrix's small caches hold ~10-20 prompts) it priced our own
 in-flight prompts and their whole max_tokens (4 characters a token: ~1.25x the engine's
@@ -479,6 +495,18 @@ INDEX_CAPACITY_GROW = 1.1
 INDEX_CAPACITY_SHRINK = 0.9
 INDEX_CAPACITY_SCALE_RANGE = (0.25, 8.0)
 INDEX_CAPACITY_START = 4.0
+# An engine that does not detail cached tokens per answer (vLLM without
+# --enable-prompt-tokens-details, a client that did not ask for usage) still counts them
+# on its /metrics (vllm:prefix_cache_hits / queries): Picker.observe_engine_hits compares
+# that hit rate with the one the index predicted for the requests sent there, once the
+# window holds HIT_CHECK_MIN_REQUESTS of them, and scales the index capacity by the step
+# above when the engine's rate is under HIT_CHECK_LOW x the predicted (ghosts) or over
+# HIT_CHECK_HIGH x it plus HIT_CHECK_SLACK (entries dropped that the engine kept); a
+# difference under HIT_CHECK_SLACK either way is no verdict.
+HIT_CHECK_MIN_REQUESTS = 8
+HIT_CHECK_LOW = 0.75
+HIT_CHECK_HIGH = 1.33
+HIT_CHECK_SLACK = 0.02
 # A prompt whose blocks some endpoint holds at least this share of continues a task under
 # way (Picker.follow_up: admission lets it past the knee before new tasks).
 FOLLOW_UP_FRACTION = 0.5
@@ -1167,6 +1195,15 @@ class Picker:
         self._cap_guessed: set[str] = set()
         # The last prefix match (_match): (request, index, its version, until, answer).
         self._matched: _Matched = (None, None, -1, -_INF, {})
+        # The hit-rate check against each engine's counters (observe_engine_hits): per
+        # endpoint [predicted prompt tokens, predicted cached, requests] sent since the
+        # last verdict, and [queries, hits] the engine counted meanwhile; endpoints whose
+        # answers detail their cached tokens (observe_cached learns from those instead);
+        # and each endpoint's last error (predicted hit rate - the engine's).
+        self._hit_sent: dict[str, list[float]] = {}
+        self._hit_seen: dict[str, list[float]] = {}
+        self._cached_answers: set[str] = set()
+        self.hit_error: dict[str, float] = {}
 
     # -- the decision -------------------------------------------------------------------------
 
@@ -1627,6 +1664,12 @@ class Picker:
         uncached = prompt - cached
         if not uncached > 1:  # max(1, ...), max() as it compares
             uncached = 1
+        sent = self._hit_sent.get(name)
+        if sent is not None and not choice.reason.startswith("decode"):
+            # (A decode leg's cached tokens are its transfer's, not the index's.)
+            sent[0] += prompt if prompt > 1 else 1
+            sent[1] += cached
+            sent[2] += 1.0
         # A prediction that counted on more cached tokens than it left to prefill measures
         # the index (its confidence discount, characters per token) more than the engine:
         # on the Mooncake bench such picks predicted 273 tokens to prefill where the engine
@@ -1732,6 +1775,7 @@ class Picker:
         The entry itself stays: the request was just prefilled there."""
         tpb = req.tokens_per_block or self.config.tokens_per_block
         predicted = choice.cached_tokens
+        self._cached_answers.add(choice.endpoint)
         if cached_tokens >= 0.5 * predicted:
             if cached_tokens > 2.0 * predicted + 2.0 * tpb:
                 # The engine still had what the index had let go: it holds more than the
@@ -1739,6 +1783,42 @@ class Picker:
                 self._scale_capacity(choice.endpoint, INDEX_CAPACITY_GROW)
             return
         self._scale_capacity(choice.endpoint, INDEX_CAPACITY_SHRINK)
+
+    def observe_engine_hits(
+        self, name: str, queries: float, hits: float, now: float
+    ) -> float | None:
+        """The engine counted `queries` prompt tokens looked up in its prefix cache and
+        `hits` found there since its last scrape (vllm:prefix_cache_queries / hits). Held
+        against the hit rate the index predicted for the requests sent there meanwhile;
+        once HIT_CHECK_MIN_REQUESTS went, the verdict: the index's error (predicted rate -
+        the engine's, also in `hit_error`), returned, and, for an engine whose answers
+        never detail their cached tokens (observe_cached learns from those), the index
+        capacity scaled down where the engine found clearly fewer hits than predicted
+        (ghosts), up where it found clearly more (entries the index dropped too early).
+        Token units cancel: each side is a rate in its own tokens."""
+        sent = self._hit_sent.get(name)
+        if sent is None:
+            # The first window: what was sent before it, the engine may have counted in an
+            # earlier one; compare from here on.
+            self._hit_sent[name] = [0.0, 0.0, 0.0]
+            self._hit_seen[name] = [0.0, 0.0]
+            return None
+        seen = self._hit_seen[name]
+        seen[0] += max(0.0, queries)
+        seen[1] += max(0.0, hits)
+        if sent[2] < HIT_CHECK_MIN_REQUESTS or seen[0] <= 0.0:
+            return None
+        predicted = sent[1] / sent[0]
+        engine = min(1.0, seen[1] / seen[0])
+        sent[0] = sent[1] = sent[2] = 0.0
+        seen[0] = seen[1] = 0.0
+        err = self.hit_error[name] = predicted - engine
+        if name not in self._cached_answers:
+            if engine < HIT_CHECK_LOW * predicted and predicted - engine > HIT_CHECK_SLACK:
+                self._scale_capacity(name, INDEX_CAPACITY_SHRINK)
+            elif engine > HIT_CHECK_HIGH * predicted + HIT_CHECK_SLACK:
+                self._scale_capacity(name, INDEX_CAPACITY_GROW)
+        return err
 
     def _scale_capacity(self, name: str, factor: float) -> None:
         """Learn an endpoint's prefix-index capacity from the engine's cached-token counts:
@@ -1762,6 +1842,10 @@ class Picker:
         self._cap_scale.pop(endpoint, None)
         self._cap_known.pop(endpoint, None)
         self._cap_guessed.discard(endpoint)
+        self._hit_sent.pop(endpoint, None)
+        self._hit_seen.pop(endpoint, None)
+        self._cached_answers.discard(endpoint)
+        self.hit_error.pop(endpoint, None)
         self._homes.pop(endpoint, None)
         old = self._cal_of.pop(endpoint, None)
         if old is not None:

@@ -119,6 +119,7 @@ class PoolRouter(Protocol):
         self, url: str, state: ReportedState | None, now: float, *, ttl_s: float
     ) -> bool: ...
     def apply_digest(self, url: str, digest: BlockDigest | None, now: float) -> bool: ...
+    def engine_hits(self, url: str, queries: float, hits: float, now: float) -> float | None: ...
     def set_flags(
         self,
         url: str,
@@ -198,6 +199,10 @@ class _Report:
         if not self.state.healthy:
             return "unhealthy"
         return "draining" if self.state.draining else None
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
 
 
 def _report_view(state: ReportedState | None, at: float, ttl_s: float, now: float) -> object:
@@ -287,6 +292,10 @@ class BalancerRouter:
         else:
             self._flags[url] = _Flags(breaker_open, ejected_until, ramp)
         return True
+
+    def engine_hits(self, url: str, queries: float, hits: float, now: float) -> float | None:
+        """A balancer keeps no prefix index to check against the engine's counters."""
+        return None
 
     def report(self, url: str, state: ReportedState | None, now: float, *, ttl_s: float) -> bool:
         if url not in self._balancer.endpoints:
@@ -639,6 +648,12 @@ class PickerRouter:
             s.report(state, now)
         return True
 
+    def engine_hits(self, url: str, queries: float, hits: float, now: float) -> float | None:
+        """The engine's prefix-cache counters over its last scrape window (Picker.
+        observe_engine_hits): the index's hit-rate error when a verdict was due, else None."""
+        s = self._by_url.get(url)
+        return None if s is None else self.picker.observe_engine_hits(s.name, queries, hits, now)
+
     def apply_digest(self, url: str, digest: BlockDigest | None, now: float) -> bool:
         s = self._by_url.get(url)
         if s is None:
@@ -709,6 +724,8 @@ class PickerRouter:
                 "decode_calibration": round(s.decode_ratio, 3),
                 "kv_capacity_tokens": s.kv_capacity(now),
                 "cached_blocks": self.picker.index.used_blocks(s.name),
+                "index_capacity_scale": round(self.picker.index_capacity_scale(s.name), 3),
+                "index_hit_error": _round(self.picker.hit_error.get(s.name)),
                 "digest_blocks": len(d.blocks) if (d := self._digests.get(s.name)) else None,
                 "reported": _report_view(s.reported, s.reported_at, s.report_ttl_s, now),
                 "last_error": self._last_error.get(s.url),

@@ -86,6 +86,10 @@ class EngineMetrics:
     # (meshd_sim:gpu_busy_seconds_total); vLLM's request prefill/decode histograms are
     # request-seconds, shared with the batch, so not this (filters/busy_time.py).
     busy_seconds: float | None = None
+    # Prompt tokens looked up in the prefix cache and found there since the engine started
+    # (vllm:prefix_cache_queries / hits; SGLang's page has a hit-rate gauge only).
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
 
     @property
     def tokens(self) -> float | None:
@@ -229,7 +233,7 @@ def _fraction(v: float | None) -> float | None:
     return min(1.0, max(0.0, v))
 
 
-def _busy(v: float | None) -> float | None:
+def _nonneg(v: float | None) -> float | None:
     return v if v is not None and math.isfinite(v) and v >= 0 else None
 
 
@@ -294,7 +298,9 @@ def parse_vllm(text: str) -> EngineMetrics:
         or acc.hist("vllm:time_per_output_token_seconds"),
         gpu=acc.gpu,
         counters=_counters(acc, _VLLM_COUNTERS),
-        busy_seconds=_busy(acc.get("meshd_sim:gpu_busy_seconds_total")),
+        busy_seconds=_nonneg(acc.get("meshd_sim:gpu_busy_seconds_total")),
+        prefix_queries=_nonneg(queries),
+        prefix_hits=_nonneg(hits),
     )
 
 

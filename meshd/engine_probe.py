@@ -4,10 +4,13 @@ decides what a page says and when to ask again. One task per endpoint; a scrape 
 holds a request, and an endpoint without the page is asked again after a backoff.
 
 Each good scrape's page also goes to `on_metrics(url, now, metrics)` (the sidecar hands an
-engine's busy-time counter to the cost ledger). The first good scrape of an endpoint logs
-what was learnt (its KV capacity); a restart (a new epoch) goes to `on_restart(pool, url,
-now)` as the control feed's does, so the guard ramps the engine back in while the picker's
-prefix index forgets what it held.
+engine's busy-time counter to the cost ledger). The prefix-cache counters of two pages in a
+row (vLLM's hits and queries) go to the router, which checks its prefix index against them
+(Picker.observe_engine_hits); each verdict's error goes to `on_index_check(pool, url,
+error)` (the sidecar's gauge meshd_prefix_index_hit_error). The first good scrape of an
+endpoint logs what was learnt (its KV capacity); a restart (a new epoch) goes to
+`on_restart(pool, url, now)` as the control feed's does, so the guard ramps the engine back
+in while the picker's prefix index forgets what it held.
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ class EngineProbes:
         *,
         on_restart: Callable[[str, str, float], None] | None = None,
         on_metrics: Callable[[str, float, EngineMetrics], None] | None = None,
+        on_index_check: Callable[[str, str, float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = s = config.routing.engine_metrics
         self.routers = routers
         self._on_restart = on_restart
         self._on_metrics = on_metrics
+        self._on_index_check = on_index_check
         self._clock = clock
         self.states: dict[tuple[str, str], ProbeState] = {
             (pool.name, ep.url): ProbeState(
@@ -85,6 +90,10 @@ class EngineProbes:
             router.report(url, result.state, now, ttl_s=st.ttl_s())
             if self._on_metrics is not None and st.last is not None:
                 self._on_metrics(url, now, st.last)
+            if result.prefix_window is not None:
+                miss = router.engine_hits(url, *result.prefix_window, now)
+                if miss is not None and self._on_index_check is not None:
+                    self._on_index_check(pool, url, miss)
             if result.restarted and self._on_restart is not None:
                 log.info("engine %s restarted (its /metrics counters went back)", url)
                 self._on_restart(pool, url, now)

@@ -425,6 +425,13 @@ class DataPlaneMetrics:
             ["pool", "endpoint"],
             registry=r,
         )
+        self.prefix_index_hit_error = _LoopGauge(
+            "meshd_prefix_index_hit_error",
+            "The prefix index's predicted hit rate minus the engine's own "
+            "(vllm:prefix_cache_hits / queries), over the requests of the last check",
+            ["pool", "endpoint"],
+            registry=r,
+        )
 
     def _register_cost(self, r: CollectorRegistry, clock: Any) -> None:
         """Cost (filters/cost_ledger.py). Cost per successful task over a window =

@@ -237,6 +237,7 @@ class Sidecar:
                 self.routers,
                 on_restart=self.gate.engine_restarted,
                 on_metrics=self._engine_read,
+                on_index_check=self._index_checked,
             )
             await self.probes.start()
 
@@ -245,6 +246,10 @@ class Sidecar:
         the cost ledger (filters/busy_time.py)."""
         if m.busy_seconds is not None:
             self.observer.engine_busy(url, now, m.busy_seconds, m.tokens)
+
+    def _index_checked(self, pool: str, url: str, error: float) -> None:
+        """The prefix index against the engine's own counters: the error on /metrics."""
+        self.metrics.prefix_index_hit_error.labels(pool, url).set(error)
 
     async def _start_transparent(self) -> None:
         from meshd.transparent import start_transparent_listener

@@ -264,3 +264,22 @@ def test_meshd_reads_each_engines_metrics_as_a_live_sidecar_does() -> None:
     off = {"routing": {"engine_metrics": {"enabled": False}}}
     assert sidecar_model(urls, "meshd", overrides=off).probe is None
     assert sidecar_model(urls, "round-robin").probe is None
+
+
+@pytest.mark.parametrize("usage", ["full", "tokens", "none"])
+def test_what_the_answers_tell_the_sidecar(usage: str) -> None:
+    # "full": cached tokens per answer (the index learns from them); "tokens": usage without
+    # them (a vLLM without --enable-prompt-tokens-details); "none": no usage at all (a
+    # client that did not ask). In every mode the probe checks the index against the
+    # engines' prefix-cache counters.
+    reqs = shared_prefix(groups=2, questions_per_group=40, rate=8.0, max_tokens=8, seed=6)
+    fleet = VirtualFleet(engine_specs(FleetSpec(gpus=("H100", "H100"), kv_blocks=256)))
+    sidecar = sidecar_model([engine_url(e) for e in fleet], "meshd", overrides={"usage": usage})
+    assert sidecar.usage == usage
+    run = VirtualPass(fleet, sidecar, QUIET).run(reqs)
+    assert all(o.ok for o in run.outcomes)
+    picker = sidecar.router.picker  # type: ignore[attr-defined]
+    assert bool(picker._cached_answers) == (usage == "full")
+    assert picker.hit_error  # a verdict on at least one engine
+    with pytest.raises(ValueError, match="usage must be one of"):
+        sidecar_model([engine_url(e) for e in fleet], "meshd", overrides={"usage": "some"})

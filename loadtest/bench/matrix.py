@@ -737,7 +737,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--override",
         default="",
         help="JSON laid over every meshd row's config, e.g. "
-        '\'{"picker_config": {"sticky_tolerance": 0.1}}\' (a candidate default)',
+        '\'{"picker_config": {"sticky_tolerance": 0.1}}\' (a candidate default); '
+        '\'{"usage": "none"}\' runs meshd as a client that asks for no usage sees it '
+        '("tokens": usage without cached tokens, as a vLLM without '
+        "--enable-prompt-tokens-details answers)",
     )
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=None, help="default results/matrix-<time>")

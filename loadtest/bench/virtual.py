@@ -152,6 +152,15 @@ class SidecarModel:
     # routing.engine_metrics (interval_s, max_backoff_s) where the sidecar would read each
     # engine's /metrics (meshd's policy, no control plane: meshd/engine_probe.py); else None.
     probe: tuple[float, float] | None = None
+    # What each answer tells the sidecar (USAGE_MODES): "full", usage with the cached
+    # tokens (this bench's client asks for usage, the simulator details it); "tokens", no
+    # cached tokens (a real vLLM without --enable-prompt-tokens-details); "none", no usage
+    # at all (a streaming client that did not ask for stream_options.include_usage: the
+    # sidecar counts the stream's token events).
+    usage: str = "full"
+
+
+USAGE_MODES = ("full", "tokens", "none")
 
 
 def sidecar_model(
@@ -180,6 +189,9 @@ def sidecar_model(
         doc["pools"] = [{"name": "default", "endpoints": endpoints}]
     extra = dict(overrides or {})
     picker_overrides = extra.pop("picker_config", None)
+    usage = extra.pop("usage", "full")
+    if usage not in USAGE_MODES:
+        raise ValueError(f"usage must be one of {', '.join(USAGE_MODES)}, not {usage!r}")
     doc = deep_merge(doc, extra)
     config = Config.model_validate(doc)
     routing = config.routing
@@ -208,6 +220,7 @@ def sidecar_model(
         queue_timeout_s=adm.queue_timeout_s,
         refuse_late=routing.policy == "meshd" and adm.enabled and adm.refuse_predicted_late,
         probe=(metrics.interval_s, metrics.max_backoff_s) if probing else None,
+        usage=usage,
     )
 
 
@@ -450,7 +463,8 @@ class VirtualPass:
         """meshd/engine_probe.py on the virtual clock: each engine's /metrics page read every
         interval (the first reads spread over min(0.5, interval) s, seeded), parsed by the
         same ProbeState and reported to the router with its TTL, so the picker learns each
-        engine's KV capacity and usage as a live sidecar does."""
+        engine's KV capacity and usage as a live sidecar does, and checks its prefix index
+        against the engine's prefix-cache counters."""
         if self.sidecar.probe is None:
             return
         interval, backoff = self.sidecar.probe
@@ -470,6 +484,8 @@ class VirtualPass:
             result = state.observed(text, now, error="connection refused" if down else None)
             if result.state is not None:
                 self.sidecar.router.report(url, result.state, now, ttl_s=state.ttl_s())
+            if result.prefix_window is not None:
+                self.sidecar.router.engine_hits(url, *result.prefix_window, now)
             if self._open > 0 or self._live:
                 self._at(now + result.next_in_s, scrape)
 
@@ -704,10 +720,12 @@ class VirtualPass:
         n = req.num_output_tokens
         error = None if n > 0 else EMPTY
         learnt = self.sidecar.chars_per_token
-        if learnt is not None and error is None and flight.prompt is not None:
+        usage = self.sidecar.usage
+        if learnt is not None and error is None and flight.prompt is not None and usage != "none":
             model, text = flight.prompt
             learnt.observe(model, len(text), utf8_length(text), req.num_prompt_tokens)
-        self._settle(flight, now, ok=error is None, cached=req.cached_tokens, out=n)
+        cached = req.cached_tokens if usage == "full" else None
+        self._settle(flight, now, ok=error is None, cached=cached, out=n)
         outcome = self._outcome(
             flight,
             now,
