@@ -11,6 +11,7 @@ client's traffic but lags, the local figures are current but see only ours.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -632,3 +633,21 @@ def _learn(
     alpha = CALIBRATION_ALPHA + (CALIBRATION_STALE_ALPHA - CALIBRATION_ALPHA) * faded
     ratio += alpha * (sample - ratio)
     return min(CALIBRATION_RANGE[1], max(CALIBRATION_RANGE[0], ratio))
+
+
+# EndpointState.report as written above: the reference for the compiled twin
+# (filters/_endpoint_state_c.pyx), which becomes the method when built, unless
+# MESHD_PURE_PYTHON is set. A control-plane sidecar lands every engine update through it.
+report_reference = EndpointState.report
+IMPLEMENTATION = "python (forced by MESHD_PURE_PYTHON)"
+if not os.environ.get("MESHD_PURE_PYTHON"):
+    try:
+        from filters import _endpoint_state_c  # type: ignore[attr-defined]
+    except ImportError:
+        IMPLEMENTATION = "python (compiled extension not built)"
+    else:
+        if _endpoint_state_c.bind(EndpointState, ReportedState, report_reference):
+            EndpointState.report = _endpoint_state_c.report  # type: ignore[method-assign]
+            IMPLEMENTATION = "cython"
+        else:
+            IMPLEMENTATION = "python (EndpointState's slots not as the compiled twin reads them)"

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import socket
 import ssl
 import time
@@ -373,29 +374,18 @@ class ControlFeed:
         self._on_update(update)
 
     def _on_reports(self, changed: Mapping[str, Entry], now: float) -> None:
-        """The common case, in a loop of its own: an engine already ours, at the same
-        address, in the same epoch; its state goes to its endpoints' routers. Anything
-        else (new, moved, restarted, not ours) goes through _on_state."""
-        engines, reports, by_address = self._engines, self._reports, self._by_address
-        ttl_s = self.stale_after_s
-        applied = 0
-        for name, entry in changed.items():
-            report = entry.value
-            if type(report) is not EngineReport:
-                continue
-            targets = engines.get(name)
-            state = report.state
-            if (
-                targets is None
-                or by_address.get(report.address) is not targets
-                or reports[name].epoch != state.epoch
-            ):
-                self._on_state(name, report, now)
-                continue
-            reports[name] = state
-            for _, url, tell in targets:
-                tell(url, state, now, ttl_s=ttl_s)
-            applied += 1
+        """The common case in a loop of its own (land_reports): an engine already ours, at
+        the same address, in the same epoch; its state goes to its endpoints' routers.
+        Anything else (new, moved, restarted, not ours) goes through _on_state."""
+        applied = _land_reports(
+            changed,
+            self._engines,
+            self._reports,
+            self._by_address,
+            now,
+            self.stale_after_s,
+            self._on_state,
+        )
         if applied:
             self.stats.updates[ENDPOINT_STATE_TYPE] += applied
 
@@ -498,6 +488,60 @@ class ControlFeed:
             for _, url, tell in engines.get(name, ()):
                 tell(url, reported, now, ttl_s=ttl_s)
         self.stats.refreshes += 1
+
+
+def land_reports(
+    changed: Mapping[str, Entry],
+    engines: dict[str, tuple[Target, ...]],
+    reports: dict[str, ReportedState],
+    by_address: dict[str, tuple[Target, ...]],
+    now: float,
+    ttl_s: float,
+    on_state: Callable[[str, EngineReport, float], None],
+) -> int:
+    """A response's EngineReports to their endpoints' routers (ControlFeed._on_reports,
+    with the feed's tables): an engine followed (`engines`: name -> its targets) whose
+    report comes from the address it was matched at (`by_address`) in the epoch held
+    (`reports`) has its state stored and told to each target's router; any other report
+    goes to `on_state` (new, moved, restarted, not ours), a value not an EngineReport
+    nowhere. Returns how many were told.
+
+    The reference for the compiled twin (xds/_feed_c.pyx), which replaces it when built
+    unless MESHD_PURE_PYTHON is set: with EndpointState.report compiled
+    (filters/_endpoint_state_c.pyx), the routers' part of a sidecar's apply.
+    """
+    applied = 0
+    for name, entry in changed.items():
+        report = entry.value
+        if type(report) is not EngineReport:
+            continue
+        targets = engines.get(name)
+        state = report.state
+        if (
+            targets is None
+            or by_address.get(report.address) is not targets
+            or reports[name].epoch != state.epoch
+        ):
+            on_state(name, report, now)
+            continue
+        reports[name] = state
+        for _, url, tell in targets:
+            tell(url, state, now, ttl_s=ttl_s)
+        applied += 1
+    return applied
+
+
+_land_reports = land_reports
+LAND_IMPLEMENTATION = "python (forced by MESHD_PURE_PYTHON)"
+if not os.environ.get("MESHD_PURE_PYTHON"):
+    try:
+        from xds import _feed_c  # type: ignore[attr-defined]
+    except ImportError:
+        LAND_IMPLEMENTATION = "python (compiled extension not built)"
+    else:
+        _feed_c.bind(Entry, EngineReport, ReportedState)
+        _land_reports = _feed_c.land_reports
+        LAND_IMPLEMENTATION = "cython"
 
 
 def _family(
