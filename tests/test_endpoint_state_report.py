@@ -32,12 +32,17 @@ class _SubReported(ReportedState):
     pass
 
 
-def _fields(s: EndpointState) -> list[tuple[str, Any, Any]]:
-    # The views by identity (the picker compares them so); everything else by type and value.
+def _fields(s: EndpointState, view: object) -> list[tuple[str, Any, Any]]:
+    # The views by identity (the picker compares them so): the run's own view object, None,
+    # or another (each run makes its own view, so an id would differ between the runs);
+    # everything else by type and value.
     out = []
     for k in FIELDS:
         v = getattr(s, k)
-        out.append((k, type(v), id(v) if k.startswith("_pick") else v))
+        t = type(v)
+        if k.startswith("_pick"):
+            v = "view" if v is view else "none" if v is None else "other"
+        out.append((k, t, v))
     return out
 
 
@@ -71,7 +76,7 @@ def _run(report: Any, steps: list[tuple[Any, int, bool, bool]]) -> list[Any]:
             cls = _SubReported if kind == 3 else ReportedState
             state = cls(epoch=epoch, requests_running=n, kv_block_size=16)
         report(s, state, float(n) + 0.25)
-        trace.append(_fields(s))
+        trace.append(_fields(s, view))
     return trace
 
 
