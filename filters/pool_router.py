@@ -608,6 +608,14 @@ class PickerRouter:
     # -- control plane ------------------------------------------------------------------
 
     def report(self, url: str, state: ReportedState | None, now: float, *, ttl_s: float) -> bool:
+        """An engine's report (None: gone) for `url`'s endpoint, from the control feed.
+
+        The reference for its common path's compiled twin (xds/_feed_c.pyx's
+        _picker_common, which meshd/control_feed.py's loop takes for an exact PickerRouter
+        when built): a known url, a report not the held one's object, the held one fresh,
+        the same TTL and the same KV block size and capacity (ints or None) -> only
+        s.report(state, now). A change here must be made there too
+        (tests/test_pool_router_report_c.py compares the two)."""
         s = self._by_url.get(url)
         if s is None:
             return False

@@ -38,8 +38,8 @@ import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from filters.endpoint_state import ReportedState
-from filters.pool_router import PoolRouter
+from filters.endpoint_state import EndpointState, ReportedState
+from filters.pool_router import PickerRouter, PoolRouter
 from meshd.config import Config, ConfigError
 from meshd.metrics import DataPlaneMetrics
 from meshd.shards import shard_for
@@ -533,6 +533,7 @@ def land_reports(
 
 _land_reports = land_reports
 LAND_IMPLEMENTATION = "python (forced by MESHD_PURE_PYTHON)"
+PICKER_COMMON_IN_C = False  # PickerRouter.report's common path taken in the compiled loop
 if not os.environ.get("MESHD_PURE_PYTHON"):
     try:
         from xds import _feed_c  # type: ignore[attr-defined]
@@ -540,6 +541,11 @@ if not os.environ.get("MESHD_PURE_PYTHON"):
         LAND_IMPLEMENTATION = "python (compiled extension not built)"
     else:
         _feed_c.bind(Entry, EngineReport, ReportedState)
+        # PickerRouter.report's common path (a fresh report with the same TTL and KV
+        # size for a known url) taken in the loop, the method kept as the reference.
+        PICKER_COMMON_IN_C = _feed_c.bind_picker(
+            PickerRouter, PickerRouter.__dict__["report"], EndpointState
+        )
         _land_reports = _feed_c.land_reports
         LAND_IMPLEMENTATION = "cython"
 
