@@ -163,6 +163,8 @@ class AttemptCost(NamedTuple):
     output_tokens: int = 0
 
 
+_new_tuple = tuple.__new__  # a NamedTuple built without its Python __new__
+
 # A prefill/decode request's prefill step (meshd/disagg.py): an earlier attempt that, when it
 # succeeded, is part of the answer, not a retry.
 PREFILL_REASON = "prefill"
@@ -271,10 +273,21 @@ class TimingModel:
     def gpu_seconds(
         self, gpu: str | None, prompt_tokens: int, cached_tokens: int, completion_tokens: int
     ) -> float:
+        # Conditionals, not max(): the same values (max(0, x) is x only when x > 0; NaN
+        # gives 0), without a builtin call each (four a call, twice an attempt).
         profile = self.gpus.get(gpu)
-        prefill = max(0, prompt_tokens - max(0, cached_tokens)) / profile.prefill_tokens_per_s
-        batch = max(1, self.decode_batch)
-        decode = max(0, completion_tokens) * profile.decode_step_s(batch) / batch
+        if not cached_tokens > 0:
+            cached_tokens = 0
+        uncached = prompt_tokens - cached_tokens
+        prefill = (uncached if uncached > 0 else 0) / profile.prefill_tokens_per_s
+        batch = self.decode_batch
+        if not batch > 1:
+            batch = 1
+        decode = (
+            (completion_tokens if completion_tokens > 0 else 0)
+            * profile.decode_step_s(batch)
+            / batch
+        )
         return prefill + decode
 
 
@@ -428,12 +441,15 @@ class LedgerSummary:
         return self.total.success_per_dollar
 
 
-@dataclass(frozen=True, slots=True)
-class TaskResult:
+class TaskResult(NamedTuple):
     """A closed task: how it ended and what it cost. `reason`: final_ok (its final step
     succeeded), idle (closed after IDLE_TIMEOUT_S), evicted (MAX_OPEN_TASKS), flushed.
     `settled_usd` is the cost of its ok requests that this close decided: useful when it
-    succeeded, `failed_tasks` waste when not. `pool` is its latest step's pool."""
+    succeeded, `failed_tasks` waste when not. `pool` is its latest step's pool.
+
+    A NamedTuple (immutable, as the frozen dataclass it was): a lone request closes its
+    own task on every record, and the frozen dataclass's __init__ set its 12 fields with
+    object.__setattr__ each; `record` builds it with tuple.__new__ (issue #22)."""
 
     key: str
     tenant: str
@@ -567,7 +583,8 @@ class CostLedger:
         attempts is one attempt on its own GPU with its own figures."""
         prompt = record.prompt_tokens or 0
         timing = self.timing
-        if not record.attempts:
+        attempts = record.attempts  # (a live record's property builds a tuple each read)
+        if not attempts:
             gpu = record.gpu
             price = self.prices.per_second(gpu)
             completion = record.completion_tokens or 0
@@ -586,13 +603,15 @@ class CostLedger:
                 )
             ]  # fmt: skip
         out = []
-        last = len(record.attempts) - 1
+        last = len(attempts) - 1
         # Tokens earlier attempts sent the client (a prefill step's one token never is).
-        earlier_tokens = sum(
-            a.completion_tokens or 0 for a in record.attempts[:last] if not _prefill_step(a)
+        earlier_tokens = (
+            sum(a.completion_tokens or 0 for a in attempts[:last] if not _prefill_step(a))
+            if last
+            else 0
         )
         busy = self.busy
-        for i, a in enumerate(record.attempts):
+        for i, a in enumerate(attempts):
             gpu = a.gpu or record.gpu
             price = self.prices.per_second(gpu)
             seconds = a.gpu_seconds
@@ -645,8 +664,9 @@ class CostLedger:
         end = ts + max(0.0, record.e2e_s or 0.0)
         if end > self._last_end:
             self._last_end = end
+        attempts = record.attempts  # (a live record's property builds a tuple each read)
         if self._fleet is None:
-            self._see_endpoints(record)
+            self._see_endpoints(record, attempts)
         tenant = record.tenant or "-"
         model = record.model or "-"
         pool = record.pool or "-"
@@ -676,7 +696,7 @@ class CostLedger:
         outcome = record.outcome
         ok = outcome == OK_OUTCOME
         # The answer's cost: its final attempt, and a prefill step that served it.
-        final_usd = answer_usd(record.attempts, costs)
+        final_usd = answer_usd(attempts, costs)
         # Buckets decided now: the request's fate is known; only ok work waits for its task.
         prompt_tokens = record.prompt_tokens or 0
         completion_tokens = record.completion_tokens or 0
@@ -709,22 +729,18 @@ class CostLedger:
                 else:
                     figures.tasks_failed += 1
         if lone:
+            # TaskResult's fields in order: key, tenant, model, succeeded, requests,
+            # cost_usd, wasted_usd, first_ts, last_ts, reason, pool, settled_usd.
             closed.append(
-                TaskResult(
-                    key="request:" + record.request_id,
-                    tenant=tenant,
-                    model=model,
-                    succeeded=ok,
-                    requests=1,
-                    cost_usd=0.0 + usd,
-                    wasted_usd=0.0 + (usd - final_usd) if ok else 0.0 + usd + 0,
-                    first_ts=ts,
-                    last_ts=ts,
-                    reason="final_ok" if ok else "final",
-                    pool=pool,
-                    settled_usd=0 + settle if ok else 0,
+                _new_tuple(
+                    TaskResult,
+                    (
+                        "request:" + record.request_id, tenant, model, ok, 1, 0.0 + usd,
+                        0.0 + (usd - final_usd) if ok else 0.0 + usd + 0, ts, ts,
+                        "final_ok" if ok else "final", pool, 0 + settle if ok else 0,
+                    ),
                 )
-            )
+            )  # fmt: skip
             return closed
 
         key = task_key_of(record)
@@ -886,10 +902,10 @@ class CostLedger:
             out[i] = c._replace(seconds=seconds, usd=seconds * price, reading=MEASURED)
         return out
 
-    def _see_endpoints(self, record: RecordLike) -> None:
+    def _see_endpoints(self, record: RecordLike, attempts: Sequence[AttemptLike]) -> None:
         seen: list[tuple[str | None, str | None]]
-        if record.attempts:
-            seen = [(a.endpoint, a.gpu or record.gpu) for a in record.attempts]
+        if attempts:
+            seen = [(a.endpoint, a.gpu or record.gpu) for a in attempts]
         else:
             seen = [(record.endpoint, record.gpu)]
         for endpoint, gpu in seen:

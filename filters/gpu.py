@@ -80,7 +80,7 @@ class GpuProfile:
         """One decode iteration at `batch` sequences: linear between the b=1 and b=64 points
         (the step is memory bound: weights once, plus every sequence's KV)."""
         slope = (self.decode_step_s_b64 - self.decode_step_s_b1) / 63.0
-        return self.decode_step_s_b1 + slope * (max(1, batch) - 1)
+        return self.decode_step_s_b1 + slope * ((batch if batch > 1 else 1) - 1)
 
     def decode_step_parts(self) -> tuple[float, float, float]:
         """The step as base + per_seq x batch + kv x context tokens held by the batch:
@@ -105,11 +105,28 @@ _KNOWN_ORDER = ("B200", "H200", "H100", "A100")
 _FIELD_NAMES = frozenset(f.name for f in fields(GpuProfile)) - {"name"}
 
 
+# normalise_gpu_name's answers by the name given: a request's accounting asks it for the
+# same few names (each attempt's GPU, ~4 times a request). Names come from the config and
+# the engines' reports, so few; past this many, new ones are computed each time.
+MAX_NORMALISED_NAMES = 256
+_normalised: dict[str, str] = {}
+
+
 def normalise_gpu_name(name: str | None) -> str:
     """The table key for a GPU name as NVML or a config spells it ("NVIDIA H100 80GB HBM3",
     "a100-sxm4-80gb", "H200"), else the name upper-cased (looked up as given, then unknown)."""
     if not name:
         return "unknown"
+    key = _normalised.get(name)
+    if key is not None:
+        return key
+    key = _normalise(name)
+    if len(_normalised) < MAX_NORMALISED_NAMES and type(name) is str:
+        _normalised[name] = key
+    return key
+
+
+def _normalise(name: str) -> str:
     upper = name.upper()
     for key in _KNOWN_ORDER:
         if key in upper:

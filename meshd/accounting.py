@@ -10,7 +10,7 @@ from typing import Any
 
 from meshd.context import RequestContext
 from meshd.http_message import Reply, error_reply
-from meshd.metrics import DataPlaneMetrics
+from meshd.metrics import DataPlaneMetrics, gauge_setter
 from meshd.observe import RequestTrace, counter_adder
 
 log = logging.getLogger("meshd.sidecar")
@@ -24,12 +24,24 @@ class PoolSeries:
     under a lock (~2.5 us each), four times on a request's happy path. Each is made on its
     first use, as `labels()` would make it, so /metrics lists the same series as before."""
 
-    __slots__ = ("_m", "_pool", "_stream_tokens", "queue_depth", "tokens_in_flight")
+    __slots__ = (
+        "_m",
+        "_pool",
+        "_stream_tokens",
+        "queue_depth",
+        "set_queue_depth",
+        "set_tokens_in_flight",
+        "tokens_in_flight",
+    )
 
     def __init__(self, m: DataPlaneMetrics, pool: str) -> None:
         self._m, self._pool = m, pool
         self.queue_depth = m.admission_queue_depth.labels(pool)
         self.tokens_in_flight = m.tokens_in_flight.labels(pool)
+        # Their setters (metrics.gauge_setter: Gauge.set's work in one call), which every
+        # request's release calls.
+        self.set_queue_depth = gauge_setter(self.queue_depth)
+        self.set_tokens_in_flight = gauge_setter(self.tokens_in_flight)
         self._stream_tokens: Any = None
 
     @property

@@ -176,8 +176,8 @@ class AdmissionGate:
                 break
             ev = guard.pump(time.monotonic())
         series = self.acct.series(pool)
-        series.queue_depth.set(guard.queued)
-        series.tokens_in_flight.set(guard.tokens_in_flight())
+        series.set_queue_depth(guard.queued)
+        series.set_tokens_in_flight(guard.tokens_in_flight())
 
     def _publish(self, pool: str, ev: GuardEvents) -> None:
         m = self.plane.metrics

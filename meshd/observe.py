@@ -57,7 +57,7 @@ from meshd import __version__
 from meshd import telemetry as t
 from meshd.access_log import AccessLogWriter
 from meshd.attempt_trace import AttemptTrace
-from meshd.metrics import DataPlaneMetrics, counter_adder
+from meshd.metrics import DataPlaneMetrics, checked_adder, counter_adder
 from meshd.request_trace import RequestTrace, RouteLike
 
 if TYPE_CHECKING:
@@ -140,10 +140,11 @@ class _EndpointSeries:
     def __init__(self, m: DataPlaneMetrics, pool: str, endpoint: str, model: str, tenant: str):
         self.ttft = m.ttft.labels(pool, endpoint, model, tenant)
         self.itl = m.inter_token_latency.labels(pool, endpoint, model, tenant)
-        self.prompt = m.prompt_tokens.labels(pool, endpoint)
-        self.completion = m.completion_tokens.labels(pool, endpoint)
-        self.predicted = m.prefix_cache_predicted_tokens.labels(pool, endpoint)
-        self.hit = m.prefix_cache_hit_tokens.labels(pool, endpoint)
+        # The counters' adders (checked_adder: Counter.inc's work in one call).
+        self.prompt = checked_adder(m.prompt_tokens.labels(pool, endpoint))
+        self.completion = checked_adder(m.completion_tokens.labels(pool, endpoint))
+        self.predicted = checked_adder(m.prefix_cache_predicted_tokens.labels(pool, endpoint))
+        self.hit = checked_adder(m.prefix_cache_hit_tokens.labels(pool, endpoint))
 
 
 class RequestObserver:
@@ -411,7 +412,7 @@ class RequestObserver:
                 continue
             s = self._series(pool, a.endpoint, model, tenant)
             if a.completion_tokens:
-                s.completion.inc(a.completion_tokens)
+                s.completion(a.completion_tokens)
                 if a.first_token_at is not None and a.completion_tokens > 1:
                     span_s = a.ended_at - a.first_token_at
                     s.itl.observe(max(0.0, span_s) / (a.completion_tokens - 1))
@@ -421,11 +422,11 @@ class RequestObserver:
         if last is not None and last.outcome not in NO_WORK_OUTCOMES:
             s = self._series(pool, last.endpoint, model, tenant)
             if req.prompt_tokens:
-                s.prompt.inc(req.prompt_tokens)
+                s.prompt(req.prompt_tokens)
             if last.cached_tokens:
-                s.hit.inc(last.cached_tokens)
+                s.hit(last.cached_tokens)
             if last.predicted_cached_tokens:
-                s.predicted.inc(last.predicted_cached_tokens)
+                s.predicted(last.predicted_cached_tokens)
             if self.demand is not None:
                 self.demand.finished(
                     pool,
@@ -446,7 +447,7 @@ class RequestObserver:
                 pair = self._by_gpu[key] = (
                     counter_adder(self.metrics.gpu_busy_seconds.labels(*key)),
                     # A price is not checked to be >= 0: Counter.inc refuses a negative.
-                    self.metrics.cost_usd.labels(*key).inc,
+                    checked_adder(self.metrics.cost_usd.labels(*key)),
                 )
             pair[0](seconds)  # > 0 here
             pair[1](usd)
@@ -466,8 +467,8 @@ class RequestObserver:
             return
         c = self._waste.get((pool, kind))
         if c is None:
-            c = self._waste[(pool, kind)] = self.metrics.waste_usd.labels(pool, kind)
-        c.inc(usd)
+            c = self._waste[(pool, kind)] = checked_adder(self.metrics.waste_usd.labels(pool, kind))
+        c(usd)
 
     def _cost_per_successful_task(self) -> float:
         """meshd_cost_per_successful_task_usd: 0 until a task has succeeded."""
@@ -489,7 +490,7 @@ class RequestObserver:
             if pair is None:
                 pair = self._task_series[key] = (
                     counter_adder(m.tasks.labels(*key)),
-                    m.task_cost_usd.labels(*key).inc,
+                    checked_adder(m.task_cost_usd.labels(*key)),
                 )
             pair[0](1)
             pair[1](task.cost_usd)
