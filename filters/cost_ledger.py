@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from filters.busy_time import BusyApportioner, BusyTicket
@@ -564,6 +564,10 @@ class CostLedger:
         self._total = _Figures()
         self._tenants: dict[str, _Figures] = {}
         self._models: dict[str, _Figures] = {}
+        # The one (tenant, model) of every record so far, whose figures are the total's
+        # object (_slices); None once a second tenant or model came (or before any).
+        self._one: tuple[str, str] | None = None
+        self._one_slices: tuple[_Figures, ...] = ()
         self._evicted = 0
         self._estimated = 0
         self._now = float("-inf")
@@ -939,7 +943,23 @@ class CostLedger:
             untracked_attempts=self._untracked,
         )
 
-    def _slices(self, tenant: str, model: str) -> tuple[_Figures, _Figures, _Figures]:
+    def _slices(self, tenant: str, model: str) -> tuple[_Figures, ...]:
+        """The figures a record of (tenant, model) moves: the total, its tenant's and its
+        model's. While every record so far had one tenant and one model, the three are
+        one object (each would have had the same operations in the same order from zero,
+        so the same values), moved once; the first other tenant or model parts them, each
+        a copy of the figures as they stand (_part)."""
+        one = self._one
+        if one is not None:
+            if tenant == one[0] and model == one[1]:
+                return self._one_slices
+            self._part(one)
+        elif not self._tenants:  # the first record
+            total = self._total
+            self._one = (tenant, model)
+            self._tenants[tenant] = self._models[model] = total
+            self._one_slices = (total,)
+            return self._one_slices
         # get() first: setdefault(key, _Figures()) would build a _Figures on every call.
         by_tenant = self._tenants.get(tenant)
         if by_tenant is None:
@@ -948,6 +968,14 @@ class CostLedger:
         if by_model is None:
             by_model = self._models[model] = _Figures()
         return self._total, by_tenant, by_model
+
+    def _part(self, one: tuple[str, str]) -> None:
+        """The one tenant's and model's figures, shared with the total until now, their own."""
+        total = self._total
+        self._tenants[one[0]] = replace(total)
+        self._models[one[1]] = replace(total)
+        self._one = None
+        self._one_slices = ()
 
     def _close_judged(self, key: str, reason: str) -> TaskResult:
         task = self._open[key]

@@ -438,9 +438,11 @@ class RequestObserver:
 
     def _record_cost(self, req: RequestTrace, costs: list[AttemptCost]) -> None:
         pool = req.pool
-        for a, (seconds, usd, *_) in zip(req._attempts, costs, strict=False):
+        for a, c in zip(req._attempts, costs, strict=False):
+            seconds = c[0]  # (AttemptCost's seconds and usd, by index: no unpacking)
             if seconds <= 0:
                 continue
+            usd = c[1]
             key = (pool, normalise_gpu_name(a.gpu))
             pair = self._by_gpu.get(key)
             if pair is None:

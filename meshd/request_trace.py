@@ -391,11 +391,13 @@ class RequestTrace:
             costs = [AttemptCost(0.0, 0.0, NO_WORK, 0.0, 0.0)]  # nothing reached an engine
             tickets = None
         reasons = list(finish_reasons)
-        if tickets is not None and any(t is not None for t in tickets):
-            # An engine measures its busy time: the cost waits for the windows this
-            # request's attempts ran in to settle (meshd/observe.py settles it).
-            obs.unsettled(self, costs, tickets, reasons, response_model, now)
-            return
+        if tickets is not None:
+            for ticket in tickets:  # (a loop: any() over a generator is two more frames)
+                if ticket is not None:
+                    # An engine measures its busy time: the cost waits for the windows this
+                    # request's attempts ran in to settle (meshd/observe.py settles it).
+                    obs.unsettled(self, costs, tickets, reasons, response_model, now)
+                    return
         self.settled(costs, reasons, response_model, now)
 
     def settled(
@@ -410,7 +412,19 @@ class RequestTrace:
         access-log line. `now` is when it finished."""
         obs = self.observer
         attempts = self._attempts
-        if attempts:
+        if len(attempts) == 1 and len(costs) == 1:
+            # The usual request, as the loop below leaves it for one attempt (no set of
+            # readings, no generator over them).
+            a, c = attempts[0], costs[0]
+            reading = c.reading
+            if reading == MEASURED and a.gpu_seconds is None:  # for the access log
+                a.gpu_seconds, a.gpu_seconds_source = c.seconds, MEASURED
+            self.gpu_seconds = 0.0 + c.seconds
+            self.gpu_seconds_source = (
+                ESTIMATED if reading == ESTIMATED else MEASURED if reading == MEASURED else REPORTED
+            )
+            self.cost_usd = 0.0 + c.usd
+        elif attempts:
             seconds = usd = 0.0
             readings = set()
             for a, c in zip(attempts, costs, strict=True):

@@ -12,7 +12,16 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 import filters.gpu as gpu_mod
-from filters.cost_ledger import CostLedger, TaskResult, TimingModel
+from filters.cost_ledger import (
+    ESTIMATED,
+    MEASURED,
+    NO_WORK,
+    REPORTED,
+    AttemptCost,
+    CostLedger,
+    TaskResult,
+    TimingModel,
+)
 from filters.gpu import GpuTable, normalise_gpu_name
 from meshd.metrics import DataPlaneMetrics, checked_adder, gauge_setter
 
@@ -143,3 +152,74 @@ def test_lone_task_result_as_keyword_built(outcome: str) -> None:
     assert type(task) is TaskResult
     assert task == want and task.succeeded is ok
     assert [type(v) for v in task] == [type(v) for v in want]
+
+
+class _Unshared(CostLedger):
+    """The ledger as it was: every record moves three figures objects (the reference)."""
+
+    def _slices(self, tenant: str, model: str) -> tuple:  # type: ignore[type-arg]
+        by_tenant = self._tenants.get(tenant)
+        if by_tenant is None:
+            by_tenant = self._tenants[tenant] = type(self._total)()
+        by_model = self._models.get(model)
+        if by_model is None:
+            by_model = self._models[model] = type(self._total)()
+        return self._total, by_tenant, by_model
+
+
+_records = st.lists(
+    st.tuples(
+        st.sampled_from(["t", "t", "t", "u", None]),  # tenant (None: "-")
+        st.sampled_from(["m", "m", "m", "n"]),  # model
+        st.sampled_from([None, None, "task-1", "task-2"]),  # task id
+        st.sampled_from(["ok", "ok", "upstream_error", "client_disconnect"]),
+        st.integers(0, 5000),  # prompt tokens
+        st.integers(0, 500),  # completion tokens
+        st.sampled_from([None, True, False]),  # final
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(records=_records)
+def test_one_tenant_and_model_figures_shared_as_three(records: list[tuple]) -> None:  # type: ignore[type-arg]
+    """While one tenant and one model came, the total's figures serve as theirs; after
+    another comes, every summary and closed task is the unshared ledger's, to the bit."""
+    ledger, reference = CostLedger(max_open_tasks=3), _Unshared(max_open_tasks=3)
+    for i, (tenant, model, task, outcome, prompt, completion, final) in enumerate(records):
+        rec = _Record(f"r{i}", outcome, 10.0 + i)
+        rec.tenant, rec.model, rec.task_id, rec.final = tenant, model, task, final
+        rec.prompt_tokens, rec.completion_tokens = prompt, completion
+        assert ledger.record(rec) == reference.record(rec)
+        assert ledger.summary() == reference.summary()
+    assert ledger.close_all() == reference.close_all()
+    assert ledger.summary() == reference.summary()
+    summary = ledger.summary()
+    assert sum(f.requests for f in summary.by_tenant.values()) == summary.total.requests
+
+
+@pytest.mark.parametrize("reading", [REPORTED, MEASURED, ESTIMATED, NO_WORK])
+@pytest.mark.parametrize("engine_seconds", [None, 2.5])
+def test_one_attempt_settled_as_the_loop(reading: str, engine_seconds: float | None) -> None:
+    """RequestTrace.settled's one-attempt path leaves what its loop over attempts left."""
+    from filters.request import parse_inference_request
+    from meshd.observe import RequestObserver
+
+    observer = RequestObserver(DataPlaneMetrics())
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    inference = parse_inference_request("chat", body)
+    req = observer.begin("chat", "default", inference, None, "r", 0.0)
+    a = req.attempt("http://e:1", "H100", 0.0)
+    a.end("ok", 200, 0, 10, 5, 1.0, gpu_seconds=engine_seconds)
+    cost = AttemptCost(3, 0.25, reading, 1.0, 0.1)  # an int's seconds: made a float
+    req.outcome = "ok"
+    req.settled([cost], [], None, 1.0)
+    # The loop's answer, written out: sums from 0.0, the least certain reading named.
+    want_source = next((r for r in (ESTIMATED, MEASURED) if r in {reading}), REPORTED)
+    assert (req.gpu_seconds, req.cost_usd, req.gpu_seconds_source) == (3.0, 0.25, want_source)
+    assert type(req.gpu_seconds) is float
+    if reading == MEASURED and engine_seconds is None:
+        assert (a.gpu_seconds, a.gpu_seconds_source) == (3, MEASURED)
+    else:
+        assert a.gpu_seconds == engine_seconds
