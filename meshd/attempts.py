@@ -92,7 +92,7 @@ class Attempts:
             if (refused := self._before_trying(ctx, routes, now, whole=True)) is not None:
                 return refused
         tries = _Tries(routes)
-        while tries.made < plane.config.upstream.max_attempts:
+        while tries.made < plane.settings.max_attempts:
             route = await self._next_route(ctx, tries)
             if route is _NEXT:
                 continue  # requeued until a slot freed: ask again
@@ -185,8 +185,7 @@ class Attempts:
         a new task's request (not a step of one under way, whose earlier steps would be
         lost) whose best route's predicted end is after its deadline; None: try it."""
         pick = ctx.pick
-        cfg = self.plane.config.reliability.admission
-        if pick is None or not (cfg.enabled and cfg.refuse_predicted_late):
+        if pick is None or not self.plane.settings.refuse_predicted_late:
             return None
         router = self.plane.routers[ctx.pool]
         now = time.monotonic()
@@ -225,7 +224,7 @@ class Attempts:
         """One attempt on `route`: the relayed answer, a refusal, _NEXT or _STOP."""
         plane = self.plane
         assert plane.upstream is not None
-        up_cfg = plane.config.upstream
+        settings = plane.settings
         url = route.url
         loop = asyncio.get_running_loop()
         leg: PrefillLeg | None = None
@@ -245,7 +244,7 @@ class Attempts:
             left = min(ctx.deadline, ctx.head_by) - loop.time()
             try:
                 with self.deadlines.timeout(
-                    loop.time() + min(up_cfg.first_byte_timeout_s, left), armed=paired
+                    loop.time() + min(settings.first_byte_timeout_s, left), armed=paired
                 ) as timer:
                     if leg is not None and self.pd is not None:
                         upstream = await self.pd.send_pair(ctx, leg, attempt, url)
@@ -292,7 +291,7 @@ class Attempts:
             except TimeoutError:
                 attempt.local_failure = True
                 self.settle(attempt, "timeout")
-                per_try = up_cfg.first_byte_timeout_s <= left
+                per_try = settings.first_byte_timeout_s <= left
                 if per_try:
                     # The engine took the request and never answered (hung, stopped): like
                     # Envoy's per-try timeout, another endpoint may serve it, within the
@@ -304,12 +303,12 @@ class Attempts:
                         await asyncio.sleep(delay)
                         return _NEXT
                 if per_try:
-                    limit = f"upstream.first_byte_timeout_s ({up_cfg.first_byte_timeout_s:g} s)"
+                    limit = f"upstream.first_byte_timeout_s ({settings.first_byte_timeout_s:g} s)"
                 elif ctx.head_by < ctx.deadline:
                     limit = "the client's deadline (x-meshd-deadline-ms)"
                 else:
                     limit = (
-                        f"the rest of upstream.request_timeout_s ({up_cfg.request_timeout_s:g} s)"
+                        f"the rest of upstream.request_timeout_s ({settings.request_timeout_s:g} s)"
                     )
                 return self.acct.refuse(
                     ctx, 504, f"{url} sent no response headers within {limit}", "upstream_timeout"

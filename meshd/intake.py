@@ -82,7 +82,7 @@ class Intake:
         intercepted = self._intercepted_pool(req)  # asked once: loop detection and pool
         if intercepted is not None and (rejected := self._loop_detected(req)) is not None:
             return rejected
-        limit = plane.config.limits.max_concurrent_streams
+        limit = plane.settings.max_concurrent_streams
         if self.active >= limit:
             return acct.reject(
                 503,
@@ -187,9 +187,9 @@ class Intake:
     def _hash_prompt(self, ctx: RequestContext) -> None:
         """The prompt's block hashes, for the prefix-aware policies only: the engine's own
         (what its KV events name) where the precise path knows the model, else ours."""
-        routing_cfg = self.plane.config.routing
+        settings = self.plane.settings
         inference = ctx.inference
-        if routing_cfg.policy not in ("meshd", "cache-aware") or inference is None:
+        if settings.routing_policy not in ("meshd", "cache-aware") or inference is None:
             return
         precise = self.precise.get(ctx.pool)
         engine_hashes = (
@@ -204,8 +204,8 @@ class Intake:
             ctx.block_hashes = block_hashes(
                 inference.prompt_text,
                 inference.model,
-                routing_cfg.cache_salt,
-                routing_cfg.block_size_bytes,
+                settings.cache_salt,
+                settings.block_size_bytes,
             )
 
     async def _forward(
@@ -232,7 +232,7 @@ class Intake:
             final=None if rh is None else rh.final,
         )
         ctx.body = body
-        ctx.deadline = ctx.started + plane.config.upstream.request_timeout_s
+        ctx.deadline = ctx.started + plane.settings.request_timeout_s
         if rh is not None and rh.deadline_ms is not None:
             ctx.head_by = ctx.started + rh.deadline_ms / 1000.0
         cache = plane.cache
@@ -264,7 +264,7 @@ class Intake:
             cpt, tpb = pick_inputs(
                 self.chars_per_token,
                 ctx.inference.model,
-                plane.config.routing.block_size_bytes,
+                plane.settings.block_size_bytes,
                 ctx.tokens_per_block,
             )
             ctx.pick = PickRequest.build(

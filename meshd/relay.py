@@ -325,11 +325,11 @@ class _Stream:
         inference = ctx.inference
         scan = ctx.kind in ("completion", "chat") and upstream.header("content-encoding") is None
         self.scanner: Any = SSEScanner() if scan else None  # the hot path's (Cython or Python)
-        fo = relay.plane.config.reliability.failover
-        self.max_resumes = fo.max_resumes
+        settings = relay.plane.settings
+        self.max_resumes = settings.max_resumes
         resumable = (
-            fo.enabled
-            and fo.max_resumes > 0
+            settings.failover_enabled
+            and settings.max_resumes > 0
             and self.scanner is not None
             and inference is not None
             and inference.n == 1
@@ -344,7 +344,7 @@ class _Stream:
             else None
         )
         self.capture_bytes = 0
-        self.capture_limit = relay.plane.config.response_cache.max_entry_bytes
+        self.capture_limit = settings.cache_max_entry_bytes
         self.capture_lost = ""  # why the capture was given up
         self.sent_bytes = 0
         self.held = b""
