@@ -16,31 +16,20 @@ ns. What goes is the Python frame, the epoch checks' comparisons of a str with "
 call. tests/test_endpoint_state_report.py checks that the two leave every field the same.
 """
 
-import types
-
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
+
+from filters._slots cimport slot as _slot, slot_offset as _slot_offset, store as _store
 
 __all__ = ["bind", "report"]
 
 
 cdef extern from "Python.h":
-    ctypedef struct PyMemberDef:
-        const char *name
-        int type
-        Py_ssize_t offset
-        int flags
-    ctypedef struct PyMemberDescrObject:
-        PyMemberDef *d_member
     bint PyLong_CheckExact(PyObject *o)
     bint PyUnicode_CheckExact(PyObject *o)
     Py_ssize_t PyUnicode_GET_LENGTH(PyObject *o)
     int _PyLong_Sign(PyObject *o)
     PyObject *Py_None
-
-cdef extern from "structmember.h":
-    int T_OBJECT_EX
-    int READONLY
 
 
 # EndpointState's slots this touches, and ReportedState's epoch.
@@ -62,22 +51,6 @@ cdef object _reference = None
 cdef object _UNSET = ("", 0)
 
 
-cdef Py_ssize_t _slot_offset(type cls, str name) except -2:
-    """The byte offset of `name`'s slot in instances of exactly `cls`, or -1 when it is
-    not a plain writable object slot."""
-    d = None
-    for k in cls.__mro__:
-        if name in k.__dict__:
-            d = k.__dict__[name]
-            break
-    if type(d) is not types.MemberDescriptorType:
-        return -1
-    cdef PyMemberDef *m = (<PyMemberDescrObject *>d).d_member
-    if m.type != T_OBJECT_EX or (m.flags & READONLY):
-        return -1
-    return m.offset
-
-
 def bind(endpoint_type, reported_type, reference):
     """Give the module EndpointState, ReportedState and the reference `report`; returns
     whether `report` lands reports through the slots (else it is the reference's
@@ -91,27 +64,15 @@ def bind(endpoint_type, reported_type, reference):
     if endpoint_type.__setattr__ is not object.__setattr__:
         return False
     for i, name in enumerate(_SLOT_NAMES):
-        _off[i] = _slot_offset(endpoint_type, name)
+        _off[i] = _slot_offset(endpoint_type, name, True)
         if _off[i] < 0:
             return False
     # ReportedState is frozen (its __setattr__ raises): its slot is only read here.
-    _off_epoch = _slot_offset(reported_type, "epoch")
+    _off_epoch = _slot_offset(reported_type, "epoch", True)
     if _off_epoch < 0:
         return False
     _ep_type, _rs_type = endpoint_type, reported_type
     return True
-
-
-cdef inline PyObject *_slot(object o, Py_ssize_t off) noexcept:
-    return (<PyObject **>((<char *><PyObject *>o) + off))[0]
-
-
-cdef inline void _store(object o, Py_ssize_t off, object value) noexcept:
-    cdef PyObject **slot = <PyObject **>((<char *><PyObject *>o) + off)
-    cdef PyObject *old = slot[0]
-    Py_INCREF(value)
-    slot[0] = <PyObject *>value
-    Py_XDECREF(old)
 
 
 cdef inline int _unset(PyObject *epoch) except -1:

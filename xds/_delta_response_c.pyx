@@ -40,8 +40,6 @@ and this one alternated, 5 runs each: reading 3.30/3.81/4.44/4.67/3.74 -> 3.14/3
 9,439 -> 8,434 an update (the batches cost ~200 of the ~1,200 the rest saves).
 """
 
-import types
-
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_GetItem
 from cpython.object cimport PyObject
@@ -49,6 +47,8 @@ from cpython.ref cimport Py_INCREF, Py_XDECREF
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport uint64_t
 from libc.string cimport memcmp, memcpy
+
+from filters._slots cimport slot_offset as _slot_offset, store as _store
 
 from xds._engine_report_c cimport decode_span as _report_span
 from xds._engine_report_c cimport warm_report as _warm_report
@@ -59,13 +59,6 @@ __all__ = ["bind", "read_response"]
 
 
 cdef extern from "Python.h":
-    ctypedef struct PyMemberDef:
-        const char *name
-        int type
-        Py_ssize_t offset
-        int flags
-    ctypedef struct PyMemberDescrObject:
-        PyMemberDef *d_member
     object PyType_GenericAlloc(type t, Py_ssize_t nitems)
     void PyObject_GC_UnTrack(void *op)
     int PyObject_GC_IsTracked(object op)
@@ -78,10 +71,6 @@ cdef extern from *:
 
 cdef enum:
     BATCH = 32  # resources read before they are decoded (their held objects: ~32 KB)
-
-cdef extern from "structmember.h":
-    int T_OBJECT_EX
-    int READONLY
 
 
 # -- reading the wire format ----------------------------------------------------------------
@@ -332,16 +321,6 @@ cdef Py_ssize_t _entry_off[4]
 cdef bint _slots_bound = False
 
 
-cdef Py_ssize_t _slot_offset(type cls, str name) except -2:
-    d = cls.__dict__.get(name)
-    if type(d) is not types.MemberDescriptorType:
-        return -1
-    cdef PyMemberDef *m = (<PyMemberDescrObject *>d).d_member
-    if m.type != T_OBJECT_EX or (m.flags & READONLY):
-        return -1
-    return m.offset
-
-
 def bind(entry, delta_response, reference):
     """Give the module its classes (xds.delta_response.Entry, DeltaResponse) and the
     reference it falls back to; returns whether it builds Entries through their slots
@@ -361,18 +340,11 @@ def bind(entry, delta_response, reference):
     ):
         return False
     for i, name in enumerate(names):
-        _entry_off[i] = _slot_offset(entry, name)
+        _entry_off[i] = _slot_offset(entry, name, True)
         if _entry_off[i] < 0:
             return False
     _slots_bound = True
     return True
-
-
-cdef inline void _store(object o, Py_ssize_t off, object value):
-    cdef PyObject **slot = <PyObject **>((<char *><PyObject *>o) + off)
-    Py_INCREF(value)
-    Py_XDECREF(slot[0])
-    slot[0] = <PyObject *>value
 
 
 cdef object _new_entry(object name, object version, object value, object now):

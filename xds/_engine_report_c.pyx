@@ -38,8 +38,6 @@ at a time, and the key encode() writes next is matched whole (header and name) w
 libc call: with the reader's own changes, 9,439 -> 8,434 instructions an update read.
 """
 
-import types
-
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_Next
 from cpython.float cimport PyFloat_FromDouble
@@ -50,19 +48,14 @@ from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport uint64_t
 from libc.string cimport memcmp, memcpy, strlen
 
+from filters._slots cimport slot as _slot, slot_offset as _slot_offset, store as _store
+
 from xds.resources import MAX_RESOURCE_BYTES, SCHEMA_VERSION
 
 __all__ = ["bind", "decode_engine_report"]
 
 
 cdef extern from "Python.h":
-    ctypedef struct PyMemberDef:
-        const char *name
-        int type
-        Py_ssize_t offset
-        int flags
-    ctypedef struct PyMemberDescrObject:
-        PyMemberDef *d_member
     object PyType_GenericAlloc(type t, Py_ssize_t nitems)
     void PyObject_GC_UnTrack(void *op)
     bint PyLong_CheckExact(PyObject *o)
@@ -83,10 +76,6 @@ cdef extern from "Python.h":
 
 cdef extern from *:
     void _prefetch "__builtin_prefetch"(const void *p) noexcept
-
-cdef extern from "structmember.h":
-    int T_OBJECT_EX
-    int READONLY
 
 
 # The fields of the body, in EndpointState.encode()'s order.
@@ -588,16 +577,6 @@ cdef type _ReportedState = None
 cdef object _reference = None
 
 
-cdef Py_ssize_t _slot_offset(type cls, str name) except -2:
-    d = cls.__dict__.get(name)
-    if type(d) is not types.MemberDescriptorType:
-        return -1
-    cdef PyMemberDef *m = (<PyMemberDescrObject *>d).d_member
-    if m.type != T_OBJECT_EX or (m.flags & READONLY):
-        return -1
-    return m.offset
-
-
 cdef bint _plain(type cls, tuple names):
     import dataclasses
 
@@ -620,22 +599,15 @@ def bind(engine_report, reported_state, reference):
     if not (_plain(reported_state, _REPORTED_FIELDS) and _plain(engine_report, ("address", "state"))):
         return False
     for i, name in enumerate(_REPORTED_FIELDS):
-        _rs_off[i] = _slot_offset(reported_state, name)
+        _rs_off[i] = _slot_offset(reported_state, name, True)
         if _rs_off[i] < 0:
             return False
     for i, name in enumerate(("address", "state")):
-        _er_off[i] = _slot_offset(engine_report, name)
+        _er_off[i] = _slot_offset(engine_report, name, True)
         if _er_off[i] < 0:
             return False
     _slots_bound = True
     return True
-
-
-cdef inline void _store(object o, Py_ssize_t off, object value):
-    cdef PyObject **slot = <PyObject **>((<char *><PyObject *>o) + off)
-    Py_INCREF(value)
-    Py_XDECREF(slot[0])
-    slot[0] = <PyObject *>value
 
 
 cdef inline object _count(Value *v):
@@ -650,10 +622,6 @@ cdef inline object _count(Value *v):
 # only equal values are taken from it), each value equal to the one there is that object
 # again instead of a new one (or a memo lookup: an FNV hash of its bytes), and a report
 # equal in every field is the previous report itself.
-
-
-cdef inline PyObject *_slot(object o, Py_ssize_t off) noexcept:
-    return (<PyObject **>((<char *><PyObject *>o) + off))[0]
 
 
 cdef inline bint _same_text(PyObject *o, const unsigned char *p, Py_ssize_t n) noexcept:

@@ -19,21 +19,14 @@ marginal instructions an update (callgrind, land_reports toggled) 4,448 -> 2,679
 tests/test_control_feed_land.py and tests/test_pool_router_report_c.py check they agree.
 """
 
-import types
-
 from cpython.object cimport PyObject
+
+from filters._slots cimport slot as _slot, slot_offset as _slot_offset
 
 __all__ = ["bind", "bind_picker", "common_path_count", "land_reports", "picker_report"]
 
 
 cdef extern from "Python.h":
-    ctypedef struct PyMemberDef:
-        const char *name
-        int type
-        Py_ssize_t offset
-        int flags
-    ctypedef struct PyMemberDescrObject:
-        PyMemberDef *d_member
     PyObject *PyDict_GetItemWithError(object d, object key) except? NULL
     bint PyLong_CheckExact(PyObject *o)
     bint PyUnicode_CheckExact(PyObject *o)
@@ -46,9 +39,6 @@ cdef extern from "Python.h":
     PyObject *PyMethod_GET_SELF(PyObject *o)
     long long PyLong_AsLongLongAndOverflow(PyObject *o, int *overflow) except? -1
     PyObject *Py_None
-
-cdef extern from "structmember.h":
-    int T_OBJECT_EX
 
 
 cdef type _entry_type = None
@@ -66,22 +56,6 @@ cdef Py_ssize_t _off_block = -1, _off_blocks = -1
 cdef Py_ssize_t _common = 0  # reports landed through the common path (common_path_count)
 
 
-cdef Py_ssize_t _slot_offset(type cls, str name) except -2:
-    """The byte offset of `name`'s slot in instances of exactly `cls` (read here, never
-    written), or -1 when it is not a plain object slot."""
-    d = None
-    for k in cls.__mro__:
-        if name in k.__dict__:
-            d = k.__dict__[name]
-            break
-    if type(d) is not types.MemberDescriptorType:
-        return -1
-    cdef PyMemberDef *m = (<PyMemberDescrObject *>d).d_member
-    if m.type != T_OBJECT_EX:
-        return -1
-    return m.offset
-
-
 def bind(entry_type, report_type, state_type):
     """Give the module Entry, EngineReport and ReportedState: their slots are read
     directly (else through getattr). EngineReport is the type of report it lands (an
@@ -93,10 +67,10 @@ def bind(entry_type, report_type, state_type):
     for cls in (entry_type, report_type, state_type):
         if cls.__getattribute__ is not object.__getattribute__:
             return False
-    _off_value = _slot_offset(entry_type, "value")
-    _off_address = _slot_offset(report_type, "address")
-    _off_state = _slot_offset(report_type, "state")
-    _off_epoch = _slot_offset(state_type, "epoch")
+    _off_value = _slot_offset(entry_type, "value", False)
+    _off_address = _slot_offset(report_type, "address", False)
+    _off_state = _slot_offset(report_type, "state", False)
+    _off_epoch = _slot_offset(state_type, "epoch", False)
     if min(_off_value, _off_address, _off_state, _off_epoch) < 0:
         return False
     _entry_type, _state_type = entry_type, state_type
@@ -116,11 +90,11 @@ def bind_picker(picker_type, report_function, endpoint_type):
     for cls in (picker_type, endpoint_type):
         if cls.__getattribute__ is not object.__getattribute__:
             return False
-    _off_reported = _slot_offset(endpoint_type, "reported")
-    _off_reported_at = _slot_offset(endpoint_type, "reported_at")
-    _off_ttl = _slot_offset(endpoint_type, "report_ttl_s")
-    _off_block = _slot_offset(_state_type, "kv_block_size")
-    _off_blocks = _slot_offset(_state_type, "kv_capacity_blocks")
+    _off_reported = _slot_offset(endpoint_type, "reported", False)
+    _off_reported_at = _slot_offset(endpoint_type, "reported_at", False)
+    _off_ttl = _slot_offset(endpoint_type, "report_ttl_s", False)
+    _off_block = _slot_offset(_state_type, "kv_block_size", False)
+    _off_blocks = _slot_offset(_state_type, "kv_capacity_blocks", False)
     if min(_off_reported, _off_reported_at, _off_ttl, _off_block, _off_blocks) < 0:
         return False
     _picker_report, _ep_type = report_function, endpoint_type
@@ -185,7 +159,7 @@ cdef int _picker_common(object router, object url, object state, object now, obj
             return 0
     elif held_ttl == <PyObject *>ttl_s and PyLong_CheckExact(held_ttl):
         small = PyLong_AsLongLongAndOverflow(held_ttl, &overflow)
-        if overflow or small > 9007199254740992 or small < -9007199254740992:
+        if overflow or small > 9007199254740992LL or small < -9007199254740992LL:
             return 0
         ttl = <double>small
     else:
@@ -220,10 +194,6 @@ def picker_report(tell, url, state, now, ttl_s):
     ):
         return True
     return tell(url, state, now, ttl_s=ttl_s)
-
-
-cdef inline PyObject *_slot(object o, Py_ssize_t off) noexcept:
-    return (<PyObject **>((<char *><PyObject *>o) + off))[0]
 
 
 cdef inline object _value(object entry):
