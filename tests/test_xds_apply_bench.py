@@ -34,7 +34,9 @@ def test_both_paths_report_the_same_states() -> None:
 def test_a_tiny_run_measures_the_sidecar(tmp_path: Path) -> None:
     out = tmp_path / "apply.json"
     args = ["--engines", "20", "--updates", "200", "--per-response", "1,10", "--rounds", "1"]
-    args += ["--rate", "200", "--duration", "1", "--batch", "5", "--json", str(out)]
+    # Enough updates that the sidecar's CPU spans several clock ticks (/proc counts 10 ms
+    # ticks: at 200 updates in 1 s it read 0 once, on a machine busy with other work).
+    args += ["--rate", "600", "--duration", "1.5", "--batch", "5", "--json", str(out)]
     # The control plane pacing its pushes (push_interval_s): the sidecar still follows.
     args += ["--transports", "frames,grpc", "--push-interval-ms", "20"]
     assert main(args) == 0
@@ -50,7 +52,7 @@ def test_a_tiny_run_measures_the_sidecar(tmp_path: Path) -> None:
     p = r["process"]
     assert p == runs["frames"][0] and p["engines_followed"] == 20
     assert p["push_interval_ms"] == 20
-    assert 100 <= p["applied_per_s"] <= 300 and p["sidecar_cpu_share"] > 0
+    assert 300 <= p["applied_per_s"] <= 900 and p["sidecar_cpu_share"] > 0
     # The sidecar's own account of applying them: part of what its process spent.
     assert 0 < p["sidecar_apply_us_per_update"] < p["sidecar_us_per_update"]
     assert 0 < p["sidecar_read_us_per_update"] < p["sidecar_apply_us_per_update"]
