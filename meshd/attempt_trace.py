@@ -5,6 +5,8 @@ span under it), its figures (tokens, cached tokens, GPU-seconds) and its access-
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
@@ -28,7 +30,9 @@ class AttemptTrace:
     reads, so the ledger prices it without a copy."""
 
     __slots__ = (
+        "_observer",
         "_request",
+        "_request_started",
         "_stream_span",
         "cached_tokens",
         "completion_tokens",
@@ -60,7 +64,15 @@ class AttemptTrace:
         reason: str,
         predicted_cached_tokens: int | None,
     ) -> None:
-        self._request = request
+        # The request weakly: it holds its attempts (_attempts), and a strong reference back
+        # made each request a cycle that only the cyclic collector freed (with the routes,
+        # the descriptor and the rest it holds): a young collection every ~50 requests,
+        # ~2.5% of a request's instructions (issue #22). What an attempt reads of its
+        # request (the observer, the start) it keeps; the TTFT and the client's trace
+        # context it finds there while the request lives (as long as anyone can ask).
+        self._request: Callable[[], RequestTrace | None] = weakref.ref(request)
+        self._observer = request.observer
+        self._request_started = request.started
         self.index = index
         self.endpoint = url
         self.gpu = gpu
@@ -97,11 +109,11 @@ class AttemptTrace:
     @property
     def first_token_ts(self) -> float | None:
         at = self.first_token_at
-        return None if at is None else self._request.observer.wall(at)
+        return None if at is None else self._observer.wall(at)
 
     @property
     def ended_ts(self) -> float | None:
-        return self._request.observer.wall(self.ended_at) if self.ended else None
+        return self._observer.wall(self.ended_at) if self.ended else None
 
     def traceparent(self) -> str | None:
         """The `traceparent` naming this attempt as the engine's parent (None: tracing off)."""
@@ -112,7 +124,8 @@ class AttemptTrace:
         is off: the client's own trace context passes through)."""
         if self.span is None:
             return headers
-        routing = self._request.routing
+        request = self._request()
+        routing = request.routing if request is not None else None
         return t.inject_trace_headers(headers, self.span, routing.trace if routing else None)
 
     def response(self, status: int, now: float) -> None:
@@ -127,8 +140,8 @@ class AttemptTrace:
         if self.first_token_at is not None:
             return
         self.first_token_at = now
-        req = self._request
-        if req.ttft_s is None:
+        req = self._request()
+        if req is not None and req.ttft_s is None:
             req.ttft_s = now - req.started
             req._ttft_attempt = self
         if self.span is not None and self.span.is_recording():
@@ -137,8 +150,8 @@ class AttemptTrace:
             assert self._stream_span is not None
             self._stream_span.add_event(
                 t.EVENT_FIRST_TOKEN,
-                {t.ATTR_TTFT_S: now - req.started},
-                timestamp=req.observer.wall_ns(now),
+                {t.ATTR_TTFT_S: now - self._request_started},
+                timestamp=self._observer.wall_ns(now),
             )
 
     def end(
@@ -173,7 +186,7 @@ class AttemptTrace:
         if span is None:
             return
         if span.is_recording():
-            end_ns = self._request.observer.wall_ns(now)
+            end_ns = self._observer.wall_ns(now)
             attrs = t.genai_response_attributes(
                 input_tokens=prompt_tokens,
                 output_tokens=completion_tokens,
@@ -198,15 +211,15 @@ class AttemptTrace:
 
     def _start_stream(self, now: float) -> None:
         assert self.span is not None
-        assert self._request.observer._tracer is not None
-        self._stream_span = self._request.observer._tracer.start_span(
+        assert self._observer._tracer is not None
+        self._stream_span = self._observer._tracer.start_span(
             t.SPAN_STREAM,
             context=trace.set_span_in_context(self.span),
-            start_time=self._request.observer.wall_ns(now),
+            start_time=self._observer.wall_ns(now),
         )
 
     def to_record(self) -> AttemptRecord:
-        started = self._request.started
+        started = self._request_started
         return AttemptRecord(
             endpoint=self.endpoint,
             outcome=self.outcome,

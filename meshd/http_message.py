@@ -236,14 +236,15 @@ class ResponseStream:
     (one `transport.write` per chunk); `end` closes the body. Writes raise
     ConnectionResetError once the client has gone."""
 
-    __slots__ = ("_chunked", "_conn", "_head", "_request", "drain_tail", "ended", "head_only")
+    # No reference back to its HttpRequest (which holds it): the pair would be a cycle that
+    # only the cyclic collector frees, a young collection every ~50 requests (issue #22).
+    __slots__ = ("_chunked", "_conn", "_head", "drain_tail", "ended", "head_only")
 
     def __init__(
         self, request: HttpRequest, status: int, headers: list[tuple[str, str]], hold: bool
     ) -> None:
         conn = request._conn
         self._conn = conn
-        self._request = request
         self._chunked = request.version == "1.1"
         if not self._chunked:
             request.keep_alive = False  # HTTP/1.0: the body ends with the connection

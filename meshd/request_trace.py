@@ -50,6 +50,7 @@ class RequestTrace:
     what filters/cost_ledger.py RecordLike reads, so the live ledger takes it as it is."""
 
     __slots__ = (
+        "__weakref__",  # its attempts refer to it weakly (meshd/attempt_trace.py)
         "_attempts",
         "_context",
         "_predicted",
