@@ -68,7 +68,10 @@ _TTFT_BINS = 80
 def _ttft_bin(ttft_s: float) -> int:
     if ttft_s <= _TTFT_MIN_S:
         return 0
-    return min(_TTFT_BINS - 1, 1 + int(math.log(ttft_s / _TTFT_MIN_S, _TTFT_BIN_RATIO)))
+    # Conditionals, not min()/max(), here and in `finished`: the same values, without a
+    # builtin call (~750 instructions each) per request (issue #22).
+    b = 1 + int(math.log(ttft_s / _TTFT_MIN_S, _TTFT_BIN_RATIO))
+    return b if b < _TTFT_BINS - 1 else _TTFT_BINS - 1
 
 
 def _bin_upper(b: int) -> float:
@@ -235,8 +238,8 @@ class DemandMeter:
         """A request the pool served ended: its uncached prompt tokens (what the engine had
         to prefill), its completion tokens, and the TTFT the picker predicted for it."""
         b = self._bucket(now)
-        b.prefill += max(0.0, prefill_tokens)
-        b.decode += max(0.0, decode_tokens)
+        b.prefill += prefill_tokens if prefill_tokens > 0.0 else 0.0
+        b.decode += decode_tokens if decode_tokens > 0.0 else 0.0
         b.requests += 1
         if predicted_ttft_s is not None and predicted_ttft_s >= 0:
             k = _ttft_bin(predicted_ttft_s)

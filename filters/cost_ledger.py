@@ -665,7 +665,8 @@ class CostLedger:
             self._now = ts
         if ts < self._first_start:
             self._first_start = ts
-        end = ts + max(0.0, record.e2e_s or 0.0)
+        e2e = record.e2e_s or 0.0
+        end = ts + (e2e if e2e > 0.0 else 0.0)  # max(0.0, e2e) without the builtin call
         if end > self._last_end:
             self._last_end = end
         attempts = record.attempts  # (a live record's property builds a tuple each read)
@@ -841,7 +842,8 @@ class CostLedger:
         busy = self.busy
         if busy is None:
             return None
-        end = record.ts + max(0.0, record.e2e_s or 0.0)
+        e2e = record.e2e_s or 0.0
+        end = record.ts + (e2e if e2e > 0.0 else 0.0)  # max(0.0, e2e) without the call
         attempts = record.attempts
         if not attempts:
             c = costs[0]

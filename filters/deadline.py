@@ -102,7 +102,7 @@ class EndPredictor:
         asked = self._asked.pop(rid, None)
         if not ok or asked is None or asked <= 0 or completion_tokens is None:
             return
-        x = max(0, completion_tokens) / asked
+        x = (completion_tokens if completion_tokens > 0 else 0) / asked  # max(0, ...)
         self.fill += self.config.alpha * (x - self.fill)
         self.samples += 1
 

@@ -156,7 +156,7 @@ def admission_item(
             req.priority,
             req.deadline_s,
             0.0,  # predicted_ttft_s
-            float(max(1, tokens)),  # cost
+            float(tokens if tokens > 1 else 1),  # cost: max(1, tokens) without the call
             req.context_key,
             started,
         ),

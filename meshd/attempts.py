@@ -241,10 +241,13 @@ class Attempts:
         paired = leg is not None and self.pd is not None
         attempt = self.start(ctx, route, tries.reason, overlap=leg is not None, count=paired)
         try:
-            left = min(ctx.deadline, ctx.head_by) - loop.time()
+            # (min() of two without the builtin call: ~750 instructions each)
+            by = ctx.head_by if ctx.head_by < ctx.deadline else ctx.deadline
+            left = by - loop.time()
+            first_byte_s = settings.first_byte_timeout_s
             try:
                 with self.deadlines.timeout(
-                    loop.time() + min(settings.first_byte_timeout_s, left), armed=paired
+                    loop.time() + (left if left < first_byte_s else first_byte_s), armed=paired
                 ) as timer:
                     if leg is not None and self.pd is not None:
                         upstream = await self.pd.send_pair(ctx, leg, attempt, url)

@@ -345,7 +345,8 @@ class RequestTrace:
         obs = self.observer
         self.outcome = outcome = outcome or "unknown"
         self.status = status
-        self.e2e_s = max(0.0, now - self.started)
+        e2e = now - self.started
+        self.e2e_s = e2e if e2e > 0.0 else 0.0  # max(0.0, e2e) without the builtin call
         attempts = self._attempts
         if attempts:
             last = attempts[-1]

@@ -151,7 +151,9 @@ class UpstreamConnection(asyncio.Protocol):
     def _parse_heads(self, data: bytes) -> None:
         limit = self.pool.max_head_bytes
         buf = self._head + data if self._head else data
-        start = max(len(self._head) - 3, 0)
+        start = len(self._head) - 3
+        if start < 0:  # max(..., 0) without the builtin call
+            start = 0
         while True:
             end = buf.find(b"\r\n\r\n", start)
             if end < 0 or end + 4 > limit:
