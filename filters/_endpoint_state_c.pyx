@@ -87,6 +87,13 @@ cdef inline int _unset(PyObject *epoch) except -1:
 def report(self, state, now):
     """EndpointState.report(state, now): what the reference does, for an exact
     EndpointState given an exact ReportedState (anything else goes to the reference)."""
+    return report_c(self, state, now)
+
+
+cdef object report_c(object self, object state, object now):
+    """`report` for C callers (filters/_endpoint_state_c.pxd): xds/_feed_c.pyx lands a
+    report with no method lookup or call of `report` where EndpointState's `report` is
+    this module's."""
     cdef PyObject *before
     cdef PyObject *was
     cdef PyObject *epoch

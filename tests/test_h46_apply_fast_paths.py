@@ -156,3 +156,46 @@ def test_every_compiled_twin_binds_through_the_shared_slot_helper() -> None:
         )
     assert _delta_response_c.bind(Entry, DeltaResponse, reference_read)
     same(STATE.encode(), decode_engine_report(STATE.encode()))
+
+
+@compiled
+def test_the_common_path_lands_through_the_class_report_when_it_is_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PickerRouter.report's common path calls the compiled EndpointState.report in C
+    while the class has it, and whatever the class has otherwise (here a wrapper)."""
+    from filters.pool_router import EndpointSpec, PickerRouter
+    from xds import _feed_c  # type: ignore[attr-defined]
+
+    if not control_feed.PICKER_COMMON_IN_C:
+        pytest.skip(control_feed.LAND_IMPLEMENTATION)
+    url = "http://a:1"
+    router = PickerRouter([EndpointSpec(url, gpu="H100", kv_capacity_tokens=1000)])
+
+    def state(running: int) -> ReportedState:
+        return ReportedState(
+            epoch="e", requests_running=running, kv_block_size=16, kv_capacity_blocks=100
+        )
+
+    assert _feed_c.picker_report(router.report, url, state(0), 1.0, 10.0) is True
+    count = _feed_c.common_path_count()
+    second = state(1)
+    assert _feed_c.picker_report(router.report, url, second, 2.0, 10.0) is True
+    assert router.states[0].reported is second and _feed_c.common_path_count() == count + 1
+    calls: list[float] = []
+    original = EndpointState.report
+
+    def counting(self: EndpointState, reported: ReportedState, now: float) -> None:
+        calls.append(now)
+        original(self, reported, now)
+
+    monkeypatch.setattr(EndpointState, "report", counting)
+    third = state(2)
+    assert _feed_c.picker_report(router.report, url, third, 3.0, 10.0) is True
+    assert calls == [3.0] and router.states[0].reported is third
+    assert _feed_c.common_path_count() == count + 2
+    monkeypatch.undo()
+    fourth = state(3)
+    assert _feed_c.picker_report(router.report, url, fourth, 4.0, 10.0) is True
+    assert calls == [3.0] and router.states[0].reported is fourth
+    assert router.states[0].reported_at == 4.0 and router.states[0].tokens_at_report == 0

@@ -15,13 +15,18 @@ of 200, callgrind) 7,328 -> 3,809 instructions. A router that is exactly a Picke
 (filters/pool_router.py) has its report's common path taken here with no Python frame
 (_picker_common: a known url, a fresh held report, the same TTL and KV sizes -> only the
 endpoint's report; bind_picker), the method the reference for anything else: this loop's
-marginal instructions an update (callgrind, land_reports toggled) 4,448 -> 2,679.
+marginal instructions an update (callgrind, land_reports toggled) 4,448 -> 2,679. There
+EndpointState.report, where it is the compiled one (filters/_endpoint_state_c.pyx) and
+still the class's, is called in C (report_c, through filters/_endpoint_state_c.pxd) with
+no method lookup or call: the whole in-process apply 9,694 -> 9,533 instructions an update.
 tests/test_control_feed_land.py and tests/test_pool_router_report_c.py check they agree.
 """
 
 from cpython.object cimport PyObject
 
 from filters._slots cimport slot as _slot, slot_offset as _slot_offset
+
+from filters._endpoint_state_c cimport report_c as _endpoint_report
 
 __all__ = ["bind", "bind_picker", "common_path_count", "land_reports", "picker_report"]
 
@@ -39,6 +44,7 @@ cdef extern from "Python.h":
     PyObject *PyMethod_GET_SELF(PyObject *o)
     long long PyLong_AsLongLongAndOverflow(PyObject *o, int *overflow) except? -1
     PyObject *Py_None
+    PyObject *_PyType_Lookup(type t, object name)
 
 
 cdef type _entry_type = None
@@ -54,6 +60,10 @@ cdef type _ep_type = None
 cdef Py_ssize_t _off_reported = -1, _off_reported_at = -1, _off_ttl = -1
 cdef Py_ssize_t _off_block = -1, _off_blocks = -1
 cdef Py_ssize_t _common = 0  # reports landed through the common path (common_path_count)
+# filters/_endpoint_state_c.pyx's `report` where it is EndpointState's (bind_picker): then
+# called in C (report_c) while the class still has it, else through the method.
+cdef object _compiled_report = None
+cdef str _REPORT = "report"
 
 
 def bind(entry_type, report_type, state_type):
@@ -82,7 +92,7 @@ def bind_picker(picker_type, report_function, endpoint_type):
     EndpointState (after `bind`): a router's bound `report` that is exactly that function
     on exactly that type has its common path taken here (_picker_common); returns whether
     it is (else every report goes to the method)."""
-    global _picker_type, _picker_report, _ep_type
+    global _picker_type, _picker_report, _ep_type, _compiled_report
     global _off_reported, _off_reported_at, _off_ttl, _off_block, _off_blocks
     _picker_type = None
     if _state_type is None:
@@ -98,6 +108,12 @@ def bind_picker(picker_type, report_function, endpoint_type):
     if min(_off_reported, _off_reported_at, _off_ttl, _off_block, _off_blocks) < 0:
         return False
     _picker_report, _ep_type = report_function, endpoint_type
+    from filters import _endpoint_state_c
+
+    # Its report landed in C only where no instance can have a `report` of its own.
+    _compiled_report = None
+    if endpoint_type.__dictoffset__ == 0:
+        _compiled_report = _endpoint_state_c.report
     _picker_type = picker_type
     return True
 
@@ -171,7 +187,11 @@ cdef int _picker_common(object router, object url, object state, object now, obj
         return 0
     if not _same_size(_slot(<object>before, _off_blocks), _slot(state, _off_blocks)):
         return 0
-    s.report(state, now)
+    # s.report(state, now): the compiled one called in C while it is the class's.
+    if _compiled_report is not None and _PyType_Lookup(_ep_type, _REPORT) == <PyObject *>_compiled_report:
+        _endpoint_report(s, state, now)
+    else:
+        s.report(state, now)
     _common += 1
     return 1
 
