@@ -109,8 +109,11 @@ def _key(ext: Extension) -> str:
         repr((DIRECTIVES, CFLAGS, LDFLAGS)),
     ):
         h.update(part.encode() + b"\0")
-    for src in [ext.pyx, *sorted(ext.pyx.parent.glob("*.pxd"))]:
-        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    # Every package's declarations, not only the module's own folder's: xds/ modules
+    # cimport filters/_slots.pxd and filters/_endpoint_state_c.pxd.
+    pxds = sorted(p for package in PACKAGES for p in (REPO / package).glob("*.pxd"))
+    for src in [ext.pyx, *pxds]:
+        h.update(f"{src.parent.name}/{src.name}".encode() + b"\0" + src.read_bytes())
     return h.hexdigest()
 
 
