@@ -46,6 +46,7 @@ the pool is elastic:
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -1030,3 +1031,24 @@ def _fleet_of(fleet: Mapping[str, FleetSpec]) -> dict[str, tuple[str | None, int
             raise ValueError(f"fleet endpoint {endpoint!r}: GPU count must be >= 1, got {count!r}")
         out[endpoint] = (gpu, count)
     return out
+
+
+# CostLedger's per-record path as written above: the references for the compiled twin
+# (filters/_cost_ledger_c.pyx), which becomes the methods when built, unless
+# MESHD_PURE_PYTHON is set. Every finished request of a sidecar is priced and recorded
+# through them (meshd/observe.py).
+attempt_costs_reference = CostLedger.attempt_costs
+track_reference = CostLedger.track
+record_reference = CostLedger.record
+IMPLEMENTATION = "python (forced by MESHD_PURE_PYTHON)"
+if not os.environ.get("MESHD_PURE_PYTHON"):
+    try:
+        from filters import _cost_ledger_c  # type: ignore[attr-defined]
+    except ImportError:
+        IMPLEMENTATION = "python (compiled extension not built)"
+    else:
+        _cost_ledger_c.bind(globals())
+        CostLedger.attempt_costs = _cost_ledger_c.attempt_costs  # type: ignore[method-assign]
+        CostLedger.track = _cost_ledger_c.track  # type: ignore[method-assign]
+        CostLedger.record = _cost_ledger_c.record  # type: ignore[method-assign]
+        IMPLEMENTATION = "cython"

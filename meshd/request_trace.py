@@ -56,6 +56,7 @@ class RequestTrace:
         "_predicted",
         "_ttft_attempt",
         "affinity_departure",
+        "attempts",
         "avoided_gpu_seconds",
         "avoided_usd",
         "cached_tokens",
@@ -113,6 +114,9 @@ class RequestTrace:
         self.span: Span | None = None
         self._context: Context | None = None
         self._attempts: list[AttemptTrace] = []
+        # Its attempts as RecordLike has them: a tuple kept beside the list (the ledger
+        # reads it three times a request; a property built a tuple each read).
+        self.attempts: tuple[AttemptTrace, ...] = ()
         self._ttft_attempt: AttemptTrace | None = None
         self._predicted: Sequence[RouteLike] | None = None  # the pick's routes
         self.pick_reason: str | None = None
@@ -162,10 +166,6 @@ class RequestTrace:
     @property
     def model(self) -> str | None:
         return self.inference.model if self.inference is not None else None
-
-    @property
-    def attempts(self) -> tuple[AttemptTrace, ...]:
-        return tuple(self._attempts)
 
     @property
     def trace_id(self) -> str | None:
@@ -256,6 +256,7 @@ class RequestTrace:
                     predicted_cached_tokens = int(r.cached_tokens)
         a = AttemptTrace(self, len(self._attempts), url, gpu, now, reason, predicted_cached_tokens)
         self._attempts.append(a)
+        self.attempts = (*self.attempts, a)
         busy = self.observer.ledger.busy
         if busy is not None:  # its engine's busy windows wait for this attempt's work
             busy.started(url, a.started_ts)
