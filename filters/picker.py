@@ -255,7 +255,9 @@ Decision
    session's first step brings follow-ups later, and between steps a session has nothing
    in flight, so load alone sent new sessions where a dozen had just started (8 H100s,
    64 new sessions a second apart, none in flight: 8 an engine with homes, 3 to 16 by the
-   hash alone; tests/test_picker_spread.py). With no block hashes at all, the lowest J
+   hash alone; tests/test_picker_spread.py; over the whole robustness matrix, homes off:
+   TTFT p90 x1.014 and 3 more cells missing it, sessions' makespan x0.970 and wasted
+   x0.947, docs/routing-matrix.md). With no block hashes at all, the lowest J
    ("least-cost"). Fallbacks follow by J: within the bound
    ("fallback"), then over it ("over-load-bound"). Ties: lower J, then endpoint name.
 6. Speculation: the primary is recorded in the PrefixIndex and the task map at pick time
