@@ -90,6 +90,9 @@ OVERFLOW = "other"
 SETTLE_TIMEOUT_S = 120.0
 # Finished requests waiting at once; past it the oldest is priced at once, as on a timeout.
 MAX_UNSETTLED = 100_000
+# (pool, GPU as an attempt named it) pairs whose cost counters are remembered; past it the
+# memory starts over (the series stay: labels() finds them again).
+MAX_GPU_KEYS = 4096
 
 log = logging.getLogger("meshd.sidecar")
 
@@ -194,7 +197,7 @@ class RequestObserver:
         self._duration: dict[tuple[str, str, str, str, str], Any] = {}
         # Adders (counter_adder) of the counters every request adds to.
         self._requests: dict[tuple[str, str, str], Callable[[float], None]] = {}
-        self._by_gpu: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._by_gpu: dict[tuple[str, str | None], tuple[Any, Any]] = {}
         self._waste: dict[tuple[str, str], Any] = {}
         self._task_series: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.spent_usd = 0.0
@@ -433,7 +436,7 @@ class RequestObserver:
                     req.started + req.e2e_s,
                     prefill_tokens=(req.prompt_tokens or 0) - (last.cached_tokens or 0),
                     decode_tokens=req.completion_tokens or 0,
-                    predicted_ttft_s=getattr(req, "predicted_ttft_s", None),
+                    predicted_ttft_s=req.predicted_ttft_s,
                 )
 
     def _record_cost(self, req: RequestTrace, costs: list[AttemptCost]) -> None:
@@ -443,10 +446,15 @@ class RequestObserver:
             if seconds <= 0:
                 continue
             usd = c[1]
-            key = (pool, normalise_gpu_name(a.gpu))
-            pair = self._by_gpu.get(key)
+            # Keyed by the attempt's GPU as given (normalise_gpu_name's answer is the same
+            # for the same name: a call fewer an attempt); the series by the normalised one.
+            raw = (pool, a.gpu)
+            pair = self._by_gpu.get(raw)
             if pair is None:
-                pair = self._by_gpu[key] = (
+                if len(self._by_gpu) >= MAX_GPU_KEYS:
+                    self._by_gpu.clear()
+                key = (pool, normalise_gpu_name(a.gpu))
+                pair = self._by_gpu[raw] = (
                     counter_adder(self.metrics.gpu_busy_seconds.labels(*key)),
                     # A price is not checked to be >= 0: Counter.inc refuses a negative.
                     checked_adder(self.metrics.cost_usd.labels(*key)),
@@ -455,14 +463,23 @@ class RequestObserver:
             pair[1](usd)
         usd = req.cost_usd
         self.spent_usd += usd
+        # _add_waste's own test first (`not <= 0`, so NaN is added as there): a request's
+        # usual waste is none, and the call is skipped.
         if req.outcome == OK_OUTCOME:
             # The answer's own attempts (the last, and a prefill step that served it) are
             # not retries.
-            self._add_waste(pool, "retries", usd - answer_usd(req._attempts, costs))
-        elif req.outcome in ABANDONED_OUTCOMES:
-            self._add_waste(pool, "abandoned_streams", usd)
-        else:
-            self._add_waste(pool, "failed_requests", usd)
+            attempts = req._attempts
+            if len(costs) == 1 and len(attempts) <= 1:  # answer_usd's first case
+                waste = usd - (costs[0].usd + 0)
+            else:
+                waste = usd - answer_usd(attempts, costs)
+            if not waste <= 0:
+                self._add_waste(pool, "retries", waste)
+        elif not usd <= 0:
+            if req.outcome in ABANDONED_OUTCOMES:
+                self._add_waste(pool, "abandoned_streams", usd)
+            else:
+                self._add_waste(pool, "failed_requests", usd)
 
     def _add_waste(self, pool: str, kind: str, usd: float) -> None:
         if usd <= 0:
