@@ -20,27 +20,14 @@ wherever the target has FMA, e.g. -march=native) would round differently from Py
 """
 
 import operator
-import types
 
 from cpython.object cimport PyObject
 from libc.string cimport memmove
 from cpython.ref cimport Py_INCREF, Py_XDECREF
 
+from filters._slots cimport slot as _slot, slot_offset
+
 __all__ = ["bind_slots", "price_candidates", "sort_candidates"]
-
-
-cdef extern from "Python.h":
-    ctypedef struct PyMemberDef:
-        const char *name
-        int type
-        Py_ssize_t offset
-        int flags
-    ctypedef struct PyMemberDescrObject:
-        PyMemberDef *d_member
-
-cdef extern from "structmember.h":
-    int T_OBJECT_EX
-    int READONLY
 
 
 # Direct slot access for the picker's own classes (bind_slots): reading a __slots__
@@ -52,22 +39,6 @@ cdef Py_ssize_t _off_pick_view = -1
 cdef Py_ssize_t _off_kkey = -1
 cdef Py_ssize_t _off_kc = -1
 cdef Py_ssize_t _off_stamp = -1
-
-
-cdef Py_ssize_t _slot_offset(type cls, str name) except -2:
-    """The byte offset of `name`'s slot in instances of exactly `cls`, or -1 when it is
-    not a plain writable object slot (then the loop uses getattr for that class)."""
-    d = None
-    for k in cls.__mro__:
-        if name in k.__dict__:
-            d = k.__dict__[name]
-            break
-    if type(d) is not types.MemberDescriptorType:
-        return -1
-    cdef PyMemberDef *m = (<PyMemberDescrObject *>d).d_member
-    if m.type != T_OBJECT_EX or (m.flags & READONLY):
-        return -1
-    return m.offset
 
 
 def bind_slots(endpoint_type, view_type):
@@ -83,10 +54,10 @@ def bind_slots(endpoint_type, view_type):
         or view_type.__setattr__ is not object.__setattr__
     ):
         return False
-    pv = _slot_offset(endpoint_type, "_pick_view")
-    kk = _slot_offset(view_type, "kkey")
-    kc = _slot_offset(view_type, "kc")
-    sp = _slot_offset(view_type, "stamp")
+    pv = slot_offset(endpoint_type, "_pick_view", True)
+    kk = slot_offset(view_type, "kkey", True)
+    kc = slot_offset(view_type, "kc", True)
+    sp = slot_offset(view_type, "stamp", True)
     if pv < 0 or kk < 0 or kc < 0 or sp < 0:
         return False
     _off_pick_view, _off_kkey, _off_kc, _off_stamp = pv, kk, kc, sp
@@ -94,9 +65,6 @@ def bind_slots(endpoint_type, view_type):
     _view_type = view_type
     return True
 
-
-cdef inline PyObject *_slot(object o, Py_ssize_t off):
-    return (<PyObject **>((<char *><PyObject *>o) + off))[0]
 
 
 def price_candidates(
