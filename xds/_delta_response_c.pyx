@@ -57,6 +57,7 @@ from libc.stdint cimport uint64_t
 from libc.string cimport memcmp, memcpy
 
 from filters._slots cimport slot_offset as _slot_offset, store_new as _store_new
+from xds._ascii cimport ascii_only as _ascii
 
 from xds._engine_report_c cimport decode_span as _report_span
 from xds._engine_report_c cimport warm_report as _warm_report
@@ -168,27 +169,6 @@ cdef inline bint _skip(Reader *r, int wire) noexcept:
         r.p += 4
         return True
     return False
-
-
-cdef inline bint _ascii(const unsigned char *p, Py_ssize_t n) noexcept:
-    """Whether the bytes are all ASCII: eight at a time (a byte at a time was ~8
-    instructions a byte: a resource's name, version and Any type, ~80 bytes)."""
-    cdef uint64_t w, acc = 0
-    if n >= 8:
-        # The last eight bytes overlapping the words before: no byte loop.
-        memcpy(&w, p + n - 8, 8)
-        acc = w
-        while n > 8:
-            memcpy(&w, p, 8)
-            acc |= w
-            p += 8
-            n -= 8
-        return (acc & 0x8080808080808080ULL) == 0
-    while n > 0:
-        acc |= p[0]
-        p += 1
-        n -= 1
-    return (acc & 0x8080808080808080ULL) == 0
 
 
 cdef inline bint _utf8_ok(const unsigned char *p, Py_ssize_t n):

@@ -59,6 +59,7 @@ from libc.stdint cimport uint16_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset, strlen
 
 from filters._slots cimport slot as _slot, slot_offset as _slot_offset, store_new as _store_new
+from xds._ascii cimport ascii_only as _ascii
 
 from xds.resources import MAX_RESOURCE_BYTES, SCHEMA_VERSION
 
@@ -235,27 +236,6 @@ cdef inline uint64_t _be(const unsigned char *p, int n) noexcept:
     for i in range(n):
         v = (v << 8) | p[i]
     return v
-
-
-cdef inline bint _ascii(const unsigned char *p, Py_ssize_t n) noexcept:
-    """Whether the bytes are all ASCII: eight at a time (a byte at a time was ~8
-    instructions a byte, ~1,000 an update: addresses, models, epochs, adapters)."""
-    cdef uint64_t w, acc = 0
-    if n >= 8:
-        # The last eight bytes overlapping the words before: no byte loop.
-        memcpy(&w, p + n - 8, 8)
-        acc = w
-        while n > 8:
-            memcpy(&w, p, 8)
-            acc |= w
-            p += 8
-            n -= 8
-        return (acc & 0x8080808080808080ULL) == 0
-    while n > 0:
-        acc |= p[0]
-        p += 1
-        n -= 1
-    return (acc & 0x8080808080808080ULL) == 0
 
 
 cdef inline bint _utf8_ok(const unsigned char *p, Py_ssize_t n):
