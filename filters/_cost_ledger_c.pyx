@@ -208,6 +208,34 @@ cdef object _gpu_seconds(object timing, object gpu, object prompt_tokens, object
     return prefill + decode
 
 
+cdef tuple _modelled(object timing, object gpu, object prompt, object cached, object tokens):
+    """(prefill, modelled): timing.gpu_seconds(gpu, prompt, cached, 0), and it plus
+    timing.gpu_seconds(gpu, 0, 0, tokens), the GPU's profile, batch and decode step looked
+    up once for the two (the same objects each call would find)."""
+    if type(timing) is not _TimingModel or type(timing.gpus) is not _GpuTable:
+        prefill = _gpu_seconds(timing, gpu, prompt, cached, 0)
+        return prefill, prefill + _gpu_seconds(timing, gpu, 0, 0, tokens)
+    profile = _profile(timing.gpus, gpu)
+    if type(profile) is not _GpuProfile:
+        prefill = _gpu_seconds(timing, gpu, prompt, cached, 0)
+        return prefill, prefill + _gpu_seconds(timing, gpu, 0, 0, tokens)
+    rate = profile.prefill_tokens_per_s
+    batch = timing.decode_batch
+    if not batch > 1:
+        batch = 1
+    b1 = profile.decode_step_s_b1
+    slope = (profile.decode_step_s_b64 - b1) / 63.0
+    step = b1 + slope * ((batch if batch > 1 else 1) - 1)
+    # the first call: (prompt, cached, 0)
+    if not cached > 0:
+        cached = 0
+    uncached = prompt - cached
+    prefill = (uncached if uncached > 0 else 0) / rate + 0 * step / batch
+    # the second: (0, 0, tokens)
+    second = 0 / rate + (tokens if tokens > 0 else 0) * step / batch
+    return prefill, prefill + second
+
+
 cdef inline object _cost(seconds, price, reading, modelled, prefill, prompt, tokens):
     return tuple.__new__(
         _AttemptCost,
@@ -228,8 +256,7 @@ def attempt_costs(self, record):
         work = record.outcome not in _NO_WORK_OUTCOMES
         if not work:
             prompt = completion = 0
-        prefill = _gpu_seconds(timing, gpu, prompt, record.cached_tokens or 0, 0)
-        modelled = prefill + _gpu_seconds(timing, gpu, 0, 0, completion)
+        prefill, modelled = _modelled(timing, gpu, prompt, record.cached_tokens or 0, completion)
         seconds, reading = record.gpu_seconds, _REPORTED
         if seconds is None:
             seconds, reading = modelled, _ESTIMATED if work else _NO_WORK
@@ -263,8 +290,7 @@ def attempt_costs(self, record):
                     tokens = 0
         else:
             cached, tokens = a.cached_tokens, a.completion_tokens
-        prefill = _gpu_seconds(timing, gpu, prompt, cached or 0, 0)
-        modelled = prefill + _gpu_seconds(timing, gpu, 0, 0, tokens or 0)
+        prefill, modelled = _modelled(timing, gpu, prompt, cached or 0, tokens or 0)
         if seconds is not None:
             reading = _MEASURED if a.gpu_seconds_source == _MEASURED else _REPORTED
         else:

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import filters.cost_ledger as cl
 from filters.busy_time import BusyApportioner
-from filters.cost_ledger import CostLedger, PriceTable
+from filters.cost_ledger import CostLedger, PriceTable, TimingModel
+from filters.gpu import GpuTable
 
 pytestmark = pytest.mark.skipif(
     cl.IMPLEMENTATION != "cython", reason=f"compiled ledger not in use: {cl.IMPLEMENTATION}"
@@ -130,12 +131,14 @@ def _busy(readings: list[tuple[int, float, float]]) -> BusyApportioner:
         st.tuples(st.integers(0, 2), st.floats(0.0, 100.0), st.floats(0.0, 50.0)), max_size=6
     ),
     fleet=st.booleans(),
+    batch=st.sampled_from([32, 1, 0, 200]),
 )
 def test_compiled_record_path_equals_reference(
-    records: list[_Record], readings: list[tuple[int, float, float]], fleet: bool
+    records: list[_Record], readings: list[tuple[int, float, float]], fleet: bool, batch: int
 ) -> None:
     kw = {
         "prices": PriceTable({"L40S": 1.5}),
+        "timing": TimingModel(GpuTable({"H100": {"decode_step_s_b64": 0.005}}), batch),
         "max_open_tasks": 2,
         "idle_timeout_s": 300.0,
         "fleet": {_ENDPOINTS[0]: "H100"} if fleet else None,
