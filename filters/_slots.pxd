@@ -1,9 +1,9 @@
 # An object's __slots__ read and written through their byte offsets (the PyMemberDef
 # behind each slot's descriptor), for the compiled twins that build or update slotted
 # classes with no attribute lookup: filters/_endpoint_state_c.pyx, filters/_picker_c.pyx,
-# xds/_engine_report_c.pyx, xds/_delta_response_c.pyx, xds/_feed_c.pyx. Inline only, so
-# nothing of it is imported at run time; in filters/ because xds/ may use filters/ and not
-# the other way round.
+# filters/_cost_ledger_c.pyx, xds/_engine_report_c.pyx, xds/_delta_response_c.pyx,
+# xds/_feed_c.pyx. Inline only, so nothing of it is imported at run time; in filters/
+# because xds/ may use filters/ and not the other way round.
 #
 # An offset is valid for instances of exactly the class it was found on (a subclass may
 # add slots but keeps these); the callers check `type(o) is cls` before reading one.

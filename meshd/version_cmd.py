@@ -33,4 +33,10 @@ def run(args: argparse.Namespace) -> int:
     from xds.delta_response import IMPLEMENTATION as XDS_READ
 
     print(f"xds response read: {XDS_READ}")
+    from filters.endpoint_state import IMPLEMENTATION as REPORT
+
+    print(f"endpoint state report: {REPORT}")
+    from filters.cost_ledger import IMPLEMENTATION as LEDGER
+
+    print(f"cost ledger: {LEDGER}")
     return 0

@@ -109,3 +109,20 @@ def test_a_sidecar_that_cannot_start_says_why_in_one_line(tmp_path):
             said[name] = r.stderr
     assert "control_plane.tls.ca_file: cannot read /nope/ca.crt" in said["tls"]
     assert "cannot start" in said["port"] and "address already in use" in said["port"]
+
+
+def test_version_names_every_compiled_twins_implementation(capsys):
+    from filters import cost_ledger, endpoint_state, hotpath, picker
+    from meshd.cli import main
+    from xds import delta_response, engine_report
+
+    assert main(["version"]) == 0
+    lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines()[2:])
+    assert lines == {
+        "hot path": hotpath.IMPLEMENTATION,
+        "picker loop": picker.IMPLEMENTATION,
+        "xds EndpointState decode": engine_report.IMPLEMENTATION,
+        "xds response read": delta_response.IMPLEMENTATION,
+        "endpoint state report": endpoint_state.IMPLEMENTATION,
+        "cost ledger": cost_ledger.IMPLEMENTATION,
+    }
