@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -144,8 +145,38 @@ def _build_model(out: Path) -> None:
 # -- serving ----------------------------------------------------------------------------------
 
 
+# Ports free_port handed out in this process (none twice before a vLLM binds it).
+_HANDED_OUT: set[int] = set()
+_RANDOM = random.SystemRandom()
+
+
+def ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port free now for a vLLM process to bind later, below the kernel's ephemeral
+    range: a port the kernel picked for us (bind to 0) could be picked again, once we let
+    it go, for a socket another process binds to 0 or connects from, and vLLM opens such
+    sockets while it starts. In CI a NIXL side-channel port taken that way left the
+    prefill instance never healthy (ZMQError: Address already in use)."""
+    low = ephemeral_low()
+    for _ in range(1000):
+        port = _RANDOM.randrange(max(1024, low - 12_000), low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))  # vLLM binds some on every interface
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # the range is full: the kernel's choice, as before
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
