@@ -232,13 +232,21 @@ class VllmInstance:
         self.proc.wait(10)
 
     def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the API server (SIGKILL after `timeout_s`), then SIGKILL whatever of its
+        processes outlived it: a vLLM that failed while starting can leave its engine core
+        and worker behind (in CI a P/D prefill instance's worker spun a core for 27 min,
+        through the next test run)."""
         if self.proc.poll() is None:
+            kids = _children(self.proc.pid)
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+            for pid in kids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def _children(pid: int) -> list[int]:
